@@ -1,0 +1,74 @@
+"""Open a model bundle written by edge-quantize: verify every file against its manifest, then load it.
+
+Verification comes first and is all-or-nothing: a missing, resized or altered file (or a manifest that
+names a path outside the bundle) is a BundleError and nothing is loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agent import wire
+from agent.runner import ModelRunner
+
+
+class BundleError(ValueError):
+    """The bundle cannot be trusted or read; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    manifest: wire.Manifest
+    config: wire.ModelConfig
+
+    def runner(self, threads: int | None = None) -> ModelRunner:
+        c = self.config
+        return ModelRunner(self.path / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads)
+
+    def tokenizer_json(self) -> str:
+        return (self.path / wire.TOKENIZER).read_text()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def safe_member(root: Path, rel: str) -> Path:
+    """root/rel, refusing absolute paths and '..' that would escape the bundle directory."""
+    p = (root / rel).resolve()
+    if Path(rel).is_absolute() or not p.is_relative_to(root.resolve()):
+        raise BundleError(f"{root}: manifest names a file outside the bundle: {rel!r}")
+    return p
+
+
+def verify(root: Path, manifest: wire.Manifest) -> None:
+    for rel, entry in manifest.files.items():
+        p = safe_member(root, rel)
+        if not p.is_file():
+            raise BundleError(f"{root}: missing file {rel}")
+        if p.stat().st_size != entry.size_bytes:
+            raise BundleError(f"{root}: {rel} is {p.stat().st_size} bytes, manifest says {entry.size_bytes}")
+        if file_sha256(p) != entry.sha256:
+            raise BundleError(f"{root}: {rel} does not match its sha256 in the manifest")
+
+
+def open_bundle(path: Path, verify_files: bool = True) -> Bundle:
+    root = Path(path)
+    try:
+        manifest = wire.Manifest.read(root)
+        if verify_files:
+            verify(root, manifest)
+        return Bundle(root, manifest, wire.ModelConfig.read(root))
+    except FileNotFoundError as e:
+        raise BundleError(f"{root}: not a model bundle (missing {Path(e.filename).name})") from e
+    except ValidationError as e:
+        raise BundleError(f"{root}: invalid manifest or model config: {e.error_count()} problem(s): "
+                          f"{e.errors()[0]['loc']} {e.errors()[0]['msg']}") from e

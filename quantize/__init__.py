@@ -1,0 +1,1 @@
+"""Offline model builder: checkpoint (GGUF or safetensors) -> ONNX graph -> quantized, evaluated bundle."""

@@ -1,0 +1,144 @@
+"""One internal form for a decoder checkpoint, whatever file it came from.
+
+A `Checkpoint` is the geometry (`Geometry`), the weights as named float32 numpy arrays in Hugging Face
+Llama naming and layout (`model.layers.{i}.self_attn.q_proj.weight` is [out_features, in_features], Q/K
+rows in HF's half-split rotary order), and the tokenizer. The graph builder only ever sees this form, so
+it never knows whether weights came from GGUF or safetensors (the onnxruntime-genai builder's split).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot read: the message names what is unsupported or broken."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    sliding_window: int | None = None  # Mistral-style local attention, None when unused
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    tokenizer_json: str  # a `tokenizers` library JSON document
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos_token: bool
+    chat_template: str | None
+
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """A GGUF tensor's original quantized blocks, kept for --keep-source-quant (raw bytes, not dequantized)."""
+
+    ggml_type: str  # "Q4_0", "Q4_1", "Q8_0"
+    shape: tuple[int, int]  # [out_features, in_features], HF layout (rows already un-permuted)
+    data: np.ndarray  # uint8 [out_features, n_bytes_per_row]
+
+
+@dataclass
+class Checkpoint:
+    geometry: Geometry
+    weights: dict[str, np.ndarray]  # float32, HF names and layout
+    tokenizer: TokenizerInfo
+    source_sha256: str
+    source_name: str
+    source_blocks: dict[str, SourceBlocks] = field(default_factory=dict)
+
+    def layer(self, i: int, name: str) -> np.ndarray:
+        return self.weights[f"model.layers.{i}.{name}"]
+
+    @property
+    def lm_head(self) -> np.ndarray:
+        if self.geometry.tie_word_embeddings:
+            return self.weights["model.embed_tokens.weight"]
+        return self.weights["lm_head.weight"]
+
+
+def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of geometry g must hold, with its HF shape."""
+    q_dim, kv_dim = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (g.vocab_size, g.hidden_size),
+        "model.norm.weight": (g.hidden_size,),
+    }
+    if not g.tie_word_embeddings:
+        shapes["lm_head.weight"] = (g.vocab_size, g.hidden_size)
+    for i in range(g.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (g.hidden_size,),
+            p + "post_attention_layernorm.weight": (g.hidden_size,),
+            p + "self_attn.q_proj.weight": (q_dim, g.hidden_size),
+            p + "self_attn.k_proj.weight": (kv_dim, g.hidden_size),
+            p + "self_attn.v_proj.weight": (kv_dim, g.hidden_size),
+            p + "self_attn.o_proj.weight": (g.hidden_size, q_dim),
+            p + "mlp.gate_proj.weight": (g.intermediate_size, g.hidden_size),
+            p + "mlp.up_proj.weight": (g.intermediate_size, g.hidden_size),
+            p + "mlp.down_proj.weight": (g.hidden_size, g.intermediate_size),
+        }
+        if g.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_dim,),
+                p + "self_attn.k_proj.bias": (kv_dim,),
+                p + "self_attn.v_proj.bias": (kv_dim,),
+            }
+    return shapes
+
+
+def validate(ckpt: Checkpoint) -> None:
+    """Raise CheckpointError unless every expected tensor is present with the right shape."""
+    for name, shape in expected_weight_shapes(ckpt.geometry).items():
+        w = ckpt.weights.get(name)
+        if w is None:
+            raise CheckpointError(f"{ckpt.source_name}: missing tensor {name}")
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"{ckpt.source_name}: tensor {name} has shape {tuple(w.shape)}, expected {shape}")
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_checkpoint(source: Path) -> Checkpoint:
+    """Read a GGUF file or a Hugging Face folder (config.json + *.safetensors) into a Checkpoint."""
+    source = Path(source)
+    if source.is_dir():
+        from quantize import hf
+
+        ckpt = hf.load(source)
+    elif source.is_file():
+        from quantize import gguf_reader
+
+        ckpt = gguf_reader.load(source)
+    else:
+        raise CheckpointError(f"{source}: no such file or directory")
+    validate(ckpt)
+    return ckpt

@@ -1,0 +1,158 @@
+"""edge-quantize: build, evaluate and inspect model bundles.
+
+Run: edge-quantize build SOURCE --precision int4 --out DIR
+     edge-quantize eval BUNDLE --reference FP32_BUNDLE --text FILE [--json]
+     edge-quantize inspect BUNDLE
+"""
+from __future__ import annotations
+
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from agent.bundle import BundleError, open_bundle
+from quantize.checkpoint import CheckpointError
+from quantize.package import PackageError
+
+USER_ERRORS = (CheckpointError, PackageError, BundleError, OSError, ValueError)
+
+
+def default_eval_text() -> str:
+    return resources.files("quantize").joinpath("data/eval_en.txt").read_text()
+
+
+def _fail(e: Exception) -> None:
+    raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+
+@click.group()
+def cli() -> None:
+    """Build ONNX Runtime model bundles from GGUF or Hugging Face checkpoints."""
+
+
+@cli.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Bundle directory to write.")
+@click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="int4", show_default=True)
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True)
+@click.option("--asymmetric", is_flag=True, help="Per-block zero points (default: symmetric blocks).")
+@click.option("--method", type=click.Choice(["rtn", "search"]), default="search", show_default=True,
+              help="rtn: round to nearest; search: per-block error-minimizing scales.")
+@click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
+              help="MatMulNBits activation compute: 4 = int8 per block, 0/1 = fp32.")
+@click.option("--embedding", type=click.Choice(["fp32", "int8", "int4"]), default=None)
+@click.option("--lm-head", type=click.Choice(["fp32", "int8", "int4"]), default=None)
+@click.option("--keep-source-quant", is_flag=True, help="Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks.")
+@click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Text for the quality figures (default: the bundled English passage).")
+@click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
+@click.option("--name", default=None, help="Model name (default: from the source file name).")
+@click.option("--threads", type=int, default=None)
+@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+def build(source, out, precision, block_size, asymmetric, method, accuracy_level, embedding, lm_head,
+          keep_source_quant, eval_text, no_eval, name, threads, force):
+    """Convert a checkpoint, quantize it, evaluate it and write a bundle.
+
+    Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
+    """
+    from quantize.checkpoint import load_checkpoint
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    try:
+        if out.exists() and not force:
+            raise PackageError(f"{out} already exists (use --force to replace it)")
+        spec = QuantSpec(precision=precision, block_size=int(block_size), symmetric=not asymmetric, method=method,
+                         accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
+                         keep_source_quant=keep_source_quant)
+        click.echo(f"reading {source}")
+        ckpt = load_checkpoint(source)
+        text = None if no_eval else (eval_text.read_text() if eval_text else default_eval_text())
+        bundle = build_bundle(ckpt, spec, out, name=name or _name_of(source), force=force, eval_text=text,
+                              threads=threads, progress=lambda s: click.echo(f"  {s}"))
+    except USER_ERRORS as e:
+        _fail(e)
+    _print_summary(bundle)
+
+
+def _name_of(source: Path) -> str:
+    return source.name.split(".")[0].lower() if source.is_file() else source.name.lower()
+
+
+def _print_summary(bundle) -> None:
+    m = bundle.manifest
+    size_mb = sum(f.size_bytes for f in m.files.values()) / 1e6
+    click.echo(f"wrote {bundle.path}: {m.name}@{m.version} ({m.precision}, {size_mb:.1f} MB)")
+    if m.quality:
+        q = m.quality
+        click.echo(f"  quality over {q.tokens} tokens: perplexity {q.perplexity:.3f} (fp32 {q.reference_perplexity:.3f}), "
+                   f"mean KL {q.mean_kl:.4f}, p99 KL {q.p99_kl:.4f}, top-1 {q.top1_agreement:.1%}")
+
+
+@cli.command("eval")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--reference", required=True, type=click.Path(path_type=Path), help="The fp32 bundle.")
+@click.option("--text", "text_file", required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--threads", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def eval_(bundle, reference, text_file, threads, as_json):
+    """Perplexity, KL divergence and top-1 agreement of BUNDLE against the fp32 reference over a text.
+
+    Example: edge-quantize eval bundles/int4 --reference bundles/fp32 --text passage.txt --json
+    """
+    from quantize.evaluate import compare
+    from quantize.package import encode
+
+    try:
+        b, ref = open_bundle(bundle), open_bundle(reference)
+        text = text_file.read_text()
+        ids = encode(b.tokenizer_json(), text)
+        if len(ids) < 2:
+            raise ValueError(f"{text_file}: the text needs at least 2 tokens")
+        q = compare(b.runner(threads), ref.runner(threads), ids, text)
+    except USER_ERRORS as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(q.model_dump()))
+    else:
+        for k, v in q.model_dump().items():
+            click.echo(f"{k:22} {v}")
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(bundle, as_json):
+    """Print a bundle's geometry, sizes, precision and quality.
+
+    Example: edge-quantize inspect bundles/smollm2-int4
+    """
+    try:
+        b = open_bundle(bundle)
+    except USER_ERRORS as e:
+        _fail(e)
+    info = {"name": b.manifest.name, "version": b.manifest.version, "precision": b.manifest.precision,
+            "quant": b.manifest.quant, "geometry": b.config.model_dump(exclude={"chat_template", "quant"}),
+            "files": {k: v.size_bytes for k, v in b.manifest.files.items()},
+            "quality": b.manifest.quality.model_dump() if b.manifest.quality else None}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key in ("name", "version", "precision"):
+        click.echo(f"{key:10} {info[key]}")
+    click.echo("geometry   " + ", ".join(f"{k}={v}" for k, v in info["geometry"].items()))
+    for k, v in info["files"].items():
+        click.echo(f"file       {k} {v / 1e6:.1f} MB")
+    if info["quality"]:
+        click.echo("quality    " + ", ".join(f"{k}={v}" for k, v in info["quality"].items() if k != "text_sha256"))
+
+
+def main() -> None:
+    cli(prog_name="edge-quantize")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

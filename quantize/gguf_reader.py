@@ -1,0 +1,139 @@
+"""Read a llama.cpp GGUF file (architecture `llama`) into the internal Checkpoint form.
+
+Tensors are dequantized to float32 with the `gguf` package. llama.cpp's converter permutes the rows of
+the Q and K projections so that rotary pairs are interleaved (GGML's RoPE mode 0); we undo that so the
+checkpoint is in Hugging Face's half-split order, the order the graph's GroupQueryAttention rotary uses
+(`rotary_interleaved=0`). Q4_0, Q4_1 and Q8_0 tensors also keep their raw blocks for --keep-source-quant.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks, sha256_of
+from quantize.tokenizer import tokenizer_from_gguf
+
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+KEPT_BLOCK_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
+
+# GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_reader(path: Path) -> GGUFReader:
+    """GGUFReader, with any parse failure (truncated file, bad magic) turned into one clear error."""
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the gguf package raises assorted ValueError/IndexError/struct errors
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
+    a = "llama."
+    hidden, heads = int(_field(reader, a + "embedding_length")), int(_field(reader, a + "attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    head_dim = int(_field(reader, a + "attention.key_length", hidden // heads))
+    return Geometry(
+        architecture="llama",
+        vocab_size=int(_field(reader, a + "vocab_size", embd.shape[1])),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, a + "feed_forward_length")),
+        num_layers=int(_field(reader, a + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, a + "attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        context_length=int(_field(reader, a + "context_length", 2048)),
+        rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+    )
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation on a [out, ...] matrix (rows are heads * head_dim).
+
+    The converter maps HF's half-split rows (x0..x31, y0..y31 per head) to interleaved pairs
+    (x0 y0 x1 y1 ...): reshape(n_heads, 2, d/2).swapaxes(1, 2). This is its inverse.
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _tensor_rows(t, path: Path) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The tensor as float32 in [out, in] layout (GGUF lists shapes innermost first)."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise CheckpointError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
+                              f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+    shape = tuple(int(s) for s in reversed(t.shape))
+    try:
+        w = dequantize(np.asarray(t.data), t.tensor_type)
+    except Exception as e:
+        raise CheckpointError(f"{path}: tensor {t.name} could not be read ({e})") from e
+    return np.ascontiguousarray(w.reshape(shape), dtype=np.float32), shape
+
+
+def load(path: Path) -> Checkpoint:
+    path = Path(path)
+    reader = open_reader(path)
+    geometry = read_geometry(reader, path)
+    weights: dict[str, np.ndarray] = {}
+    blocks: dict[str, SourceBlocks] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue  # e.g. rope_freqs: recomputed from rope_theta
+        w, shape = _tensor_rows(t, path)
+        n_heads = {"attn_q.weight": geometry.num_heads, "attn_k.weight": geometry.num_kv_heads}.get(
+            t.name.split(".", 2)[-1])
+        if n_heads:
+            w = unpermute_rows(w, n_heads)
+        weights[name] = w
+        if t.tensor_type in KEPT_BLOCK_TYPES and len(shape) == 2:
+            raw = np.asarray(t.data).reshape(shape[0], -1)
+            blocks[name] = SourceBlocks(t.tensor_type.name, shape, unpermute_rows(raw, n_heads) if n_heads else raw)
+    return Checkpoint(
+        geometry=geometry,
+        weights=weights,
+        tokenizer=tokenizer_from_gguf(reader),
+        source_sha256=sha256_of(path),
+        source_name=path.name,
+        source_blocks=blocks,
+    )

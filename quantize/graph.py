@@ -1,0 +1,270 @@
+"""Build the ONNX decoder graph for ONNX Runtime's CPU provider from a Checkpoint.
+
+The graph uses com.microsoft contrib ops: GroupQueryAttention (rotary inside, past and present KV sharing
+one preallocated buffer, ragged rows via seqlens_k / query_seqlens), SkipSimplifiedLayerNormalization and,
+for quantized precisions, MatMulNBits and GatherBlockQuantized. The caller picks which positions get
+logits (`logits_indices`), so a prefill pays for the vocabulary projection of one position, not all.
+
+    input_ids ─ Embed ─┬─ [layer 0 .. n-1] ─ SkipSimplifiedLN(final) ─ GatherND(logits_indices) ─ lm_head ─ logits
+
+    layer i:  residual, x = SkipSimplifiedLN(prev_out, residual)        (layer 0: SimplifiedLN)
+              qkv = x @ Wqkv  ─ GQA(past_i, seqlens_k, query_seqlens) ─ @ Wo ─┐
+              residual, x = SkipSimplifiedLN(attn_out, residual)              │ present_i
+              gate, up = split(x @ Wgate_up);  out = (silu(gate) * up) @ Wdown
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from agent import wire
+from quantize import nbits
+from quantize.checkpoint import Checkpoint, Geometry, SourceBlocks
+from quantize.precision import Precision, QuantSpec
+
+OPSET = 21
+MS_DOMAIN = "com.microsoft"
+
+# Per-tensor importance (mean squared activation per input channel), keyed by HF weight name.
+Importance = dict[str, np.ndarray]
+
+
+@dataclass
+class GraphBuilder:
+    """Accumulates nodes and initializers; every node gets a readable path-like name."""
+
+    nodes: list = field(default_factory=list)
+    initializers: list = field(default_factory=list)
+    report: list[str] = field(default_factory=list)  # what each weight became, for the build report
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs) -> list[str]:
+        outputs = [f"{name}/output_{k}" for k in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain or None, **attrs))
+        return outputs
+
+    def one(self, op: str, inputs: list[str], name: str, domain: str = "", **attrs) -> str:
+        return self.node(op, inputs, name, 1, domain, **attrs)[0]
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How one projection is computed: its precision and, if kept from the GGUF, the source blocks."""
+
+    precision: Precision
+    source: list[SourceBlocks] | None = None  # the fused rows' blocks, in order
+
+
+def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, plan: LinearPlan,
+           importance: np.ndarray | None = None) -> str:
+    """y = x @ w.T for w [N, K], in the plan's precision. Returns the output name."""
+    n, k = w.shape
+    if plan.precision == "fp32":
+        b.report.append(f"{name}: fp32 [{n}x{k}]")
+        return b.one("MatMul", [x, b.const(f"{name}.weight", w.T.astype(np.float32))], f"{name}/MatMul")
+    if plan.source is not None:
+        return _linear_from_source(b, name, x, plan.source, spec)
+    bits = 8 if plan.precision == "int8" else 4
+    if spec.method == "search":
+        q = nbits.quantize_search(w, bits, spec.block_size, spec.symmetric, importance)
+    else:
+        q = nbits.quantize_rtn(w, bits, spec.block_size, spec.symmetric)
+    b.report.append(f"{name}: int{bits} {spec.method} block {spec.block_size} "
+                    f"{'sym' if spec.symmetric else 'asym'}{' imatrix' if importance is not None else ''}")
+    return _matmul_nbits(b, name, x, q, spec.accuracy_level)
+
+
+def _matmul_nbits(b: GraphBuilder, name: str, x: str, q: nbits.BlockQuantized, accuracy_level: int) -> str:
+    inputs = [x, b.const(f"{name}.qweight", q.packed), b.const(f"{name}.scales", q.scales.astype(np.float32))]
+    if q.zero_points is not None:
+        inputs.append(b.const(f"{name}.zero_points", q.zero_points))
+    return b.one("MatMulNBits", inputs, f"{name}/MatMulNBits", MS_DOMAIN, K=q.k, N=q.n, bits=q.bits,
+                 block_size=q.block_size, accuracy_level=accuracy_level)
+
+
+def _linear_from_source(b: GraphBuilder, name: str, x: str, blocks: list[SourceBlocks], spec: QuantSpec) -> str:
+    """MatMulNBits over a GGUF's own blocks. Q4_1's per-block minimums m add sum_block(x) @ m.T.
+
+    For a Q4_1 block, w = d*q + m, so x.w = sum(x*d*q) + m*sum(x): the first term is MatMulNBits with
+    zero point 0, the second a small [.., k_blocks] x [k_blocks, N] MatMul of per-block activation sums.
+    (Float zero points would express it directly but ran ~40x slower on CPU.)
+    """
+    parts = [nbits.from_gguf_blocks(s) for s in blocks]
+    q = _concat_rows([p[0] for p in parts])
+    b.report.append(f"{name}: kept source blocks {'+'.join(s.ggml_type for s in blocks)}")
+    y = _matmul_nbits(b, name, x, q, spec.accuracy_level)
+    mins = [p[1] for p in parts]
+    if all(m is None for m in mins):
+        return y
+    mins = np.concatenate([m if m is not None else np.zeros((s.shape[0], q.k // q.block_size), np.float32)
+                           for m, s in zip(mins, blocks)], axis=0)  # [N, k_blocks]
+    shape = b.const(f"{name}.block_shape", np.array([0, 0, q.k // q.block_size, q.block_size], np.int64))
+    xb = b.one("Reshape", [x, shape], f"{name}/min_correction/Reshape")
+    sums = b.one("ReduceSum", [xb, b.const(f"{name}.axis", np.array([-1], np.int64))],
+                 f"{name}/min_correction/ReduceSum", keepdims=0)
+    corr = b.one("MatMul", [sums, b.const(f"{name}.block_mins", mins.T.astype(np.float32))],
+                 f"{name}/min_correction/MatMul")
+    return b.one("Add", [y, corr], f"{name}/min_correction/Add")
+
+
+def _concat_rows(parts: list[nbits.BlockQuantized]) -> nbits.BlockQuantized:
+    """Stack block-quantized matrices along N (the fused q/k/v or gate/up rows)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    assert all((p.bits, p.block_size, p.k) == (first.bits, first.block_size, first.k) for p in parts)
+    zps = None
+    if any(p.zero_points is not None for p in parts):
+        # a part without zero points uses the op's default 2^(bits-1): spell it out so all rows agree
+        zps = np.concatenate([p.zero_points if p.zero_points is not None else _default_zero_points(p) for p in parts])
+    return nbits.BlockQuantized(first.bits, first.block_size, sum(p.n for p in parts), first.k,
+                                np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zps)
+
+
+def _default_zero_points(q: nbits.BlockQuantized) -> np.ndarray:
+    k_blocks = q.scales.shape[1]
+    if q.bits == 8:
+        return np.full((q.n, k_blocks), 128, np.uint8)
+    packed = np.full((q.n, (k_blocks * q.bits + 7) // 8), 0x88, np.uint8)  # two 4-bit eights per byte
+    return packed
+
+
+def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: QuantSpec) -> str:
+    if precision == "fp32":
+        b.report.append(f"embed_tokens: fp32 [{table.shape[0]}x{table.shape[1]}]")
+        return b.one("Gather", [b.const("model.embed_tokens.weight", table), wire.INPUT_IDS],
+                     "/model/embed_tokens/Gather")
+    bits = 8 if precision == "int8" else 4
+    q = nbits.quantize_embedding(table, bits, spec.block_size)
+    b.report.append(f"embed_tokens: int{bits} block {spec.block_size}")
+    inputs = [b.const("model.embed_tokens.qweight", q.packed.reshape(q.n, -1)),
+              wire.INPUT_IDS, b.const("model.embed_tokens.scales", q.scales.astype(np.float32))]
+    if q.zero_points is not None:
+        inputs.append(b.const("model.embed_tokens.zero_points", q.zero_points))
+    return b.one("GatherBlockQuantized", inputs, "/model/embed_tokens/GatherBlockQuantized", MS_DOMAIN,
+                 bits=bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+
+
+def rotary_cache(g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [context_length, head_dim/2] for half-split RoPE."""
+    inv_freq = g.rope_theta ** (-np.arange(0, g.head_dim, 2, dtype=np.float64) / g.head_dim)
+    ang = np.arange(g.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _skip_norm(b: GraphBuilder, name: str, x: str, residual: str, gamma: np.ndarray, eps: float) -> tuple[str, str]:
+    """(normed, new residual) = SkipSimplifiedLN(x, residual)."""
+    out = b.node("SkipSimplifiedLayerNormalization", [x, residual, b.const(f"{name}.weight", gamma)],
+                 f"{name}/SkipLayerNorm", 4, MS_DOMAIN, epsilon=eps)
+    return out[0], out[3]
+
+
+def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict,
+              importance: Importance) -> str:
+    g = ckpt.geometry
+    p = f"model.layers.{i}.self_attn."
+    wqkv = np.concatenate([ckpt.weights[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")], axis=0)
+    qkv = linear(b, f"/model/layers.{i}/attn/qkv_proj", x, wqkv, spec, plans["qkv"][i], importance.get(p + "q_proj.weight"))
+    if g.attention_bias:
+        bias = np.concatenate([ckpt.weights[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
+        qkv = b.one("Add", [qkv, b.const(f"{p}qkv_proj.bias", bias.astype(np.float32))], f"/model/layers.{i}/attn/qkv_proj/Add")
+    cos, sin = "cos_cache", "sin_cache"
+    outs = b.node("GroupQueryAttention",
+                  [qkv, "", "", wire.past_key(i), wire.past_value(i), wire.SEQLENS_K, wire.TOTAL_SEQUENCE_LENGTH,
+                   cos, sin, "", "", "", "", "", "", "", wire.QUERY_SEQLENS],
+                  f"/model/layers.{i}/attn/GroupQueryAttention", 3, MS_DOMAIN,
+                  num_heads=g.num_heads, kv_num_heads=g.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+                  local_window_size=g.sliding_window or -1)
+    # GQA's outputs are the graph's present KV: rename them so that IOBinding can bind them by name.
+    gqa = b.nodes[-1]
+    gqa.output[1], gqa.output[2] = wire.present_key(i), wire.present_value(i)
+    return linear(b, f"/model/layers.{i}/attn/o_proj", outs[0], ckpt.weights[p + "o_proj.weight"], spec,
+                  plans["o"][i], importance.get(p + "o_proj.weight"))
+
+
+def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict, importance: Importance) -> str:
+    p = f"model.layers.{i}.mlp."
+    inter = ckpt.geometry.intermediate_size
+    w = np.concatenate([ckpt.weights[p + "gate_proj.weight"], ckpt.weights[p + "up_proj.weight"]], axis=0)
+    gu = linear(b, f"/model/layers.{i}/mlp/gate_up_proj", x, w, spec, plans["gate_up"][i], importance.get(p + "gate_proj.weight"))
+    gate, up = b.node("Split", [gu, b.const(f"{p}split", np.array([inter, inter], np.int64))],
+                      f"/model/layers.{i}/mlp/Split", 2, axis=-1)
+    sig = b.one("Sigmoid", [gate], f"/model/layers.{i}/mlp/act/Sigmoid")
+    silu = b.one("Mul", [gate, sig], f"/model/layers.{i}/mlp/act/Mul")
+    h = b.one("Mul", [silu, up], f"/model/layers.{i}/mlp/Mul")
+    return linear(b, f"/model/layers.{i}/mlp/down_proj", h, ckpt.weights[p + "down_proj.weight"], spec,
+                  plans["down"][i], importance.get(p + "down_proj.weight"))
+
+
+def plan_linears(ckpt: Checkpoint, spec: QuantSpec, precision_of: Callable[[str, int], Precision]) -> dict:
+    """Per layer, a LinearPlan for each fused projection (qkv, o, gate_up, down)."""
+    groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+              "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+    plans: dict[str, list[LinearPlan]] = {k: [] for k in groups}
+    for i in range(ckpt.geometry.num_layers):
+        for kind, names in groups.items():
+            precision = precision_of(kind, i)
+            src = [ckpt.source_blocks.get(f"model.layers.{i}.{n}.weight") for n in names]
+            keep = spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
+            plans[kind].append(LinearPlan(precision, src if keep else None))
+    return plans
+
+
+def io_spec(g: Geometry) -> tuple[list, list]:
+    inputs = [
+        helper.make_tensor_value_info(wire.INPUT_IDS, TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info(wire.SEQLENS_K, TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info(wire.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, []),
+        helper.make_tensor_value_info(wire.QUERY_SEQLENS, TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info(wire.LOGITS_INDICES, TensorProto.INT64, ["batch", "n_logits"]),
+    ]
+    outputs = [helper.make_tensor_value_info(wire.LOGITS, TensorProto.FLOAT, ["batch", "n_logits", g.vocab_size])]
+    kv_shape = ["batch", g.num_kv_heads, "capacity", g.head_dim]
+    for i in range(g.num_layers):
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (wire.past_key(i), wire.past_value(i))]
+        outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (wire.present_key(i), wire.present_value(i))]
+    return inputs, outputs
+
+
+def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
+                precision_of: Callable[[str, int], Precision] | None = None) -> tuple[onnx.ModelProto, list[str]]:
+    """The decoder ModelProto and a line per weight saying what precision it got."""
+    g, importance = ckpt.geometry, importance or {}
+    precision_of = precision_of or (lambda kind, i: spec.precision)
+    plans = plan_linears(ckpt, spec, precision_of)
+    b = GraphBuilder()
+    cos, sin = rotary_cache(g)
+    b.const("cos_cache", cos)
+    b.const("sin_cache", sin)
+    x = embedding(b, ckpt.weights["model.embed_tokens.weight"], spec.embedding_precision, spec)
+    residual = x
+    x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
+              ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",
+              epsilon=g.rms_norm_eps, axis=-1, stash_type=1)
+    for i in range(g.num_layers):
+        if i > 0:
+            x, residual = _skip_norm(b, f"model.layers.{i}.input_layernorm", x, residual,
+                                     ckpt.layer(i, "input_layernorm.weight"), g.rms_norm_eps)
+        attn = attention(b, ckpt, i, x, spec, plans, importance)
+        x, residual = _skip_norm(b, f"model.layers.{i}.post_attention_layernorm", attn, residual,
+                                 ckpt.layer(i, "post_attention_layernorm.weight"), g.rms_norm_eps)
+        x = mlp(b, ckpt, i, x, spec, plans, importance)
+    x, _ = _skip_norm(b, "model.norm", x, residual, ckpt.weights["model.norm.weight"], g.rms_norm_eps)
+    idx = b.one("Unsqueeze", [wire.LOGITS_INDICES, b.const("/model/logits_axis", np.array([-1], np.int64))],
+                "/model/logits_indices/Unsqueeze")
+    x = b.one("GatherND", [x, idx], "/model/logits_indices/GatherND", batch_dims=1)  # [B, n, hidden]
+    linear(b, "/lm_head", x, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision))
+    b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's node is the last one added
+    inputs, outputs = io_spec(g)
+    graph = helper.make_graph(b.nodes, "decoder", inputs, outputs, b.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                              producer_name="edge-quantize")
+    model.ir_version = 10
+    return model, b.report

@@ -1,0 +1,130 @@
+"""Write a self-describing model bundle: graph, tokenizer, model config and a manifest of hashes.
+
+Everything is written into a temporary sibling directory and renamed into place at the end, so an
+interrupted build never leaves a half-written bundle; an existing output is refused unless `force`.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from agent import wire
+from agent.bundle import Bundle, file_sha256, open_bundle
+from quantize.checkpoint import Checkpoint
+from quantize.evaluate import compare, greedy
+from quantize.graph import build_graph
+from quantize.precision import QuantSpec
+
+GOLDEN_TOKENS = 32
+
+
+class PackageError(ValueError):
+    """The bundle cannot be written as asked (for example the output exists)."""
+
+
+def model_config(ckpt: Checkpoint, spec: QuantSpec, name: str) -> wire.ModelConfig:
+    t = ckpt.tokenizer
+    return wire.ModelConfig(name=name, **ckpt.geometry.to_dict(), bos_token_id=t.bos_token_id,
+                            eos_token_ids=list(t.eos_token_ids), add_bos_token=t.add_bos_token,
+                            chat_template=t.chat_template, precision=spec.precision, quant=spec.model_dump())
+
+
+def write_graph(ckpt: Checkpoint, spec: QuantSpec, out: Path, importance=None) -> list[str]:
+    model, report = build_graph(ckpt, spec, importance)
+    onnx.save_model(model, str(out / wire.GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=wire.GRAPH_DATA, size_threshold=1024)
+    return report
+
+
+def encode(tokenizer_json: str, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json).encode(text, add_special_tokens=False).ids
+
+
+def _files(root: Path) -> dict[str, wire.FileEntry]:
+    return {p.relative_to(root).as_posix(): wire.FileEntry(sha256=file_sha256(p), size_bytes=p.stat().st_size)
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != wire.MANIFEST}
+
+
+def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
+    digest = hashlib.sha256(json.dumps({k: v.sha256 for k, v in files.items()}, sort_keys=True).encode()).hexdigest()
+    settings = "" if spec.precision == "fp32" else f"-b{spec.block_size}{'' if spec.symmetric else 'a'}"
+    return f"{spec.precision}{settings}{'-src' if spec.keep_source_quant else ''}-{digest[:8]}"
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename tmp onto out; an existing out (force) is moved aside first and removed after."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
+                 eval_text: str | None = None, importance=None, threads: int | None = None,
+                 progress: Callable[[str], None] = print) -> Bundle:
+    out = Path(out)
+    if out.exists() and not force:
+        raise PackageError(f"{out} already exists (use --force to replace it)")
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_contents(ckpt, spec, tmp, name, eval_text, importance, threads, progress)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.with_name(tmp.name + "-ref"), ignore_errors=True)
+    return open_bundle(out)
+
+
+def _write_contents(ckpt, spec, tmp, name, eval_text, importance, threads, progress) -> None:
+    progress(f"building {spec.precision} graph")
+    report = write_graph(ckpt, spec, tmp, importance)
+    (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
+    (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)
+    (tmp / wire.MODEL_CONFIG).write_text(model_config(ckpt, spec, name).model_dump_json(indent=2))
+    unverified = Bundle(tmp, None, wire.ModelConfig.read(tmp))  # type: ignore[arg-type]
+    runner = unverified.runner(threads)
+    progress("recording the golden greedy continuation")
+    prompt_ids = encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)
+    golden = wire.Golden(prompt=wire.SMOKE_PROMPT, prompt_ids=prompt_ids,
+                         continuation_ids=greedy(runner, prompt_ids, GOLDEN_TOKENS))
+    quality = None
+    if eval_text:
+        quality = _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress)
+    del runner
+    files = _files(tmp)
+    manifest = wire.Manifest(
+        name=name, version=_version(spec, files), precision=spec.precision, quant=spec.model_dump(),
+        source_sha256=ckpt.source_sha256, source_name=ckpt.source_name,
+        created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        files=files, quality=quality, golden=golden)
+    (tmp / wire.MANIFEST).write_text(manifest.model_dump_json(indent=2))
+
+
+def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Quality:
+    """Quality against an fp32 graph of the same checkpoint, built beside the bundle and removed after."""
+    ids = encode(ckpt.tokenizer.tokenizer_json, eval_text)
+    if spec.precision == "fp32":
+        progress(f"evaluating perplexity over {len(ids)} tokens")
+        return compare(runner, runner, ids, eval_text)
+    ref_dir = tmp.with_name(tmp.name + "-ref")
+    ref_dir.mkdir()
+    progress("building the fp32 reference graph for evaluation")
+    write_graph(ckpt, QuantSpec(), ref_dir)
+    c = wire.ModelConfig.read(tmp)
+    from agent.runner import ModelRunner
+
+    reference = ModelRunner(ref_dir / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads)
+    progress(f"evaluating against fp32 over {len(ids)} tokens")
+    return compare(runner, reference, ids, eval_text)

@@ -1,0 +1,51 @@
+"""What to quantize and how: the quantization settings as pure, validated data.
+
+One `QuantSpec` describes a whole bundle's precision. The graph builder reads it; the manifest records it.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+Precision = Literal["fp32", "int8", "int4"]
+
+
+class QuantSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    precision: Precision = "fp32"
+    block_size: Literal[16, 32, 64, 128] = 32
+    symmetric: bool = True
+    # MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (fast int8 kernels on CPU),
+    # 0 keeps them in fp32. Per-block activation scales keep quality (unlike per-tensor dynamic quantization).
+    accuracy_level: Literal[0, 1, 4] = 4
+    # "rtn": round to nearest; "search": per-block error-minimizing scale search, importance-weighted
+    # when a calibration text is given.
+    method: Literal["rtn", "search"] = "search"
+    embedding: Precision | None = None  # None: same as `precision` but never below int8
+    lm_head: Precision | None = None  # None: int8 when precision is int4 (the lm_head is ~1/5 of the weights)
+    # Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks instead of requantizing from dequantized weights.
+    keep_source_quant: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "QuantSpec":
+        if self.precision == "fp32" and self.keep_source_quant:
+            raise ValueError("keep_source_quant needs precision int8 or int4")
+        return self
+
+    @property
+    def embedding_precision(self) -> Precision:
+        if self.embedding:
+            return self.embedding
+        return "fp32" if self.precision == "fp32" else "int8"
+
+    @property
+    def lm_head_precision(self) -> Precision:
+        if self.lm_head:
+            return self.lm_head
+        return "fp32" if self.precision == "fp32" else "int8"
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}[self.precision]

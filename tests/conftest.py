@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny GGUF models built in the test, and the bundled real model."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py and tests/tiny.py
+
+from tiny import write_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_gguf):
+    from quantize.checkpoint import load_checkpoint
+
+    return load_checkpoint(tiny_gguf)
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    from quantize.bundled import bundled_gguf_path
+
+    return bundled_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(real_gguf):
+    from quantize.checkpoint import load_checkpoint
+
+    return load_checkpoint(real_gguf)

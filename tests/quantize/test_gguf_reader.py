@@ -1,0 +1,52 @@
+"""Reading GGUF files: geometry, dequantized tensors, the rotary un-permutation and clear errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from quantize.checkpoint import CheckpointError, load_checkpoint
+from quantize.gguf_reader import unpermute_rows
+from tiny import permute_rows, write_tiny_llama
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    assert np.array_equal(unpermute_rows(permute_rows(w, 8), 8), w)
+
+
+def test_f32_tensors_come_back_exactly_in_hf_order(tmp_path):
+    path = write_tiny_llama(tmp_path / "f32.gguf", types=(QT.F32,), seed=3)
+    ckpt = load_checkpoint(path)
+    rng = np.random.default_rng(3)  # replay the writer's draws to get the HF-order originals
+    rng.standard_normal((269, 64))
+    rng.standard_normal(64), rng.standard_normal(64)
+    q = (rng.standard_normal((64, 64)) * 0.08).astype(np.float32)
+    assert np.array_equal(ckpt.layer(0, "self_attn.q_proj.weight"), q)
+
+
+def test_geometry_and_source_blocks(tiny_checkpoint):
+    g = tiny_checkpoint.geometry
+    assert (g.num_layers, g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim) == (2, 64, 4, 2, 16)
+    assert g.tie_word_embeddings
+    kinds = {b.ggml_type for b in tiny_checkpoint.source_blocks.values()}
+    assert {"Q8_0", "Q4_0", "Q4_1"} <= kinds
+
+
+def test_truncated_gguf_is_a_clear_error(tiny_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="cut.gguf"):
+        load_checkpoint(cut)
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "gpt.gguf", architecture="gptneox")
+    with pytest.raises(CheckpointError, match="gptneox"):
+        load_checkpoint(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "q5.gguf", types=(QT.Q5_0,))
+    with pytest.raises(CheckpointError, match="Q5_0"):
+        load_checkpoint(path)
