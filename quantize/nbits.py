@@ -286,10 +286,16 @@ def _rtn_params(x: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, 
 
 
 def _signed_codes(x: np.ndarray, inv_scale: np.ndarray, zp: np.ndarray, bits: int) -> np.ndarray:
-    """q - zp for q = clip(round(x / scale) + zp, 0, 2^bits - 1): float32 [N, k_blocks, B]."""
-    j = np.rint(x * inv_scale)
+    """q - zp for q = clip(round(x / scale + zp), 0, 2^bits - 1): float32 [N, k_blocks, B].
+
+    Adding zp before rounding lets the clip take scalar bounds, ~3x faster than per-block bounds."""
     zp = zp[..., None]
-    return np.clip(j, -zp, (1 << bits) - 1 - zp, out=j)
+    j = x * inv_scale
+    j += zp
+    np.rint(j, out=j)
+    np.clip(j, 0, (1 << bits) - 1, out=j)
+    j -= zp
+    return j
 
 
 def _assemble(j: np.ndarray, scale: np.ndarray, zp: np.ndarray, bits: int, block_size: int, k: int,

@@ -1,0 +1,226 @@
+"""quantize.nbits: packing, RTN and search quantizers, GGUF block reuse, and real onnxruntime MatMulNBits /
+GatherBlockQuantized against BlockQuantized.dequantize().
+
+Run: .venv/bin/python -m pytest tests/quantize/test_nbits.py -q
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType, quants
+from onnx import TensorProto, helper, numpy_helper
+
+from quantize import nbits
+from quantize.checkpoint import SourceBlocks
+
+MS_DOMAIN = "com.microsoft"
+
+
+def weights(shape, heavy_tailed=False, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_t(2.5, shape) if heavy_tailed else rng.standard_normal(shape)
+    return (0.02 * w).astype(np.float32)
+
+
+# --- packing and the BlockQuantized form -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", nbits.SUPPORTED_BITS)
+@pytest.mark.parametrize("length", [1, 7, 32, 33])
+def test_pack_unpack_round_trip(bits, length):
+    codes = np.random.default_rng(1).integers(0, 1 << bits, (3, length)).astype(np.uint8)
+    packed = nbits.pack_bits(codes, bits)
+    assert packed.shape == (3, -(-length * bits // 8))
+    np.testing.assert_array_equal(nbits.unpack_bits(packed, bits, length), codes)
+
+
+def test_pack_4bit_puts_first_value_in_low_nibble():
+    assert nbits.pack_bits(np.array([[0x1, 0xA]], np.uint8), 4).tolist() == [[0xA1]]
+    assert nbits.pack_bits(np.array([[1, 2, 3, 0]], np.uint8), 2).tolist() == [[0b00111001]]
+
+
+def test_dequantize_is_code_minus_zero_point_times_scale():
+    codes = np.array([[[0, 15] * 8, [3, 9] * 8]], np.uint8)  # [N=1, k_blocks=2, 16]
+    scales = np.array([[0.5, -2.0]], np.float32)
+    q = nbits.BlockQuantized(4, 16, 1, 32, nbits.pack_bits(codes, 4), scales, nbits.pack_bits(np.array([[1, 9]]), 4))
+    np.testing.assert_array_equal(q.dequantize()[0, :2], [-0.5, 7.0])
+    np.testing.assert_array_equal(q.dequantize()[0, 16:18], [12.0, 0.0])
+    sym = nbits.BlockQuantized(4, 16, 1, 32, q.packed, scales, None)  # default zero point 8
+    np.testing.assert_array_equal(sym.dequantize()[0, :2], [-4.0, 3.5])
+
+
+def test_block_quantized_rejects_wrong_shapes():
+    with pytest.raises(ValueError, match="packed"):
+        nbits.BlockQuantized(4, 32, 2, 64, np.zeros((2, 2, 8), np.uint8), np.ones((2, 2), np.float32), None)
+    with pytest.raises(ValueError, match="block_size"):
+        nbits.quantize_rtn(weights((4, 64)), 4, 24, True)
+    with pytest.raises(ValueError, match="bits"):
+        nbits.quantize_rtn(weights((4, 64)), 3, 32, True)
+
+
+def test_packed_size_bytes():
+    q = nbits.quantize_rtn(weights((8, 256)), 4, 32, symmetric=False)
+    assert nbits.packed_size_bytes(q) == 8 * 128 + 8 * 8 * 4 + 8 * 4
+    assert nbits.packed_size_bytes(nbits.quantize_rtn(weights((8, 256)), 8, 32, True)) == 8 * 256 + 8 * 8 * 4
+
+
+# --- round-to-nearest ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", nbits.SUPPORTED_BITS)
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("k", [256, 100])
+def test_rtn_error_bounds(bits, block_size, k):
+    w = weights((24, k), heavy_tailed=True)
+    sym, asym = (nbits.quantize_rtn(w, bits, block_size, s) for s in (True, False))
+    for q, bound_in_steps in ((asym, 0.5), (sym, 1.0)):  # symmetric: the short side may clip by one step
+        step = np.repeat(np.abs(q.scales), block_size, axis=1)[:, :k]
+        assert q.dequantize().shape == (24, k)
+        assert (np.abs(w - q.dequantize()) <= bound_in_steps * step * (1 + 1e-5) + 1e-9).all()
+
+
+def test_rtn_symmetric_is_idempotent_and_keeps_zeros():
+    w = weights((16, 128))
+    w[3] = 0.0
+    once = nbits.quantize_rtn(w, 4, 32, True).dequantize()
+    np.testing.assert_array_equal(once[3], 0.0)
+    np.testing.assert_allclose(nbits.quantize_rtn(once, 4, 32, True).dequantize(), once, rtol=0, atol=1e-9)
+
+
+def test_rtn_asymmetric_represents_constant_blocks_exactly():
+    w = np.full((2, 64), 0.75, np.float32)
+    np.testing.assert_allclose(nbits.quantize_rtn(w, 4, 32, False).dequantize(), w, rtol=1e-6)
+
+
+# --- importance-weighted search ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heavy_tailed", [False, True])
+@pytest.mark.parametrize("bits,block_size,symmetric", [(4, 32, True), (4, 32, False), (4, 128, True),
+                                                       (8, 32, True), (8, 128, False), (2, 16, False)])
+def test_search_never_worse_than_rtn(heavy_tailed, bits, block_size, symmetric):
+    w = weights((64, 320), heavy_tailed)
+    rtn = nbits.reconstruction_error(w, nbits.quantize_rtn(w, bits, block_size, symmetric))
+    search = nbits.reconstruction_error(w, nbits.quantize_search(w, bits, block_size, symmetric))
+    assert search <= rtn * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("heavy_tailed", [False, True])
+def test_search_strictly_better_than_rtn_on_average(heavy_tailed):
+    w = weights((128, 512), heavy_tailed, seed=2)
+    ratios = [nbits.reconstruction_error(w, nbits.quantize_search(w, 4, bs, sym))
+              / nbits.reconstruction_error(w, nbits.quantize_rtn(w, 4, bs, sym))
+              for bs in (32, 128) for sym in (True, False)]
+    assert max(ratios) < 1.0
+    assert np.mean(ratios) < 0.95
+
+
+def test_importance_lowers_weighted_error():
+    w = weights((128, 256), heavy_tailed=True, seed=3)
+    importance = (np.random.default_rng(4).random(256) ** 3 * 10).astype(np.float32)
+    for symmetric in (True, False):
+        plain = nbits.quantize_search(w, 4, 32, symmetric)
+        weighted = nbits.quantize_search(w, 4, 32, symmetric, importance)
+        assert (nbits.reconstruction_error(w, weighted, importance)
+                < 0.97 * nbits.reconstruction_error(w, plain, importance))
+
+
+def test_search_handles_partial_blocks_and_zero_rows():
+    w = weights((8, 100))
+    w[0] = 0.0
+    importance = np.ones(100, np.float32)
+    importance[:10] = 0.0
+    q = nbits.quantize_search(w, 4, 32, False, importance)
+    assert q.packed.shape == (8, 4, 16) and q.dequantize().shape == (8, 100)
+    np.testing.assert_array_equal(q.dequantize()[0], 0.0)
+    with pytest.raises(ValueError, match="importance"):
+        nbits.quantize_search(w, 4, 32, False, -importance)
+
+
+# --- GGUF blocks kept as they are -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0", "Q4_1"])
+def test_from_gguf_blocks_matches_gguf_dequantize_exactly(ggml_type):
+    qtype = GGMLQuantizationType[ggml_type]
+    w = weights((48, 192), heavy_tailed=True, seed=5)
+    raw = quants.quantize(w, qtype)  # uint8 [48, bytes_per_row]
+    q, mins = nbits.from_gguf_blocks(SourceBlocks(ggml_type, w.shape, raw))
+    assert (q.bits, q.block_size) == ((8 if ggml_type == "Q8_0" else 4), 32)
+    assert (mins is not None) == (ggml_type == "Q4_1")
+    ours = q.dequantize() + (0 if mins is None else np.repeat(mins, 32, axis=1))
+    np.testing.assert_array_equal(ours, quants.dequantize(raw, qtype))
+
+
+def test_from_gguf_blocks_refuses_what_it_cannot_keep():
+    w = weights((4, 64))
+    with pytest.raises(ValueError, match="Q5_0"):
+        nbits.from_gguf_blocks(SourceBlocks("Q5_0", w.shape, quants.quantize(w, GGMLQuantizationType.Q5_0)))
+    with pytest.raises(ValueError, match="expected"):
+        nbits.from_gguf_blocks(SourceBlocks("Q4_0", (4, 96), quants.quantize(w, GGMLQuantizationType.Q4_0)))
+
+
+# --- real onnxruntime ---------------------------------------------------------------------------------------
+
+
+def one_node_session(node: onnx.NodeProto, inputs, output, initializers) -> ort.InferenceSession:
+    graph = helper.make_graph([node], "g", inputs, [output], [numpy_helper.from_array(a, n) for n, a in initializers])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS_DOMAIN, 1)])
+    onnx.checker.check_model(model)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def matmul_nbits(q: nbits.BlockQuantized, accuracy_level: int = 0) -> ort.InferenceSession:
+    inits = [("B", q.packed), ("scales", q.scales)] + ([("zp", q.zero_points)] if q.zero_points is not None else [])
+    node = helper.make_node("MatMulNBits", ["A"] + [n for n, _ in inits], ["Y"], domain=MS_DOMAIN, K=q.k, N=q.n,
+                            bits=q.bits, block_size=q.block_size, accuracy_level=accuracy_level)
+    return one_node_session(node, [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, q.k])],
+                            helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, q.n]), inits)
+
+
+def assert_relative_close(actual, expected, rel=1e-4):
+    assert np.abs(actual - expected).max() <= rel * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("block_size,k", [(16, 128), (32, 576), (128, 576), (32, 100)])
+def test_ort_matmul_nbits_matches_dequantize(bits, symmetric, block_size, k):
+    w = weights((96, k), heavy_tailed=True, seed=6)
+    q = nbits.quantize_search(w, bits, block_size, symmetric)
+    x = np.random.default_rng(7).standard_normal((5, k)).astype(np.float32)
+    (y,) = matmul_nbits(q).run(None, {"A": x})
+    assert_relative_close(y, x @ q.dequantize().T)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0", "Q4_1"])
+def test_ort_matmul_nbits_runs_gguf_blocks(ggml_type):
+    qtype = GGMLQuantizationType[ggml_type]
+    w = weights((64, 256), seed=8)
+    raw = quants.quantize(w, qtype)
+    q, mins = nbits.from_gguf_blocks(SourceBlocks(ggml_type, w.shape, raw))
+    x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    (y,) = matmul_nbits(q).run(None, {"A": x})
+    if mins is not None:  # what the graph adds: per-block sums of x times the block minimums
+        y = y + x.reshape(3, -1, 32).sum(-1) @ mins.T
+    assert_relative_close(y, x @ quants.dequantize(raw, qtype).T)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("block_size,hidden", [(32, 576), (128, 576), (16, 100)])
+def test_ort_gather_block_quantized_matches_dequantize(bits, symmetric, block_size, hidden):
+    table = weights((200, hidden), seed=10)
+    q = nbits.quantize_embedding(table, bits, block_size, symmetric=symmetric)
+    inits = [("data", q.gather_data()), ("scales", q.scales)]
+    inits += [("zp", q.zero_points)] if q.zero_points is not None else []
+    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "scales"] + (["zp"] if len(inits) == 3 else []),
+                            ["Y"], domain=MS_DOMAIN, bits=bits, block_size=block_size, gather_axis=0, quantize_axis=1)
+    sess = one_node_session(node, [helper.make_tensor_value_info("ids", TensorProto.INT64, [None, None])],
+                            helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, None, hidden]), inits)
+    ids = np.array([[0, 5, 199, 5], [17, 42, 3, 100]], np.int64)
+    (y,) = sess.run(None, {"ids": ids})
+    assert_relative_close(y, q.dequantize()[ids])
+    assert nbits.reconstruction_error(table, q) < (0.02 * (0.1 if bits == 4 else 0.01)) ** 2
