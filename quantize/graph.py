@@ -144,12 +144,39 @@ def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: Qu
     bits = 8 if precision == "int8" else 4
     q = nbits.quantize_embedding(table, bits, spec.block_size)
     b.report.append(f"embed_tokens: int{bits} block {spec.block_size}")
-    inputs = [b.const("model.embed_tokens.qweight", q.packed.reshape(q.n, -1)),
+    inputs = [b.const("model.embed_tokens.qweight", q.gather_data()),
               wire.INPUT_IDS, b.const("model.embed_tokens.scales", q.scales.astype(np.float32))]
     if q.zero_points is not None:
         inputs.append(b.const("model.embed_tokens.zero_points", q.zero_points))
     return b.one("GatherBlockQuantized", inputs, "/model/embed_tokens/GatherBlockQuantized", MS_DOMAIN,
                  bits=bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+
+
+def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str, Callable[[str], str]]:
+    """A tied 8-bit embedding / lm_head stored once: (embedding output, lm_head builder).
+
+    The lm_head is MatMulNBits over the table's blocks; the embedding gathers the same uint8 blocks and
+    scales by token id and dequantizes just those rows, (q - 128) * scale, so the ~28 M-entry table is in
+    the file and in memory once instead of twice.
+    """
+    q = nbits.quantize_search(table, 8, spec.block_size, symmetric=True)
+    weight, scales = b.const("/lm_head.qweight", q.packed), b.const("/lm_head.scales", q.scales.astype(np.float32))
+    b.report.append(f"embed_tokens + lm_head (tied, stored once): int8 block {spec.block_size}")
+    n = "/model/embed_tokens"
+    codes = b.one("Gather", [weight, wire.INPUT_IDS], f"{n}/Gather")  # [B, S, k_blocks, block] uint8
+    row_scales = b.one("Gather", [scales, wire.INPUT_IDS], f"{n}/scales/Gather")  # [B, S, k_blocks]
+    values = b.one("Cast", [codes], f"{n}/Cast", to=TensorProto.FLOAT)
+    centred = b.one("Sub", [values, b.const(f"{n}.zero_point", np.array(128, np.float32))], f"{n}/Sub")
+    scale4 = b.one("Unsqueeze", [row_scales, b.const(f"{n}.axis", np.array([-1], np.int64))], f"{n}/Unsqueeze")
+    deq = b.one("Mul", [centred, scale4], f"{n}/Mul")
+    shape = b.const(f"{n}.shape", np.array([0, 0, table.shape[1]], np.int64))
+    x = b.one("Reshape", [deq, shape], f"{n}/Reshape")
+
+    def lm_head(h: str) -> str:
+        return b.one("MatMulNBits", [h, weight, scales], "/lm_head/MatMulNBits", MS_DOMAIN, K=q.k, N=q.n, bits=8,
+                     block_size=q.block_size, accuracy_level=spec.accuracy_level)
+
+    return x, lm_head
 
 
 def rotary_cache(g: Geometry) -> tuple[np.ndarray, np.ndarray]:
@@ -243,7 +270,12 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     cos, sin = rotary_cache(g)
     b.const("cos_cache", cos)
     b.const("sin_cache", sin)
-    x = embedding(b, ckpt.weights["model.embed_tokens.weight"], spec.embedding_precision, spec)
+    table = ckpt.weights["model.embed_tokens.weight"]
+    if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":
+        x, lm_head = tied_int8(b, table, spec)
+    else:
+        x = embedding(b, table, spec.embedding_precision, spec)
+        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision))  # noqa: E731
     residual = x
     x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
               ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",
@@ -260,7 +292,7 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     idx = b.one("Unsqueeze", [wire.LOGITS_INDICES, b.const("/model/logits_axis", np.array([-1], np.int64))],
                 "/model/logits_indices/Unsqueeze")
     x = b.one("GatherND", [x, idx], "/model/logits_indices/GatherND", batch_dims=1)  # [B, n, hidden]
-    linear(b, "/lm_head", x, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision))
+    lm_head(x)
     b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's node is the last one added
     inputs, outputs = io_spec(g)
     graph = helper.make_graph(b.nodes, "decoder", inputs, outputs, b.initializers)

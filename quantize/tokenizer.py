@@ -26,9 +26,11 @@ from tokenizers import Tokenizer
 
 from quantize.checkpoint import CheckpointError, TokenizerInfo
 
-# The GPT-2 split, and the same with case-insensitive contractions (llama.cpp writes `(?i:'s)` out as
-# `'[sS]` because its regex engine has no inline flags; Oniguruma reads both the same).
+# The GPT-2 split. HF's ByteLevel regex ends in a further `|\s+`; llama.cpp leaves it out because it
+# keeps unmatched text as pieces anyway, and a Split with "isolated" behaviour does the same.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# Case-insensitive contractions: llama.cpp writes HF's `(?i:'s|...)` out as `'[sS]|...` because its
+# regex engine has no inline flags; Oniguruma reads both the same.
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
            r"|\s+(?!\S)|\s+")
@@ -152,7 +154,8 @@ def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerInfo:
     """The GGUF's tokenizer as a TokenizerInfo; CheckpointError when its model or pre type is unsupported."""
     model = _field(reader, "tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
-        raise CheckpointError(f"unsupported tokenizer.ggml.model {model!r} (supported: {', '.join(SUPPORTED_MODELS)})")
+        raise CheckpointError(f"unsupported tokenizer.ggml.model {model!r} "
+                              f"(supported: {', '.join(SUPPORTED_MODELS)})")
     pre = pre_tokenizer_for(_field(reader, "tokenizer.ggml.pre"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     merges = _field(reader, "tokenizer.ggml.merges", [])
