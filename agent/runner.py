@@ -67,11 +67,12 @@ class ModelRunner:
         return KVCache(keys, values, as_ort(keys), as_ort(values))
 
     def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, query_seqlens: np.ndarray,
-                logits_indices: np.ndarray, cache: KVCache) -> np.ndarray:
+                logits_indices: np.ndarray, cache: KVCache, capture: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Run one step. input_ids [B, S]; seqlens_k, query_seqlens [B]; logits_indices [B, n] -> logits [B, n, V].
 
         Row b holds query_seqlens[b] new tokens (right-padded to S) on top of
-        seqlens_k[b] + 1 - query_seqlens[b] cached ones.
+        seqlens_k[b] + 1 - query_seqlens[b] cached ones. `capture` maps extra graph outputs (a calibration
+        graph's) to preallocated arrays that receive them.
         """
         seq = input_ids.shape[1]
         total = max(int(seqlens_k.max()) + 1, seq)
@@ -92,5 +93,7 @@ class ModelRunner:
             binding.bind_ortvalue_output(wire.present_value(i), cache.values_ort[i])
         logits = np.empty((input_ids.shape[0], logits_indices.shape[1], self.vocab_size), np.float32)
         binding.bind_ortvalue_output(wire.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        for name, array in (capture or {}).items():
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
         self.session.run_with_iobinding(binding)
         return logits

@@ -40,9 +40,13 @@ class GraphBuilder:
     nodes: list = field(default_factory=list)
     initializers: list = field(default_factory=list)
     report: list[str] = field(default_factory=list)  # what each weight became, for the build report
+    importance: Importance = field(default_factory=dict)  # calibration statistics, by HF weight name
+    hessians: dict[str, np.ndarray] = field(default_factory=dict)  # sum of x x^T [K, K] per input, for GPTQ
+    linear_inputs: dict[str, str] = field(default_factory=dict)  # HF weight name -> its input tensor's name
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        # (np.ascontiguousarray would turn a 0-d scalar into shape [1], which Range rejects)
+        self.initializers.append(numpy_helper.from_array(np.require(array, requirements="C"), name))
         return name
 
     def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs) -> list[str]:
@@ -63,16 +67,26 @@ class LinearPlan:
 
 
 def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, plan: LinearPlan,
-           importance: np.ndarray | None = None) -> str:
-    """y = x @ w.T for w [N, K], in the plan's precision. Returns the output name."""
+           key: str | None = None) -> str:
+    """y = x @ w.T for w [N, K], in the plan's precision. Returns the output name.
+
+    key names the (first) HF weight: its calibration importance weights the quantization error, and the
+    input tensor is recorded so that calibration can capture it.
+    """
     n, k = w.shape
+    if key:
+        b.linear_inputs[key] = x
+    importance = b.importance.get(key) if key else None
     if plan.precision == "fp32":
         b.report.append(f"{name}: fp32 [{n}x{k}]")
         return b.one("MatMul", [x, b.const(f"{name}.weight", w.T.astype(np.float32))], f"{name}/MatMul")
     if plan.source is not None:
         return _linear_from_source(b, name, x, plan.source, spec)
     bits = 8 if plan.precision == "int8" else 4
-    if spec.method == "search":
+    hessian = b.hessians.get(key) if key else None
+    if spec.method == "gptq" and hessian is not None:
+        q = nbits.quantize_gptq(w, bits, spec.block_size, spec.symmetric, hessian, importance=importance)
+    elif spec.method in ("search", "gptq"):
         q = nbits.quantize_search(w, bits, spec.block_size, spec.symmetric, importance)
     else:
         q = nbits.quantize_rtn(w, bits, spec.block_size, spec.symmetric)
@@ -152,6 +166,13 @@ def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: Qu
                  bits=bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
 
 
+def head_block_size(spec: QuantSpec, hidden: int) -> int:
+    """The spec's head block size, or else the largest that divides hidden (padding would waste space)."""
+    if spec.head_block_size:
+        return spec.head_block_size
+    return next((bs for bs in (128, 64, 32, 16) if hidden % bs == 0), 16)
+
+
 def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str, Callable[[str], str]]:
     """A tied 8-bit embedding / lm_head stored once: (embedding output, lm_head builder).
 
@@ -159,9 +180,9 @@ def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str,
     scales by token id and dequantizes just those rows, (q - 128) * scale, so the ~28 M-entry table is in
     the file and in memory once instead of twice.
     """
-    q = nbits.quantize_search(table, 8, spec.block_size, symmetric=True)
+    q = nbits.quantize_search(table, 8, head_block_size(spec, table.shape[1]), symmetric=True)
     weight, scales = b.const("/lm_head.qweight", q.packed), b.const("/lm_head.scales", q.scales.astype(np.float32))
-    b.report.append(f"embed_tokens + lm_head (tied, stored once): int8 block {spec.block_size}")
+    b.report.append(f"embed_tokens + lm_head (tied, stored once): int8 block {q.block_size}")
     n = "/model/embed_tokens"
     codes = b.one("Gather", [weight, wire.INPUT_IDS], f"{n}/Gather")  # [B, S, k_blocks, block] uint8
     row_scales = b.one("Gather", [scales, wire.INPUT_IDS], f"{n}/scales/Gather")  # [B, S, k_blocks]
@@ -169,8 +190,12 @@ def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str,
     centred = b.one("Sub", [values, b.const(f"{n}.zero_point", np.array(128, np.float32))], f"{n}/Sub")
     scale4 = b.one("Unsqueeze", [row_scales, b.const(f"{n}.axis", np.array([-1], np.int64))], f"{n}/Unsqueeze")
     deq = b.one("Mul", [centred, scale4], f"{n}/Mul")
-    shape = b.const(f"{n}.shape", np.array([0, 0, table.shape[1]], np.int64))
+    shape = b.const(f"{n}.shape", np.array([0, 0, q.k_blocks * q.block_size], np.int64))
     x = b.one("Reshape", [deq, shape], f"{n}/Reshape")
+    if q.k_blocks * q.block_size != q.k:  # drop the last block's padding
+        x = b.one("Slice", [x, b.const(f"{n}.starts", np.array([0], np.int64)),
+                            b.const(f"{n}.ends", np.array([q.k], np.int64)), b.const(f"{n}.axes", np.array([2], np.int64))],
+                  f"{n}/Slice")
 
     def lm_head(h: str) -> str:
         return b.one("MatMulNBits", [h, weight, scales], "/lm_head/MatMulNBits", MS_DOMAIN, K=q.k, N=q.n, bits=8,
@@ -179,11 +204,23 @@ def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str,
     return x, lm_head
 
 
-def rotary_cache(g: Geometry) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [context_length, head_dim/2] for half-split RoPE."""
-    inv_freq = g.rope_theta ** (-np.arange(0, g.head_dim, 2, dtype=np.float64) / g.head_dim)
-    ang = np.arange(g.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+def rotary_cache(b: GraphBuilder, g: Geometry) -> None:
+    """cos_cache / sin_cache [context_length, head_dim/2] for half-split RoPE, computed by the graph.
+
+    Built from positions x inverse frequencies at session start (ORT folds it to a constant) rather
+    than stored: for an 8k context the two tables would add 2 MB to the file.
+    """
+    inv_freq = (g.rope_theta ** (-np.arange(0, g.head_dim, 2, dtype=np.float64) / g.head_dim)).astype(np.float32)
+    n = "/model/rotary"
+    pos = b.one("Range", [b.const(f"{n}.start", np.array(0, np.float32)),
+                          b.const(f"{n}.limit", np.array(g.context_length, np.float32)),
+                          b.const(f"{n}.delta", np.array(1, np.float32))], f"{n}/Range")
+    col = b.one("Unsqueeze", [pos, b.const(f"{n}.axis", np.array([1], np.int64))], f"{n}/Unsqueeze")
+    ang = b.one("Mul", [col, b.const(f"{n}.inv_freq", inv_freq[None, :])], f"{n}/Mul")
+    b.one("Cos", [ang], f"{n}/Cos")
+    b.nodes[-1].output[0] = "cos_cache"
+    b.one("Sin", [ang], f"{n}/Sin")
+    b.nodes[-1].output[0] = "sin_cache"
 
 
 def _skip_norm(b: GraphBuilder, name: str, x: str, residual: str, gamma: np.ndarray, eps: float) -> tuple[str, str]:
@@ -193,12 +230,11 @@ def _skip_norm(b: GraphBuilder, name: str, x: str, residual: str, gamma: np.ndar
     return out[0], out[3]
 
 
-def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict,
-              importance: Importance) -> str:
+def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict) -> str:
     g = ckpt.geometry
     p = f"model.layers.{i}.self_attn."
     wqkv = np.concatenate([ckpt.weights[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")], axis=0)
-    qkv = linear(b, f"/model/layers.{i}/attn/qkv_proj", x, wqkv, spec, plans["qkv"][i], importance.get(p + "q_proj.weight"))
+    qkv = linear(b, f"/model/layers.{i}/attn/qkv_proj", x, wqkv, spec, plans["qkv"][i], p + "q_proj.weight")
     if g.attention_bias:
         bias = np.concatenate([ckpt.weights[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
         qkv = b.one("Add", [qkv, b.const(f"{p}qkv_proj.bias", bias.astype(np.float32))], f"/model/layers.{i}/attn/qkv_proj/Add")
@@ -213,21 +249,21 @@ def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
     gqa = b.nodes[-1]
     gqa.output[1], gqa.output[2] = wire.present_key(i), wire.present_value(i)
     return linear(b, f"/model/layers.{i}/attn/o_proj", outs[0], ckpt.weights[p + "o_proj.weight"], spec,
-                  plans["o"][i], importance.get(p + "o_proj.weight"))
+                  plans["o"][i], p + "o_proj.weight")
 
 
-def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict, importance: Importance) -> str:
+def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict) -> str:
     p = f"model.layers.{i}.mlp."
     inter = ckpt.geometry.intermediate_size
     w = np.concatenate([ckpt.weights[p + "gate_proj.weight"], ckpt.weights[p + "up_proj.weight"]], axis=0)
-    gu = linear(b, f"/model/layers.{i}/mlp/gate_up_proj", x, w, spec, plans["gate_up"][i], importance.get(p + "gate_proj.weight"))
+    gu = linear(b, f"/model/layers.{i}/mlp/gate_up_proj", x, w, spec, plans["gate_up"][i], p + "gate_proj.weight")
     gate, up = b.node("Split", [gu, b.const(f"{p}split", np.array([inter, inter], np.int64))],
                       f"/model/layers.{i}/mlp/Split", 2, axis=-1)
     sig = b.one("Sigmoid", [gate], f"/model/layers.{i}/mlp/act/Sigmoid")
     silu = b.one("Mul", [gate, sig], f"/model/layers.{i}/mlp/act/Mul")
     h = b.one("Mul", [silu, up], f"/model/layers.{i}/mlp/Mul")
     return linear(b, f"/model/layers.{i}/mlp/down_proj", h, ckpt.weights[p + "down_proj.weight"], spec,
-                  plans["down"][i], importance.get(p + "down_proj.weight"))
+                  plans["down"][i], p + "down_proj.weight")
 
 
 def plan_linears(ckpt: Checkpoint, spec: QuantSpec, precision_of: Callable[[str, int], Precision]) -> dict:
@@ -242,6 +278,20 @@ def plan_linears(ckpt: Checkpoint, spec: QuantSpec, precision_of: Callable[[str,
             keep = spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
             plans[kind].append(LinearPlan(precision, src if keep else None))
     return plans
+
+
+def capture_width(g: Geometry, key: str) -> int:
+    """Width of the input of the projection whose HF weight is key."""
+    return g.intermediate_size if key.endswith("down_proj.weight") else g.hidden_size
+
+
+def _capture_outputs(b: GraphBuilder, g: Geometry) -> list:
+    outputs = []
+    for key, tensor in b.linear_inputs.items():
+        b.one("Identity", [tensor], f"/capture/{key}")
+        b.nodes[-1].output[0] = key
+        outputs.append(helper.make_tensor_value_info(key, TensorProto.FLOAT, ["batch", "seq", capture_width(g, key)]))
+    return outputs
 
 
 def io_spec(g: Geometry) -> tuple[list, list]:
@@ -261,15 +311,19 @@ def io_spec(g: Geometry) -> tuple[list, list]:
 
 
 def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
-                precision_of: Callable[[str, int], Precision] | None = None) -> tuple[onnx.ModelProto, list[str]]:
-    """The decoder ModelProto and a line per weight saying what precision it got."""
-    g, importance = ckpt.geometry, importance or {}
+                hessians: dict[str, np.ndarray] | None = None,
+                precision_of: Callable[[str, int], Precision] | None = None,
+                capture: bool = False) -> tuple[onnx.ModelProto, list[str]]:
+    """The decoder ModelProto and a line per weight saying what precision it got.
+
+    capture=True also exposes every projection's input as a graph output named after its HF weight
+    (for calibration); such a graph is for measuring, not for a bundle.
+    """
+    g = ckpt.geometry
     precision_of = precision_of or (lambda kind, i: spec.precision)
     plans = plan_linears(ckpt, spec, precision_of)
-    b = GraphBuilder()
-    cos, sin = rotary_cache(g)
-    b.const("cos_cache", cos)
-    b.const("sin_cache", sin)
+    b = GraphBuilder(importance=importance or {}, hessians=hessians or {})
+    rotary_cache(b, g)
     table = ckpt.weights["model.embed_tokens.weight"]
     if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":
         x, lm_head = tied_int8(b, table, spec)
@@ -284,10 +338,10 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
         if i > 0:
             x, residual = _skip_norm(b, f"model.layers.{i}.input_layernorm", x, residual,
                                      ckpt.layer(i, "input_layernorm.weight"), g.rms_norm_eps)
-        attn = attention(b, ckpt, i, x, spec, plans, importance)
+        attn = attention(b, ckpt, i, x, spec, plans)
         x, residual = _skip_norm(b, f"model.layers.{i}.post_attention_layernorm", attn, residual,
                                  ckpt.layer(i, "post_attention_layernorm.weight"), g.rms_norm_eps)
-        x = mlp(b, ckpt, i, x, spec, plans, importance)
+        x = mlp(b, ckpt, i, x, spec, plans)
     x, _ = _skip_norm(b, "model.norm", x, residual, ckpt.weights["model.norm.weight"], g.rms_norm_eps)
     idx = b.one("Unsqueeze", [wire.LOGITS_INDICES, b.const("/model/logits_axis", np.array([-1], np.int64))],
                 "/model/logits_indices/Unsqueeze")
@@ -295,6 +349,8 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     lm_head(x)
     b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's node is the last one added
     inputs, outputs = io_spec(g)
+    if capture:
+        outputs += _capture_outputs(b, g)
     graph = helper.make_graph(b.nodes, "decoder", inputs, outputs, b.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="edge-quantize")

@@ -2,11 +2,12 @@
 
 A weight w [N out features, K in features] is cut along K into blocks of `block_size`; each block keeps
 its own float scale and integer zero point, and dequantizes as (q - zero_point) * scale (the com.microsoft
-MatMulNBits / GatherBlockQuantized contrib-op docs). Three ways in, one form out (`BlockQuantized`):
+MatMulNBits / GatherBlockQuantized contrib-op docs). Four ways in, one form out (`BlockQuantized`):
 round-to-nearest (`quantize_rtn`), an importance-weighted scale search (`quantize_search`, the idea of
-llama.cpp's imatrix quantizers and AWQ: errors on input channels with large activations cost more), and
-a GGUF tensor's own Q4_0 / Q4_1 / Q8_0 blocks kept bit-for-bit (`from_gguf_blocks`). No I/O here; the graph
-builder turns a BlockQuantized into initializers.
+llama.cpp's imatrix quantizers and AWQ: errors on input channels with large activations cost more), GPTQ
+error compensation from the layer's input Hessian (`quantize_gptq`, which picks each block's scale with
+that same search), and a GGUF tensor's own Q4_0 / Q4_1 / Q8_0 blocks kept bit-for-bit (`from_gguf_blocks`).
+No I/O here; the graph builder turns a BlockQuantized into initializers.
 
 Packing, checked against onnxruntime's CPU kernels: codes are packed along K inside each block, low bits
 first (for 4 bits the first value is the low nibble); a K that is not a multiple of block_size pads the
@@ -36,6 +37,12 @@ IMPORTANCE_FLOOR = 1e-2
 
 # Elements per chunk in quantize_search: ~4 MB of float32 keeps numpy's temporaries in cache.
 _SEARCH_CHUNK_ELEMENTS = 1 << 20
+
+# Columns per lazy batch in quantize_gptq (the reference implementation's `blocksize`): inside a batch each
+# column's error is pushed to the batch's later columns one rank-1 update at a time; to the rest of the matrix
+# once per batch as one matmul. 128 is the reference's choice; rounded to a multiple of block_size here so
+# that every quantization block lies inside one batch and its parameters see its fully updated weights.
+_GPTQ_BATCH_COLUMNS = 128
 
 # GGUF block types we can keep as-is: name -> (MatMulNBits bits, per-block minimum present).
 _GGUF_KEEPABLE = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}
@@ -164,6 +171,50 @@ def quantize_search(w: np.ndarray, bits: int, block_size: int, symmetric: bool,
         rows = slice(r, r + rows_per_chunk)
         scale[rows], zp[rows], j[rows] = _search_chunk(x[rows], weights, bits, symmetric, grid)
     return _assemble(j, scale, zp, bits, block_size, k, symmetric)
+
+
+def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, hessian: np.ndarray, *,
+                  damp: float = 0.01, importance: np.ndarray | None = None,
+                  act_order: bool = False) -> BlockQuantized:
+    """GPTQ (Frantar et al. 2022, arXiv:2210.17323): quantize column by column along K, pushing each column's
+    rounding error onto the columns not yet quantized so as to minimise ||X w^T - X dequant(w)^T||_F.
+
+    w float32 [N, K]; hessian float64 [K, K] = sum over calibration tokens of x x^T (x: the layer's input).
+    As in the reference code, input channels with a zero diagonal (never active) get H[i, i] = 1 and
+    damp * mean(diag(H)) is added to the diagonal; unlike it, their weights are kept, not zeroed. Each
+    block's scale and zero point are chosen by quantize_search's weighted search when the sweep reaches
+    the block, from its error-updated weights; importance defaults to diag(H). act_order sweeps channels
+    by decreasing diag(H) with "static groups": every block's parameters are chosen up front from the
+    original w, since blocks no longer come up whole. The result is an ordinary BlockQuantized.
+    """
+    _check_geometry(bits, block_size)
+    n, k = _check_weight(w).shape
+    h = _check_hessian(hessian, k, damp)
+    diag = np.diag(h).copy()
+    weights = _block_weights(diag if importance is None else importance, k, block_size)  # [k_blocks, B]
+    order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
+    u = _inverse_hessian_cholesky(h[np.ix_(order, order)], damp).astype(np.float32)  # [K, K], sweep order
+    if act_order:
+        static = quantize_search(w, bits, block_size, symmetric, diag if importance is None else importance)
+        scale, zp = static.scales, static.zero_point_values().astype(np.float32)  # [N, k_blocks] each
+        block_of = order // block_size  # sweep position -> quantization block
+
+        def choose(start: int, current: np.ndarray):
+            cols = block_of[start:start + current.shape[1]]
+            return scale[:, cols], zp[:, cols]
+    else:
+        scale = np.empty((n, -(-k // block_size)), np.float32)
+        zp = np.empty_like(scale)
+
+        def choose(start: int, current: np.ndarray):
+            b = start // block_size
+            scale[:, b], zp[:, b] = _search_block(current, weights[b], bits, symmetric)
+            return scale[:, b:b + 1], zp[:, b:b + 1]
+
+    j_sweep = _gptq_sweep(np.array(w, dtype=np.float32)[:, order], u, bits, block_size, choose)
+    j = np.zeros((n, scale.shape[1] * block_size), np.float32)  # padding: signed code 0, i.e. the zero point
+    j[:, order] = j_sweep
+    return _assemble(j.reshape(n, -1, block_size), scale, zp, bits, block_size, k, symmetric)
 
 
 def quantize_embedding(w: np.ndarray, bits: int, block_size: int, *, symmetric: bool = False) -> BlockQuantized:
@@ -359,6 +410,83 @@ def _search_chunk(x: np.ndarray, weights: np.ndarray, bits: int, symmetric: bool
     better = err_new < best_err
     j = np.where(better[..., None], j_new, j_best)
     return np.where(better, s_new, best_s), best_zp, j
+
+
+def _check_hessian(hessian: np.ndarray, k: int, damp: float) -> np.ndarray:
+    """hessian [K, K] -> float64 copy, refusing what cannot be sum x x^T."""
+    h = np.array(hessian, dtype=np.float64)
+    if h.shape != (k, k) or not np.isfinite(h).all():
+        raise ValueError(f"hessian must be a finite ({k}, {k}) array (sum of x x^T over calibration tokens), "
+                         f"got shape {h.shape}")
+    if (np.diag(h) < 0).any() or not np.allclose(h, h.T, rtol=1e-5, atol=1e-8 * max(float(np.abs(h).max()), 1e-30)):
+        raise ValueError("hessian must be symmetric with a non-negative diagonal (sum of x x^T)")
+    if not np.isfinite(damp) or damp < 0:
+        raise ValueError(f"damp must be a finite fraction >= 0 of mean(diag(H)), got {damp}")
+    return h
+
+
+def _inverse_hessian_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U), float64 [K, K], after the reference's repairs to H.
+
+    Row i of U, divided by U[i, i], is how an error in column i moves the later columns (the GPTQ paper's
+    eq. 3 applied sequentially, in Cholesky form)."""
+    h = h.copy()
+    dead = np.flatnonzero(np.diag(h) == 0)  # channels never active: any value is free, keep H invertible
+    h[dead, dead] = 1.0
+    h[np.diag_indices_from(h)] += damp * float(np.diag(h).mean())
+    try:
+        lower_inv = np.linalg.inv(np.linalg.cholesky(h))  # L^-1 with H = L L^T, so H^-1 = L^-T L^-1
+        return np.linalg.cholesky(lower_inv.T @ lower_inv).T
+    except np.linalg.LinAlgError as e:
+        raise ValueError(f"hessian is not positive definite after damping with damp={damp}: raise damp, "
+                         "or check it is sum x x^T") from e
+
+
+def _search_block(x: np.ndarray, weights: np.ndarray, bits: int, symmetric: bool):
+    """quantize_search's choice for one block per row: x float32 [N, <= B], weights [B] -> scale, zp [N] each.
+
+    A short (last) block is padded by repeating its last column, which the zero padding weights ignore."""
+    pad = weights.shape[0] - x.shape[1]
+    x = np.pad(x, ((0, 0), (0, pad)), mode="edge") if pad else x
+    scale, zp, _ = _search_chunk(x[:, None, :], weights[None, :], bits, symmetric, DEFAULT_GRID)
+    return scale[:, 0], zp[:, 0]
+
+
+def _gptq_sweep(w: np.ndarray, u: np.ndarray, bits: int, block_size: int, choose) -> np.ndarray:
+    """The GPTQ loop over w float32 [N, K] (updated in place) with u float32 [K, K], both in sweep order.
+
+    choose(start, current [N, g]) gives (scale, zp), broadcastable to [N, g], for the g sweep columns from
+    `start`, when the sweep reaches them. Returns signed codes q - zp, float32 [N, K], in sweep order."""
+    k = w.shape[1]
+    batch = max(1, _GPTQ_BATCH_COLUMNS // block_size) * block_size
+    j = np.empty_like(w)
+    for b0 in range(0, k, batch):
+        b1 = min(b0 + batch, k)
+        w1, err = w[:, b0:b1], np.empty((w.shape[0], b1 - b0), np.float32)  # w1: a view, updated in place
+        for g0 in range(0, b1 - b0, block_size):
+            g1 = min(g0 + block_size, b1 - b0)
+            scale, zp = choose(b0 + g0, w1[:, g0:g1])
+            j[:, b0 + g0:b0 + g1] = _gptq_group(w1, err, u[b0:b1, b0:b1], g0, g1, scale, zp, bits)
+        w[:, b1:] -= err @ u[b0:b1, b1:]  # the batch's errors reach the later batches in one matmul
+    return j
+
+
+def _gptq_group(w1: np.ndarray, err: np.ndarray, u1: np.ndarray, g0: int, g1: int, scale: np.ndarray,
+                zp: np.ndarray, bits: int) -> np.ndarray:
+    """Quantize batch columns g0:g1 of w1 [N, batch] one at a time, each to the nearest level of its
+    (scale, zp), pushing the scaled error onto the batch's later columns; errors go to err [N, batch].
+
+    Returns the signed codes [N, g1 - g0]. scale * code is exactly what dequantize() gives back."""
+    n, g = w1.shape[0], g1 - g0
+    scale, zp = np.broadcast_to(scale, (n, g)), np.broadcast_to(zp, (n, g))
+    inv = _safe_inverse(scale)[..., 0]
+    j = np.empty((n, g), np.float32)
+    for c in range(g):
+        i = g0 + c
+        j[:, c] = np.clip(np.rint(w1[:, i] * inv[:, c] + zp[:, c]), 0, (1 << bits) - 1) - zp[:, c]
+        err[:, i] = (w1[:, i] - j[:, c] * scale[:, c]) / u1[i, i]
+        w1[:, i + 1:] -= np.outer(err[:, i], u1[i, i + 1:])
+    return j
 
 
 def _gguf_blocks(src: SourceBlocks, block_size: int, type_size: int) -> np.ndarray:

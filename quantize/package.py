@@ -17,6 +17,7 @@ import onnx
 
 from agent import wire
 from agent.bundle import Bundle, file_sha256, open_bundle
+from quantize.calibrate import Calibration, calibrate
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import compare, greedy
 from quantize.graph import build_graph
@@ -36,8 +37,8 @@ def model_config(ckpt: Checkpoint, spec: QuantSpec, name: str) -> wire.ModelConf
                             chat_template=t.chat_template, precision=spec.precision, quant=spec.model_dump())
 
 
-def write_graph(ckpt: Checkpoint, spec: QuantSpec, out: Path, importance=None) -> list[str]:
-    model, report = build_graph(ckpt, spec, importance)
+def write_graph(ckpt: Checkpoint, spec: QuantSpec, out: Path, calib: Calibration | None = None) -> list[str]:
+    model, report = build_graph(ckpt, spec, calib.importance if calib else None, calib.hessians if calib else None)
     onnx.save_model(model, str(out / wire.GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=wire.GRAPH_DATA, size_threshold=1024)
     return report
@@ -70,8 +71,10 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
-                 eval_text: str | None = None, importance=None, threads: int | None = None,
+                 eval_text: str | None = None, calibration_text: str | None = None, threads: int | None = None,
                  progress: Callable[[str], None] = print) -> Bundle:
+    """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4/INT8
+    block search by activation importance."""
     out = Path(out)
     if out.exists() and not force:
         raise PackageError(f"{out} already exists (use --force to replace it)")
@@ -79,7 +82,12 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_contents(ckpt, spec, tmp, name, eval_text, importance, threads, progress)
+        calib = None
+        if calibration_text and spec.precision != "fp32" and spec.method != "rtn":
+            progress("measuring activation statistics over the calibration text")
+            calib = calibrate(ckpt, encode(ckpt.tokenizer.tokenizer_json, calibration_text),
+                              with_hessians=spec.method == "gptq", threads=threads)
+        _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -87,9 +95,10 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     return open_bundle(out)
 
 
-def _write_contents(ckpt, spec, tmp, name, eval_text, importance, threads, progress) -> None:
+def _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress) -> None:
     progress(f"building {spec.precision} graph")
-    report = write_graph(ckpt, spec, tmp, importance)
+    report = write_graph(ckpt, spec, tmp, calib)
+    del calib  # the Hessians are large
     (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
     (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)
     (tmp / wire.MODEL_CONFIG).write_text(model_config(ckpt, spec, name).model_dump_json(indent=2))

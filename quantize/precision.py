@@ -21,8 +21,12 @@ class QuantSpec(BaseModel):
     # 0 keeps them in fp32. Per-block activation scales keep quality (unlike per-tensor dynamic quantization).
     accuracy_level: Literal[0, 1, 4] = 4
     # "rtn": round to nearest; "search": per-block error-minimizing scale search, importance-weighted
-    # when a calibration text is given.
-    method: Literal["rtn", "search"] = "search"
+    # when a calibration text is given; "gptq": search plus GPTQ error compensation (needs calibration).
+    method: Literal["rtn", "search", "gptq"] = "search"
+    # Block size of the 8-bit embedding / lm_head (stored once when tied). None: the largest that divides
+    # the hidden size (large blocks cost least space, 8 bits leave little to gain from small ones, and a
+    # block that does not divide the row pads it).
+    head_block_size: Literal[16, 32, 64, 128] | None = None
     embedding: Precision | None = None  # None: same as `precision` but never below int8
     lm_head: Precision | None = None  # None: int8 when precision is int4 (the lm_head is ~1/5 of the weights)
     # Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks instead of requantizing from dequantized weights.

@@ -1,0 +1,345 @@
+"""Read and write Hugging Face checkpoint folders (config.json + *.safetensors + tokenizer files).
+
+`load(folder)` turns a Llama, Mistral or Qwen2 folder into the internal Checkpoint form (HF naming and
+[out, in] layout are already ours, so tensors are only converted to float32: F16 by numpy, BF16 by bit
+shifts because safetensors' numpy backend has no bfloat16). `save_hf(ckpt, folder)` writes a Checkpoint
+back out as such a folder, so a GGUF model can be fed to tools that only read HF folders (the benchmarks
+give it to onnxruntime-genai's model builder).
+
+Run: python -m quantize.hf MODEL_DIR_OR_GGUF OUT_DIR   # re-save any checkpoint as an fp32 HF folder
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
+
+from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, expected_weight_shapes
+from quantize.tokenizer import tokenizer_from_hf_folder
+
+# config.json `architectures[0]` -> Geometry.architecture
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SAVE_DTYPES = {"float32": np.float32, "float16": np.float16}
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some exporters include that carry nothing we need (recomputed from rope_theta).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+# ---- config.json -> Geometry ------------------------------------------------------------------------
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def _architecture(config: dict, folder: Path) -> str:
+    names = config.get("architectures") or [None]
+    if names[0] not in ARCHITECTURES:
+        raise CheckpointError(f"{folder}: unsupported architecture {names[0]!r} "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[names[0]]
+
+
+def _check_supported_options(config: dict, arch: str, folder: Path) -> None:
+    """Reject config options that change the maths the graph builder implements."""
+    if config.get("rope_scaling") is not None:
+        raise CheckpointError(f"{folder}: unsupported rope_scaling {config['rope_scaling']!r} "
+                              "(only plain RoPE, rope_scaling null, is supported)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{folder}: unsupported hidden_act {act!r} (supported: 'silu')")
+    # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on every MLP projection; the
+    # graph only has Qwen2's q/k/v biases.
+    for key in ("attention_bias", "mlp_bias"):
+        if arch != "qwen2" and config.get(key):
+            raise CheckpointError(f"{folder}: unsupported {key}=true for {arch} "
+                                  "(only Qwen2's q/k/v biases are supported)")
+
+
+def _sliding_window(config: dict, arch: str, num_layers: int, folder: Path) -> int | None:
+    """The attention window, or None when every layer attends to the whole context.
+
+    Mistral applies `sliding_window` to every layer when set. Qwen2 applies it only when
+    `use_sliding_window` is true, and then only to layers >= `max_window_layers`; Geometry has one
+    window for all layers, so a split between windowed and full layers is an error.
+    """
+    window = config.get("sliding_window")
+    if arch == "llama" or window is None:
+        return None
+    if arch == "qwen2":
+        if not config.get("use_sliding_window", False):
+            return None
+        first = int(config.get("max_window_layers", num_layers))
+        if first >= num_layers:
+            return None
+        if first > 0:
+            raise CheckpointError(f"{folder}: unsupported Qwen2 sliding window on layers {first}..{num_layers - 1} "
+                                  f"only (max_window_layers={first}); a window must cover all layers or none")
+    context = int(config["max_position_embeddings"])
+    return int(window) if int(window) < context else None
+
+
+def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geometry:
+    """Geometry from a transformers config dict; has_lm_head: whether lm_head.weight is stored."""
+    arch = _architecture(config, folder)
+    _check_supported_options(config, arch, folder)
+    try:
+        hidden, heads, layers = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+        geometry = Geometry(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),  # Mistral configs may write head_dim: null
+            context_length=int(config["max_position_embeddings"]),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            # A folder without lm_head.weight can only mean the embedding is reused, whatever the config says.
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or not has_lm_head,
+            attention_bias=arch == "qwen2",
+            sliding_window=_sliding_window(config, arch, layers, folder),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{folder}/config.json: missing required key {e.args[0]!r}") from e
+    return geometry
+
+
+# ---- safetensors -> float32 arrays ------------------------------------------------------------------
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: those named by model.safetensors.index.json when present, else every *.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names missing shard(s) {', '.join(missing)}")
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def source_sha256(files: list[Path]) -> str:
+    """sha256 over the contents of the weight files, concatenated in sorted file-name order.
+
+    One digest for the whole weight set, independent of the config and tokenizer files (as a GGUF's
+    digest covers its single file). Shard boundaries are not hashed; shard names are fixed by the index.
+    """
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.name):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The safetensors JSON header and the file offset where tensor data starts.
+
+    The format is an 8-byte little-endian header length, that many bytes of JSON, then the data;
+    each tensor's `data_offsets` are relative to the start of the data.
+    """
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 is the top half of a float32: shift the 16 stored bits up and reinterpret."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _read_bf16(path: Path, entry: dict, data_start: int) -> np.ndarray:
+    """One BF16 tensor from its raw bytes (safetensors' numpy backend cannot make a bfloat16 array)."""
+    begin, end = entry["data_offsets"]
+    bits = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=data_start + begin)
+    return bf16_to_f32(bits).reshape(entry["shape"])
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as float32 (F32, F16 and BF16 are accepted)."""
+    header, data_start = read_header(path)
+    tensors = {}
+    with safe_open(path, framework="numpy") as f:
+        for name in f.keys():
+            dtype = header[name]["dtype"]
+            if dtype == "BF16":
+                tensors[name] = _read_bf16(path, header[name], data_start)
+            elif dtype in ("F32", "F16"):
+                tensors[name] = f.get_tensor(name).astype(np.float32)
+            else:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype} "
+                                      "(supported: F32, F16, BF16)")
+    return tensors
+
+
+def _select_weights(tensors: dict[str, np.ndarray], geometry: Geometry, folder: Path) -> dict[str, np.ndarray]:
+    """Keep the tensors the geometry expects; any other tensor is a model we would run wrongly."""
+    expected = expected_weight_shapes(geometry)
+    unexpected = [n for n in tensors if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                  and not (n == "lm_head.weight" and geometry.tie_word_embeddings)]
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5])
+        raise CheckpointError(f"{folder}: unexpected tensors for {geometry.architecture}: {shown}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+    return {n: np.ascontiguousarray(w) for n, w in tensors.items() if n in expected}
+
+
+def load(folder: Path) -> Checkpoint:
+    """A Hugging Face folder as a Checkpoint; CheckpointError naming anything unsupported or missing."""
+    folder = Path(folder)
+    config = read_config(folder)
+    files = safetensors_files(folder)
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        tensors |= read_tensors(path)
+    geometry = geometry_from_config(config, folder, has_lm_head="lm_head.weight" in tensors)
+    return Checkpoint(
+        geometry=geometry,
+        weights=_select_weights(tensors, geometry, folder),
+        tokenizer=tokenizer_from_hf_folder(folder),
+        source_sha256=source_sha256(files),
+        source_name=folder.name,
+    )
+
+
+# ---- Checkpoint -> folder ---------------------------------------------------------------------------
+
+def _hf_architecture(g: Geometry) -> str:
+    """The transformers class that computes what g describes (biases need Qwen2, a window Mistral)."""
+    if g.architecture == "qwen2" or g.attention_bias:
+        return "Qwen2ForCausalLM"
+    if g.architecture == "mistral" or g.sliding_window is not None:
+        return "MistralForCausalLM"
+    return "LlamaForCausalLM"
+
+
+def config_for(ckpt: Checkpoint, dtype: str) -> dict:
+    """config.json for ckpt, in the keys transformers (and onnxruntime-genai's builder) read."""
+    g, tok = ckpt.geometry, ckpt.tokenizer
+    arch = _hf_architecture(g)
+    config = {
+        "architectures": [arch],
+        "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(arch, "llama"),
+        "vocab_size": g.vocab_size,
+        "hidden_size": g.hidden_size,
+        "intermediate_size": g.intermediate_size,
+        "num_hidden_layers": g.num_layers,
+        "num_attention_heads": g.num_heads,
+        "num_key_value_heads": g.num_kv_heads,
+        "head_dim": g.head_dim,
+        "max_position_embeddings": g.context_length,
+        "rope_theta": g.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": g.rms_norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": g.tie_word_embeddings,
+        "torch_dtype": dtype,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_ids[0] if tok.eos_token_ids else None,
+    }
+    if arch == "LlamaForCausalLM":
+        config |= {"attention_bias": False, "mlp_bias": False}
+    elif arch == "MistralForCausalLM":
+        config["sliding_window"] = g.sliding_window
+    else:  # Qwen2: a window, when there is one, covers every layer (max_window_layers=0)
+        config |= {"use_sliding_window": g.sliding_window is not None, "sliding_window": g.sliding_window,
+                   "max_window_layers": 0 if g.sliding_window is not None else g.num_layers}
+    return config
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str | None:
+    return None if token_id is None else tokenizer.id_to_token(token_id)
+
+
+def tokenizer_files(ckpt: Checkpoint) -> dict[str, dict]:
+    """tokenizer_config.json and generation_config.json contents for ckpt's tokenizer."""
+    tok = ckpt.tokenizer
+    tokenizer = Tokenizer.from_str(tok.tokenizer_json)
+    eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+    # add_bos_token is recorded for our own loader (tokenizer_from_hf_folder); the tokenizer.json is written
+    # unchanged, so a generic PreTrainedTokenizerFast that ignores the flag adds no BOS by itself.
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": _token_text(tokenizer, tok.bos_token_id),
+        "eos_token": _token_text(tokenizer, eos),
+        "add_bos_token": tok.add_bos_token,
+        "add_eos_token": False,
+        "model_max_length": ckpt.geometry.context_length,
+        "chat_template": tok.chat_template,
+    }
+    generation = {"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}
+    return {"tokenizer_config.json": tokenizer_config, "generation_config.json": generation}
+
+
+def _write_folder(ckpt: Checkpoint, folder: Path, dtype: str) -> None:
+    np_dtype = SAVE_DTYPES[dtype]
+    names = expected_weight_shapes(ckpt.geometry)
+    save_file({n: np.ascontiguousarray(ckpt.weights[n], dtype=np_dtype) for n in names}, folder / "model.safetensors",
+              metadata={"format": "pt"})  # transformers refuses safetensors files without format=pt
+    (folder / "tokenizer.json").write_text(ckpt.tokenizer.tokenizer_json, encoding="utf-8")
+    files = {"config.json": config_for(ckpt, dtype), **tokenizer_files(ckpt)}
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def save_hf(ckpt: Checkpoint, folder: Path, dtype: str = "float32") -> Path:
+    """Write ckpt as a Hugging Face folder, replacing any folder already there; returns folder.
+
+    Everything is written to a temporary sibling directory first and renamed into place, so a crash
+    never leaves a half-written folder under the final name.
+    """
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(SAVE_DTYPES)})")
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        _write_folder(ckpt, tmp, dtype)
+        _replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename new to target; an existing target is moved aside first (rename cannot replace a full directory)."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.replace(target, old / target.name)
+    os.replace(new, target)
+    shutil.rmtree(old)
+
+
+if __name__ == "__main__":
+    from quantize.checkpoint import load_checkpoint
+
+    print(save_hf(load_checkpoint(Path(sys.argv[1])), Path(sys.argv[2])))
