@@ -24,6 +24,11 @@ def default_eval_text() -> str:
     return resources.files("quantize").joinpath("data/eval_en.txt").read_text()
 
 
+def default_calibration_text() -> str:
+    """Importance statistics come from this text, never from the evaluation text."""
+    return resources.files("quantize").joinpath("data/calib_en.txt").read_text()
+
+
 def _fail(e: Exception) -> None:
     raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 
@@ -112,7 +117,7 @@ def eval_(bundle, reference, text_file, threads, as_json):
         ids = encode(b.tokenizer_json(), text)
         if len(ids) < 2:
             raise ValueError(f"{text_file}: the text needs at least 2 tokens")
-        q = compare(b.runner(threads), ref.runner(threads), ids, text)
+        q = compare(b.runner(threads), ref.runner(threads), ids, text, b.config.context_length)
     except USER_ERRORS as e:
         _fail(e)
     if as_json:
@@ -151,8 +156,12 @@ def inspect(bundle, as_json):
 
 
 def main() -> None:
-    cli(prog_name="edge-quantize")
+    try:
+        cli(prog_name="edge-quantize")
+    except Exception as e:  # a bug of ours: one line for the user, not a traceback
+        click.echo(f"Error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -33,18 +33,25 @@ def chunked_logits(runner: ModelRunner, ids: list[int], chunk: int = CHUNK_TOKEN
         yield start, log_softmax(logits[0])
 
 
-def compare(runner: ModelRunner, reference: ModelRunner, ids: list[int], text: str) -> Quality:
+def windows(ids: list[int], context_length: int) -> list[list[int]]:
+    """Non-overlapping windows of at most context_length tokens (a text longer than the context is
+    scored window by window, each from an empty cache, as perplexity tools do)."""
+    return [ids[i:i + context_length] for i in range(0, len(ids), context_length)]
+
+
+def compare(runner: ModelRunner, reference: ModelRunner, ids: list[int], text: str, context_length: int) -> Quality:
     """Quality of `runner` against `reference` over token ids (the text's, for its hash)."""
-    kls, agree, nll, ref_nll = [], 0, 0.0, 0.0
-    for (start, lp), (_, ref_lp) in zip(chunked_logits(runner, ids), chunked_logits(reference, ids)):
-        kls.append((np.exp(ref_lp) * (ref_lp - lp)).sum(-1))  # KL(reference || quantized), per position
-        agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
-        nxt = np.array(ids[start + 1:start + 1 + len(lp)])  # the last position has no next token
-        rows = np.arange(len(nxt))
-        nll -= lp[rows, nxt].sum()
-        ref_nll -= ref_lp[rows, nxt].sum()
+    kls, agree, nll, ref_nll, n_pred = [], 0, 0.0, 0.0, 0
+    for window in windows(ids, context_length):
+        for (start, lp), (_, ref_lp) in zip(chunked_logits(runner, window), chunked_logits(reference, window)):
+            kls.append((np.exp(ref_lp) * (ref_lp - lp)).sum(-1))  # KL(reference || quantized), per position
+            agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
+            nxt = np.array(window[start + 1:start + 1 + len(lp)])  # a window's last position has no next token
+            rows = np.arange(len(nxt))
+            nll -= lp[rows, nxt].sum()
+            ref_nll -= ref_lp[rows, nxt].sum()
+            n_pred += len(nxt)
     kl = np.concatenate(kls)
-    n_pred = len(ids) - 1
     return Quality(
         tokens=len(ids),
         perplexity=float(np.exp(nll / n_pred)),

@@ -211,9 +211,9 @@ def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, he
             scale[:, b], zp[:, b] = _search_block(current, weights[b], bits, symmetric)
             return scale[:, b:b + 1], zp[:, b:b + 1]
 
-    j_sweep = _gptq_sweep(np.array(w, dtype=np.float32)[:, order], u, bits, block_size, choose)
+    wt = np.ascontiguousarray(np.asarray(w, dtype=np.float32).T[order])  # [K, N], sweep order
     j = np.zeros((n, scale.shape[1] * block_size), np.float32)  # padding: signed code 0, i.e. the zero point
-    j[:, order] = j_sweep
+    j[:, order] = _gptq_sweep(wt, u, bits, block_size, choose).T
     return _assemble(j.reshape(n, -1, block_size), scale, zp, bits, block_size, k, symmetric)
 
 
@@ -452,40 +452,41 @@ def _search_block(x: np.ndarray, weights: np.ndarray, bits: int, symmetric: bool
     return scale[:, 0], zp[:, 0]
 
 
-def _gptq_sweep(w: np.ndarray, u: np.ndarray, bits: int, block_size: int, choose) -> np.ndarray:
-    """The GPTQ loop over w float32 [N, K] (updated in place) with u float32 [K, K], both in sweep order.
+def _gptq_sweep(wt: np.ndarray, u: np.ndarray, bits: int, block_size: int, choose) -> np.ndarray:
+    """The GPTQ loop over wt = w^T float32 [K, N] (updated in place) with u float32 [K, K], in sweep order.
 
+    Transposed so that a column of w is a contiguous row: the per-column updates run ~5x faster.
     choose(start, current [N, g]) gives (scale, zp), broadcastable to [N, g], for the g sweep columns from
-    `start`, when the sweep reaches them. Returns signed codes q - zp, float32 [N, K], in sweep order."""
-    k = w.shape[1]
+    `start`, when the sweep reaches them. Returns signed codes q - zp, float32 [K, N], in sweep order."""
+    k = wt.shape[0]
     batch = max(1, _GPTQ_BATCH_COLUMNS // block_size) * block_size
-    j = np.empty_like(w)
+    j = np.empty_like(wt)
     for b0 in range(0, k, batch):
         b1 = min(b0 + batch, k)
-        w1, err = w[:, b0:b1], np.empty((w.shape[0], b1 - b0), np.float32)  # w1: a view, updated in place
+        w1, err = wt[b0:b1], np.empty((b1 - b0, wt.shape[1]), np.float32)  # w1: a view, updated in place
         for g0 in range(0, b1 - b0, block_size):
             g1 = min(g0 + block_size, b1 - b0)
-            scale, zp = choose(b0 + g0, w1[:, g0:g1])
-            j[:, b0 + g0:b0 + g1] = _gptq_group(w1, err, u[b0:b1, b0:b1], g0, g1, scale, zp, bits)
-        w[:, b1:] -= err @ u[b0:b1, b1:]  # the batch's errors reach the later batches in one matmul
+            scale, zp = choose(b0 + g0, w1[g0:g1].T)
+            j[b0 + g0:b0 + g1] = _gptq_group(w1, err, u[b0:b1, b0:b1], g0, g1, scale.T, zp.T, bits)
+        wt[b1:] -= u[b0:b1, b1:].T @ err  # the batch's errors reach the later batches in one matmul
     return j
 
 
 def _gptq_group(w1: np.ndarray, err: np.ndarray, u1: np.ndarray, g0: int, g1: int, scale: np.ndarray,
                 zp: np.ndarray, bits: int) -> np.ndarray:
-    """Quantize batch columns g0:g1 of w1 [N, batch] one at a time, each to the nearest level of its
-    (scale, zp), pushing the scaled error onto the batch's later columns; errors go to err [N, batch].
+    """Quantize rows g0:g1 of w1 [batch, N] (columns of w) one at a time, each to the nearest level of its
+    (scale, zp) [g or 1, N], pushing the scaled error onto the batch's later rows; errors go to err [batch, N].
 
-    Returns the signed codes [N, g1 - g0]. scale * code is exactly what dequantize() gives back."""
-    n, g = w1.shape[0], g1 - g0
-    scale, zp = np.broadcast_to(scale, (n, g)), np.broadcast_to(zp, (n, g))
+    Returns the signed codes [g1 - g0, N]. scale * code is exactly what dequantize() gives back."""
+    g, n = g1 - g0, w1.shape[1]
+    scale, zp = np.broadcast_to(scale, (g, n)), np.broadcast_to(zp, (g, n))
     inv = _safe_inverse(scale)[..., 0]
-    j = np.empty((n, g), np.float32)
+    j = np.empty((g, n), np.float32)
     for c in range(g):
         i = g0 + c
-        j[:, c] = np.clip(np.rint(w1[:, i] * inv[:, c] + zp[:, c]), 0, (1 << bits) - 1) - zp[:, c]
-        err[:, i] = (w1[:, i] - j[:, c] * scale[:, c]) / u1[i, i]
-        w1[:, i + 1:] -= np.outer(err[:, i], u1[i, i + 1:])
+        j[c] = np.clip(np.rint(w1[i] * inv[c] + zp[c]), 0, (1 << bits) - 1) - zp[c]
+        err[i] = (w1[i] - j[c] * scale[c]) / u1[i, i]
+        w1[i + 1:] -= np.outer(u1[i, i + 1:], err[i])
     return j
 
 

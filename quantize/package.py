@@ -126,7 +126,7 @@ def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Qua
     ids = encode(ckpt.tokenizer.tokenizer_json, eval_text)
     if spec.precision == "fp32":
         progress(f"evaluating perplexity over {len(ids)} tokens")
-        return compare(runner, runner, ids, eval_text)
+        return compare(runner, runner, ids, eval_text, ckpt.geometry.context_length)
     ref_dir = tmp.with_name(tmp.name + "-ref")
     ref_dir.mkdir()
     progress("building the fp32 reference graph for evaluation")
@@ -136,4 +136,4 @@ def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Qua
 
     reference = ModelRunner(ref_dir / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads)
     progress(f"evaluating against fp32 over {len(ids)} tokens")
-    return compare(runner, reference, ids, eval_text)
+    return compare(runner, reference, ids, eval_text, ckpt.geometry.context_length)

@@ -1,0 +1,93 @@
+"""edge-quantize as a user runs it: build, inspect and eval on the tiny model, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny import write_tiny_llama
+
+EVAL = "the quick brown fox jumps over the lazy dog, then the dog answers in kind. " * 6
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantize.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_gguf):
+    root = tmp_path_factory.mktemp("cli")
+    text = root / "eval.txt"
+    text.write_text(EVAL)
+    for precision in ("fp32", "int4"):
+        r = run("build", str(tiny_gguf), "--precision", precision, "--block-size", "16", "--eval-text", str(text),
+                "--out", str(root / precision))
+        assert r.returncode == 0, r.stderr
+    return root, text
+
+
+def test_build_writes_a_complete_bundle(built):
+    root, _ = built
+    names = {p.name for p in (root / "int4").iterdir()}
+    assert {"manifest.json", "model.onnx", "model.onnx.data", "tokenizer.json", "model_config.json"} <= names
+    assert not [p for p in root.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+
+
+def test_inspect_and_eval_json(built):
+    root, text = built
+    r = run("inspect", str(root / "int4"), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["precision"] == "int4"
+    r = run("eval", str(root / "int4"), "--reference", str(root / "fp32"), "--text", str(text), "--json")
+    assert r.returncode == 0, r.stderr
+    q = json.loads(r.stdout)
+    assert {"mean_kl", "p99_kl", "top1_agreement", "perplexity", "reference_perplexity", "tokens"} <= q.keys()
+    assert 0 <= q["top1_agreement"] <= 1 and q["mean_kl"] >= 0
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0]
+
+
+def test_existing_output_is_refused_and_left_alone(built, tiny_gguf):
+    root, _ = built
+    before = (root / "fp32" / "manifest.json").read_bytes()
+    assert_one_line_error(run("build", str(tiny_gguf), "--precision", "fp32", "--out", str(root / "fp32")), "exists")
+    assert (root / "fp32" / "manifest.json").read_bytes() == before
+
+
+def test_truncated_gguf(tmp_path, tiny_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:3000])
+    assert_one_line_error(run("build", str(cut), "--out", str(tmp_path / "out")), "cut.gguf")
+    assert list(tmp_path.iterdir()) == [cut]
+
+
+def test_unknown_architecture(tmp_path):
+    path = write_tiny_llama(tmp_path / "neox.gguf", architecture="gptneox")
+    assert_one_line_error(run("build", str(path), "--out", str(tmp_path / "out")), "gptneox")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source_and_bad_bundle(tmp_path):
+    assert_one_line_error(run("build", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o")), "nope.gguf")
+    assert_one_line_error(run("inspect", str(tmp_path)), "not a model bundle")
+
+
+def test_tampered_bundle_is_refused(built, tmp_path):
+    import shutil
+
+    root, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "int4", copy)
+    with open(copy / "model.onnx.data", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    assert_one_line_error(run("inspect", str(copy)), "sha256")
