@@ -16,10 +16,25 @@ import onnx
 from agent import wire
 from agent.runner import ModelRunner
 from quantize.checkpoint import Checkpoint
+from quantize.evaluate import windows
 from quantize.graph import Importance, build_graph, capture_width
 from quantize.precision import QuantSpec
 
 CHUNK_TOKENS = 256
+
+
+def _accumulate(runner: ModelRunner, ids: list[int], keys: list[str], g, sums: dict, hessians: dict) -> None:
+    """Add one context window's activation statistics (chunked like a prefill) into sums / hessians."""
+    cache = runner.new_cache(1, len(ids))
+    for start in range(0, len(ids), CHUNK_TOKENS):
+        part = ids[start:start + CHUNK_TOKENS]
+        n = len(part)
+        capture = {k: np.empty((1, n, capture_width(g, k)), np.float32) for k in keys}
+        runner.forward(np.array([part]), np.array([start + n - 1]), np.array([n]), np.array([[n - 1]]), cache, capture)
+        for k, a in capture.items():
+            sums[k] += np.square(a[0], dtype=np.float64).sum(0)
+            if k in hessians:
+                hessians[k] += (a[0].T @ a[0]).astype(np.float64)
 
 
 @dataclass
@@ -40,14 +55,6 @@ def calibrate(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, thr
         runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads)
         sums = {k: np.zeros(capture_width(g, k), np.float64) for k in keys}
         hessians = {k: np.zeros((capture_width(g, k),) * 2, np.float64) for k in keys} if with_hessians else {}
-        cache = runner.new_cache(1, len(ids))
-        for start in range(0, len(ids), CHUNK_TOKENS):
-            part = ids[start:start + CHUNK_TOKENS]
-            n = len(part)
-            capture = {k: np.empty((1, n, capture_width(g, k)), np.float32) for k in keys}
-            runner.forward(np.array([part]), np.array([start + n - 1]), np.array([n]), np.array([[n - 1]]), cache, capture)
-            for k, a in capture.items():
-                sums[k] += np.square(a[0], dtype=np.float64).sum(0)
-                if with_hessians:
-                    hessians[k] += (a[0].T @ a[0]).astype(np.float64)
+        for window in windows(ids, g.context_length):
+            _accumulate(runner, window, keys, g, sums, hessians)
     return Calibration({k: (v / len(ids)).astype(np.float32) for k, v in sums.items()}, hessians)

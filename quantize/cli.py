@@ -42,10 +42,15 @@ def cli() -> None:
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Bundle directory to write.")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="int4", show_default=True)
-@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32", show_default=True)
-@click.option("--asymmetric", is_flag=True, help="Per-block zero points (default: symmetric blocks).")
-@click.option("--method", type=click.Choice(["rtn", "search"]), default="search", show_default=True,
-              help="rtn: round to nearest; search: per-block error-minimizing scales.")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="64", show_default=True)
+@click.option("--down-block-size", type=click.Choice(["16", "32", "64", "128"]), default="128", show_default=True,
+              help="Block size of the MLP down projection.")
+@click.option("--symmetric/--asymmetric", default=False, show_default=True, help="Per-block zero points or not.")
+@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
+              help="rtn: round to nearest; search: per-block error-minimizing scales, importance-weighted; "
+                   "gptq: search plus GPTQ error compensation.")
+@click.option("--calib-text", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Calibration text for importance and GPTQ (default: the bundled one; never the eval text).")
 @click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
               help="MatMulNBits activation compute: 4 = int8 per block, 0/1 = fp32.")
 @click.option("--embedding", type=click.Choice(["fp32", "int8", "int4"]), default=None)
@@ -57,8 +62,8 @@ def cli() -> None:
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
 @click.option("--threads", type=int, default=None)
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
-def build(source, out, precision, block_size, asymmetric, method, accuracy_level, embedding, lm_head,
-          keep_source_quant, eval_text, no_eval, name, threads, force):
+def build(source, out, precision, block_size, down_block_size, symmetric, method, calib_text, accuracy_level,
+          embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
     Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
@@ -70,13 +75,16 @@ def build(source, out, precision, block_size, asymmetric, method, accuracy_level
     try:
         if out.exists() and not force:
             raise PackageError(f"{out} already exists (use --force to replace it)")
-        spec = QuantSpec(precision=precision, block_size=int(block_size), symmetric=not asymmetric, method=method,
+        spec = QuantSpec(precision=precision, block_size=int(block_size), block_sizes={"down": int(down_block_size)},
+                         symmetric=symmetric, method=method,
                          accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
                          keep_source_quant=keep_source_quant)
         click.echo(f"reading {source}")
         ckpt = load_checkpoint(source)
         text = None if no_eval else (eval_text.read_text() if eval_text else default_eval_text())
+        calib = calib_text.read_text() if calib_text else default_calibration_text()
         bundle = build_bundle(ckpt, spec, out, name=name or _name_of(source), force=force, eval_text=text,
+                              calibration_text=calib,
                               threads=threads, progress=lambda s: click.echo(f"  {s}"))
     except USER_ERRORS as e:
         _fail(e)

@@ -63,6 +63,7 @@ class LinearPlan:
     """How one projection is computed: its precision and, if kept from the GGUF, the source blocks."""
 
     precision: Precision
+    block_size: int = 32
     source: list[SourceBlocks] | None = None  # the fused rows' blocks, in order
 
 
@@ -85,12 +86,13 @@ def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, p
     bits = 8 if plan.precision == "int8" else 4
     hessian = b.hessians.get(key) if key else None
     if spec.method == "gptq" and hessian is not None:
-        q = nbits.quantize_gptq(w, bits, spec.block_size, spec.symmetric, hessian, importance=importance)
+        q = nbits.quantize_gptq(w, bits, plan.block_size, spec.symmetric, hessian, importance=importance,
+                                act_order=spec.act_order)
     elif spec.method in ("search", "gptq"):
-        q = nbits.quantize_search(w, bits, spec.block_size, spec.symmetric, importance)
+        q = nbits.quantize_search(w, bits, plan.block_size, spec.symmetric, importance)
     else:
-        q = nbits.quantize_rtn(w, bits, spec.block_size, spec.symmetric)
-    b.report.append(f"{name}: int{bits} {spec.method} block {spec.block_size} "
+        q = nbits.quantize_rtn(w, bits, plan.block_size, spec.symmetric)
+    b.report.append(f"{name}: int{bits} {spec.method} block {plan.block_size} "
                     f"{'sym' if spec.symmetric else 'asym'}{' imatrix' if importance is not None else ''}")
     return _matmul_nbits(b, name, x, q, spec.accuracy_level)
 
@@ -164,6 +166,24 @@ def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: Qu
         inputs.append(b.const("model.embed_tokens.zero_points", q.zero_points))
     return b.one("GatherBlockQuantized", inputs, "/model/embed_tokens/GatherBlockQuantized", MS_DOMAIN,
                  bits=bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+
+
+def tied_fp32(b: GraphBuilder, table: np.ndarray) -> tuple[str, Callable[[str], str]]:
+    """A tied fp32 embedding / lm_head stored once: Gather rows, and Gemm(transB=1) on the same [V, H] table."""
+    w = b.const("model.embed_tokens.weight", table)
+    x = b.one("Gather", [w, wire.INPUT_IDS], "/model/embed_tokens/Gather")
+    b.report.append(f"embed_tokens + lm_head (tied, stored once): fp32 [{table.shape[0]}x{table.shape[1]}]")
+
+    def lm_head(h: str) -> str:
+        #   h [B, n, H] -> [B*n, H] -> Gemm(., table^T) [B*n, V] -> [B, n, V]   (Gemm wants 2-D inputs)
+        flat = b.one("Reshape", [h, b.const("/lm_head.flat", np.array([-1, table.shape[1]], np.int64))], "/lm_head/Reshape")
+        y = b.one("Gemm", [flat, w], "/lm_head/Gemm", transB=1)
+        lead = b.one("Shape", [h], "/lm_head/Shape", start=0, end=2)
+        shape = b.one("Concat", [lead, b.const("/lm_head.vocab", np.array([table.shape[0]], np.int64))],
+                      "/lm_head/Concat", axis=0)
+        return b.one("Reshape", [y, shape], "/lm_head/Reshape_out")
+
+    return x, lm_head
 
 
 def head_block_size(spec: QuantSpec, hidden: int) -> int:
@@ -276,7 +296,7 @@ def plan_linears(ckpt: Checkpoint, spec: QuantSpec, precision_of: Callable[[str,
             precision = precision_of(kind, i)
             src = [ckpt.source_blocks.get(f"model.layers.{i}.{n}.weight") for n in names]
             keep = spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
-            plans[kind].append(LinearPlan(precision, src if keep else None))
+            plans[kind].append(LinearPlan(precision, spec.block_sizes.get(kind, spec.block_size), src if keep else None))
     return plans
 
 
@@ -325,11 +345,13 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     b = GraphBuilder(importance=importance or {}, hessians=hessians or {})
     rotary_cache(b, g)
     table = ckpt.weights["model.embed_tokens.weight"]
-    if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":
+    if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":  # one copy
         x, lm_head = tied_int8(b, table, spec)
+    elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "fp32":
+        x, lm_head = tied_fp32(b, table)
     else:
         x = embedding(b, table, spec.embedding_precision, spec)
-        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision))  # noqa: E731
+        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision, spec.block_size))  # noqa: E731
     residual = x
     x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
               ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",

@@ -15,14 +15,22 @@ class QuantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     precision: Precision = "fp32"
-    block_size: Literal[16, 32, 64, 128] = 32
-    symmetric: bool = True
+    # The defaults are the measured best INT4 recipe at no more than llama.cpp Q4_0's size for SmolLM2
+    # (docs/benchmarks.md): asymmetric blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for the
+    # zero points, GPTQ with activation order when a calibration text is given.
+    block_size: Literal[16, 32, 64, 128] = 64
+    # Per-projection overrides of block_size, by fused kind: "qkv", "o", "gate_up", "down". A block that
+    # does not divide K pads the row, so keep these to divisors of the projection's input size.
+    block_sizes: dict[Literal["qkv", "o", "gate_up", "down"], Literal[16, 32, 64, 128]] = {"down": 128}
+    symmetric: bool = False
     # MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (fast int8 kernels on CPU),
     # 0 keeps them in fp32. Per-block activation scales keep quality (unlike per-tensor dynamic quantization).
     accuracy_level: Literal[0, 1, 4] = 4
     # "rtn": round to nearest; "search": per-block error-minimizing scale search, importance-weighted
     # when a calibration text is given; "gptq": search plus GPTQ error compensation (needs calibration).
-    method: Literal["rtn", "search", "gptq"] = "search"
+    method: Literal["rtn", "search", "gptq"] = "gptq"
+    # GPTQ's column order: by decreasing activation energy (static groups keep the block structure)
+    act_order: bool = True
     # Block size of the 8-bit embedding / lm_head (stored once when tied). None: the largest that divides
     # the hidden size (large blocks cost least space, 8 bits leave little to gain from small ones, and a
     # block that does not divide the row pads it).
