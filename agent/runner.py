@@ -37,6 +37,16 @@ class KVCache:
     keys_ort: list[ort.OrtValue]
     values_ort: list[ort.OrtValue]
 
+    @classmethod
+    def wrap(cls, keys: list[np.ndarray], values: list[np.ndarray]) -> "KVCache":
+        """Wrap numpy buffers (or contiguous views of a pool) without copying them."""
+        for a in keys + values:
+            # ORT silently copies a non-contiguous array, and then the graph's writes never reach the pool
+            if not a.flags.c_contiguous or a.dtype != np.float32:
+                raise ValueError("KV buffers must be C-contiguous float32")
+        as_ort = lambda arrs: [ort.OrtValue.ortvalue_from_numpy(a) for a in arrs]  # noqa: E731
+        return cls(keys, values, as_ort(keys), as_ort(values))
+
     @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
@@ -62,9 +72,7 @@ class ModelRunner:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
         keys = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
         values = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
-        # ortvalue_from_numpy wraps the (contiguous) numpy memory without copying it
-        as_ort = lambda arrs: [ort.OrtValue.ortvalue_from_numpy(a) for a in arrs]  # noqa: E731
-        return KVCache(keys, values, as_ort(keys), as_ort(values))
+        return KVCache.wrap(keys, values)
 
     def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, query_seqlens: np.ndarray,
                 logits_indices: np.ndarray, cache: KVCache, capture: dict[str, np.ndarray] | None = None) -> np.ndarray:

@@ -125,3 +125,22 @@ class ModelConfig(_Frozen):
     @classmethod
     def read(cls, bundle: Path) -> "ModelConfig":
         return cls.model_validate_json((Path(bundle) / MODEL_CONFIG).read_bytes())
+
+
+# ---- Per-request figures (the engine computes them; the API, telemetry and the fleet carry them) --------
+class RequestFigures(_Frozen):
+    """What one request cost and how fast it ran. Times are wall-clock, monotonic, in milliseconds."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    queue_ms: float  # submission -> admitted into the batch
+    ttft_ms: float  # submission -> first token (includes queue_ms)
+    prefill_tokens_per_s: float  # prompt tokens computed / prefill time
+    decode_tokens_per_s: float  # (completion_tokens - 1) / (last token - first token); 0 if < 2 tokens
+    itl_p50_ms: float  # inter-token latency percentiles over the decode
+    itl_p95_ms: float
+    e2e_ms: float  # submission -> finished
+    kv_bytes: int  # KV-cache bytes the request's slot reserved
+    finish_reason: str  # stop | length | cancelled | error
+    preemptions: int = 0

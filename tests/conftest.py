@@ -35,3 +35,13 @@ def real_checkpoint(real_gguf):
     from quantize.checkpoint import load_checkpoint
 
     return load_checkpoint(real_gguf)
+
+
+@pytest.fixture(scope="session")
+def real_fp32_bundle(real_checkpoint, tmp_path_factory):
+    """The real SmolLM2 as an fp32 bundle (built once per test session)."""
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    return build_bundle(real_checkpoint, QuantSpec(), tmp_path_factory.mktemp("real") / "fp32", name="smollm2",
+                        progress=lambda s: None)

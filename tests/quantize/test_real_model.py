@@ -35,14 +35,9 @@ def weight_bytes(bundle) -> int:
     return bundle.manifest.files["model.onnx.data"].size_bytes
 
 
-@pytest.fixture(scope="module")
-def fp32(real_checkpoint, tmp_path_factory):
-    return build_bundle(real_checkpoint, QuantSpec(), tmp_path_factory.mktemp("real") / "fp32", name="smollm2")
-
-
-def test_fp32_greedy_chat_matches_numpy_reference_for_32_tokens(real_checkpoint, fp32):
+def test_fp32_greedy_chat_matches_numpy_reference_for_32_tokens(real_checkpoint, real_fp32_bundle):
     ids = encode(real_checkpoint.tokenizer.tokenizer_json, CHAT)
-    ours = greedy(fp32.runner(), ids, 32)
+    ours = greedy(real_fp32_bundle.runner(), ids, 32)
     assert ours == reference.greedy(real_checkpoint, ids, 32)
     text = Tokenizer.from_str(real_checkpoint.tokenizer.tokenizer_json).decode(ours)
     assert "Paris" in text

@@ -1,0 +1,100 @@
+"""edge-agent: the on-device service's command line.
+
+Run: edge-agent generate --model BUNDLE [--chat] [--max-tokens N] [--threads N] [--ignore-eos] [--json] "prompt"
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from agent.bundle import BundleError, open_bundle
+from agent.config import EngineConfig
+from agent.memory import MemoryBudgetError
+from agent.process import peak_rss_bytes
+
+USER_ERRORS = (BundleError, MemoryBudgetError, ValueError, OSError)
+
+
+def _fail(e: Exception) -> None:
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        raise click.ClickException(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+    raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log engine details to stderr.")
+def cli(verbose: bool) -> None:
+    """The edge LLM agent."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--model", "model", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("--system", default=None, help="System message (with --chat).")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0)
+@click.option("--top-k", type=int, default=0)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--threads", type=int, default=None)
+@click.option("--memory-budget-mb", type=int, default=1024, show_default=True)
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k, seed, stop, threads,
+             memory_budget_mb, ignore_eos, as_json):
+    """Generate a completion of PROMPT, streaming it to the terminal, then print the figures.
+
+    Example: edge-agent generate --model bundles/smollm2-int4 --chat "Name three rivers."
+    """
+    from agent.engine import Engine, TextDelta
+    from agent.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop=list(stop), ignore_eos=ignore_eos)
+        engine = Engine(open_bundle(model), EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb))
+        text = prompt
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = engine.tokenizer.render_chat(messages)
+        handle = engine.submit(engine.tokenizer.encode(text), params)
+    except (ValidationError, *USER_ERRORS) as e:
+        _fail(e)
+    engine.start()
+    for ev in handle:
+        if isinstance(ev, TextDelta) and not as_json:
+            click.echo(ev.text, nl=False)
+    engine.stop()
+    f = ev.figures
+    if as_json:
+        click.echo(json.dumps({"text": ev.text, "prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+                               "ttft_ms": round(f.ttft_ms, 2), "decode_tokens_per_s": round(f.decode_tokens_per_s, 2),
+                               "prefill_tokens_per_s": round(f.prefill_tokens_per_s, 2),
+                               "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "finish_reason": f.finish_reason}))
+    else:
+        click.echo(f"\n\n[{f.finish_reason}] prompt {f.prompt_tokens} tokens, completion {f.completion_tokens} tokens | "
+                   f"TTFT {f.ttft_ms:.0f} ms | prefill {f.prefill_tokens_per_s:.0f} tok/s | "
+                   f"decode {f.decode_tokens_per_s:.1f} tok/s | ITL p50/p95 {f.itl_p50_ms:.1f}/{f.itl_p95_ms:.1f} ms | "
+                   f"peak RSS {peak_rss_bytes() / 2**20:.0f} MB", err=True)
+
+
+def main() -> None:
+    try:
+        cli(prog_name="edge-agent")
+    except Exception as e:  # a bug of ours: one line for the user, not a traceback
+        click.echo(f"Error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The generation loop: requests in, tokens out, one batched model step at a time.
+
+Only the engine thread touches the scheduler, the KV pool and the runner. Other threads call `submit()`
+(thread-safe) and read their request's event queue; `cancel()` only sets a flag the loop acts on at its
+next step. A step runs each prompt chunk the scheduler picked (one-slot view of its pool) and then one
+decode call per size class over its live slots [0:n], rows that are not decoding passing
+query_seqlens = 0 so they neither compute into nor change their cache.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.bundle import Bundle
+from agent.config import EngineConfig
+from agent.kv_cache import KVPool
+from agent.memory import MB, MemoryBudgetError, class_capacities, kv_bytes_per_token, plan_slots, required_budget_bytes
+from agent.process import peak_rss_bytes, reset_peak_rss
+from agent.sampler import make_rng, sample
+from agent.sampling_params import SamplingParams
+from agent.scheduler import Scheduler
+from agent.sequence import FinishReason, Sequence, Status
+from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
+from agent.wire import RequestFigures
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses up front; `code` follows OpenAI's error codes."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str  # the whole completion
+    token_ids: list[int]
+    figures: RequestFigures
+
+
+class RequestHandle:
+    """The submitter's side of a request: iterate its events; cancel() from any thread."""
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.events: queue.Queue = queue.Queue()
+        self.text_parts: list[str] = []  # written by the engine thread only
+
+    def cancel(self) -> None:
+        self.seq.cancelled = True
+
+    def __iter__(self):
+        while True:
+            ev = self.events.get()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    def result(self) -> Finished:
+        *_, last = iter(self)
+        return last
+
+
+class Engine:
+    def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig()):
+        self.bundle, self.config = bundle, config
+        c = bundle.config
+        self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
+        self.eos_ids = set(c.eos_token_ids)
+        reset_peak_rss()
+        self.runner = bundle.runner(config.threads)
+        self.max_context = min(config.max_context or c.context_length, c.context_length)
+        self.kv = self._plan_kv()
+        self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens)
+        self.streams: dict[int, tuple[RequestHandle, IncrementalDetokenizer]] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- memory ----
+    def _plan_kv(self) -> KVPool:
+        """Measure what the model costs with its largest step, then give the rest of the budget to KV."""
+        c = self.bundle.config
+        per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+        self._warm_up()
+        self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
+        budget = self.config.memory_budget_mb * MB
+        need = required_budget_bytes(self.baseline_bytes, per_token, self.config.min_context)
+        if budget < need:
+            raise MemoryBudgetError(f"memory_budget_mb={self.config.memory_budget_mb} is too small for "
+                                    f"{self.bundle.manifest.name}@{self.bundle.manifest.version}: it needs at least "
+                                    f"{-(-need // MB)} MB ({self.baseline_bytes / MB:.0f} MB model and runtime + "
+                                    f"{self.config.min_context}-token KV cache)")
+        capacities = class_capacities(self.max_context, min(self.config.kv_smallest_class, self.max_context))
+        classes = plan_slots(budget - self.baseline_bytes, per_token, capacities, self.config.min_context)
+        pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim)
+        log.info("KV cache: %s (%.0f MB of %d MB budget)", ", ".join(f"{x.num_slots}x{x.capacity_tokens}" for x in classes),
+                 pool.nbytes / MB, self.config.memory_budget_mb)
+        return pool
+
+    def _warm_up(self) -> None:
+        """Run the largest step once (a full prefill chunk attending over the whole context)."""
+        chunk = min(self.config.prefill_chunk_tokens, self.max_context)
+        cache = self.runner.new_cache(1, self.max_context)
+        ids = np.zeros((1, chunk), np.int64)
+        self.runner.forward(ids, np.array([self.max_context - 1]), np.array([chunk]), np.array([[chunk - 1]]), cache)
+        del cache
+
+    # ---- submission (any thread) ----
+    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestHandle:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.kv.max_capacity:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                               f"{self.kv.max_capacity} (prompt plus at least one generated token)",
+                               "context_length_exceeded")
+        total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
+        seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
+        handle = RequestHandle(seq)
+        self._inbox.put(handle)
+        self._wake.set()
+        return handle
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Finished:
+        """Submit and wait (the loop must be running, or this drives it in the calling thread)."""
+        handle = self.submit(prompt_ids, params)
+        if self._thread is None:
+            while not handle.seq.is_finished or not handle.events.empty():
+                self.step()
+                if handle.seq.is_finished:
+                    break
+        return handle.result()
+
+    # ---- the loop (engine thread) ----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.5)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """One scheduling round and model step. Returns False when there was nothing to do."""
+        self._drain_inbox()
+        for seq in self.scheduler.reap_cancelled():
+            self._finish_stream(seq)
+        for seq in self.scheduler.admit():
+            if seq.is_finished:  # cancelled while waiting
+                self._finish_stream(seq)
+        plan = self.scheduler.plan()
+        if plan.is_empty:
+            return False
+        for seq, n in plan.prefills:
+            self._prefill(seq, n)
+        for idx, seqs in plan.decodes.items():
+            self._decode(idx, seqs)
+        return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            seq = handle.seq
+            self.streams[seq.seq_id] = (handle, self.tokenizer.detokenizer(seq.params.stop, seq.prompt_ids))
+            self.scheduler.add(handle.seq)
+
+    def _prefill(self, seq: Sequence, n: int) -> None:
+        pool = self.scheduler.pool_of(seq)
+        slot = pool.slot_of(seq.seq_id)
+        start = seq.num_computed
+        ids = np.array([seq.all_ids[start:start + n]], np.int64)
+        logits = self.runner.forward(ids, np.array([start + n - 1]), np.array([n]), np.array([[n - 1]]),
+                                     pool.view(slot, slot + 1))
+        seq.num_computed += n
+        pool.lengths[seq.seq_id] = seq.num_computed
+        if seq.num_uncomputed == 0:  # prompt (and any recomputed output) done: sample the next token
+            seq.start_decoding()
+            self._accept(seq, self._sample(seq, logits[0, 0]))
+
+    def _decode(self, idx: int, seqs: list[Sequence]) -> None:
+        pool = self.kv.classes[idx]
+        n = len(pool.owners)
+        decoding = {s.seq_id: s for s in seqs}
+        ids = np.zeros((n, 1), np.int64)
+        seqlens = np.zeros(n, np.int32)
+        q = np.zeros(n, np.int32)
+        for row, owner in enumerate(pool.owners):
+            s = decoding.get(owner)
+            if s is not None:
+                ids[row, 0], seqlens[row], q[row] = s.all_ids[s.num_computed], s.num_computed, 1
+            else:  # a slot still prefilling: idle row, cache untouched
+                seqlens[row] = max(pool.lengths[owner] - 1, 0)
+        logits = self.runner.forward(ids, seqlens, q, np.zeros((n, 1), np.int64), pool.view(0, n))
+        rows = {owner: row for row, owner in enumerate(pool.owners)}
+        for s in seqs:
+            s.num_computed += 1
+            pool.lengths[s.seq_id] = s.num_computed
+            self._accept(s, self._sample(s, logits[rows[s.seq_id], 0]))
+
+    def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
+        return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """Append a sampled token, stream its text, and finish the request if it is done."""
+        seq.append_token(token)
+        handle, detok = self.streams[seq.seq_id]
+        is_eos = token in self.eos_ids and not seq.params.ignore_eos
+        delta = "" if is_eos else detok.add(token)
+        if delta:
+            handle.text_parts.append(delta)
+            handle.events.put(TextDelta(delta))
+        reason = None
+        if detok.stopped or is_eos:
+            reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+            reason = FinishReason.LENGTH
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self._finish_stream(seq)
+
+    def _finish_stream(self, seq: Sequence) -> None:
+        handle, detok = self.streams.pop(seq.seq_id)
+        tail = detok.flush()  # held-back text that turned out not to be a stop string
+        if tail:
+            handle.text_parts.append(tail)
+            handle.events.put(TextDelta(tail))
+        handle.events.put(Finished("".join(handle.text_parts), list(seq.output_ids), seq.figures()))
+
+    # ---- state for health, metrics and telemetry ----
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + self._inbox.qsize()
+
+    def kv_utilization(self) -> float:
+        return self.kv.utilization()
+
+    def is_decoding(self, seq: Sequence) -> bool:
+        return seq.status is Status.DECODING

@@ -1,0 +1,106 @@
+"""The KV-cache pool: preallocated slots in a few size classes, updated in place by the graph.
+
+Each size class is one buffer per layer, keys and values [slots, kv_heads, capacity, head_dim]. Live
+sequences occupy slots 0..n-1 of their class (kept compact: a finished sequence's slot is refilled by
+moving the last live one into it), so a decode step binds the contiguous view [0:n] of each buffer and no
+step ever copies the cache; a prefill binds the one-slot view [i:i+1].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agent.memory import SizeClass
+from agent.runner import KVCache
+
+
+@dataclass
+class SlotPool:
+    """One size class. `owners[i]` is the id of the sequence in slot i; slots >= len(owners) are free."""
+
+    capacity: int
+    num_slots: int
+    keys: list[np.ndarray]
+    values: list[np.ndarray]
+    owners: list[int] = field(default_factory=list)
+    lengths: dict[int, int] = field(default_factory=dict)  # sequence id -> tokens held
+    _views: dict[tuple[int, int], KVCache] = field(default_factory=dict)
+
+    @property
+    def num_free(self) -> int:
+        return self.num_slots - len(self.owners)
+
+    def slot_of(self, seq_id: int) -> int:
+        return self.owners.index(seq_id)
+
+    def view(self, lo: int, hi: int) -> KVCache:
+        """KV buffers of slots [lo, hi) as one batch (cached: wrapping 2 x layers arrays costs microseconds)."""
+        key = (lo, hi)
+        if key not in self._views:
+            self._views[key] = KVCache.wrap([k[lo:hi] for k in self.keys], [v[lo:hi] for v in self.values])
+        return self._views[key]
+
+    def allocate(self, seq_id: int) -> int:
+        assert self.num_free > 0, "allocate() without can_allocate()"
+        self.owners.append(seq_id)
+        self.lengths[seq_id] = 0
+        return len(self.owners) - 1
+
+    def free(self, seq_id: int) -> None:
+        """Release a slot; the last live sequence moves into it so live slots stay 0..n-1."""
+        hole, last = self.slot_of(seq_id), len(self.owners) - 1
+        del self.lengths[seq_id]
+        if hole != last:
+            moved = self.owners[last]
+            n = self.lengths[moved]
+            for buf in self.keys + self.values:
+                buf[hole, :, :n] = buf[last, :, :n]
+            self.owners[hole] = moved
+        self.owners.pop()
+
+
+class KVPool:
+    """All size classes. Sequences get the smallest class whose capacity holds their whole need."""
+
+    def __init__(self, classes: list[SizeClass], num_layers: int, kv_heads: int, head_dim: int):
+        self.classes = [self._make(c, num_layers, kv_heads, head_dim) for c in sorted(classes, key=lambda c: c.capacity_tokens)]
+        self.where: dict[int, SlotPool] = {}
+
+    @staticmethod
+    def _make(c: SizeClass, layers: int, kv_heads: int, head_dim: int) -> SlotPool:
+        shape = (c.num_slots, kv_heads, c.capacity_tokens, head_dim)
+        # np.zeros maps untouched pages lazily: RSS grows with the tokens actually held
+        return SlotPool(c.capacity_tokens, c.num_slots, [np.zeros(shape, np.float32) for _ in range(layers)],
+                        [np.zeros(shape, np.float32) for _ in range(layers)])
+
+    @property
+    def max_capacity(self) -> int:
+        return self.classes[-1].capacity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for p in self.classes for a in p.keys + p.values)
+
+    def fitting(self, tokens: int) -> SlotPool | None:
+        """The smallest class with a free slot that holds `tokens`, else None."""
+        return next((p for p in self.classes if p.capacity >= tokens and p.num_free > 0), None)
+
+    def can_allocate(self, tokens: int) -> bool:
+        return self.fitting(tokens) is not None
+
+    def allocate(self, seq_id: int, tokens: int) -> SlotPool:
+        pool = self.fitting(tokens)
+        assert pool is not None, "allocate() without can_allocate()"
+        pool.allocate(seq_id)
+        self.where[seq_id] = pool
+        return pool
+
+    def free(self, seq_id: int) -> None:
+        self.where.pop(seq_id).free(seq_id)
+
+    def utilization(self) -> float:
+        """Tokens held / tokens allocated (over all slots of all classes)."""
+        held = sum(sum(p.lengths.values()) for p in self.classes)
+        total = sum(p.capacity * p.num_slots for p in self.classes)
+        return held / total if total else 0.0

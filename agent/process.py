@@ -1,0 +1,28 @@
+"""This process's memory, as Linux reports it (/proc/self)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss_bytes() -> int:
+    return _status_kb("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since start or since the last reset_peak_rss()."""
+    return _status_kb("VmHWM") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (writing 5 to clear_refs, Linux >= 4.0), so a peak can be measured."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not permitted here: the peak then covers the whole process life, which overestimates safely

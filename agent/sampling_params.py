@@ -1,0 +1,86 @@
+"""How one request wants its tokens chosen: the OpenAI-style sampling knobs, validated once at the API boundary.
+
+`SamplingParams` is frozen wire data; `agent.sampler` reads it to pick each token and the engine reads
+`max_tokens`, `stop` and `ignore_eos` to decide when a sequence is finished. Every rejected value is
+reported with its field name and the range it must lie in, so an API client can fix its request.
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+
+MAX_STOP_STRINGS = 4  # the OpenAI API's limit ("up to 4 sequences")
+_SEED_MIN, _SEED_MAX = -(1 << 63), 1 << 64  # int64 or uint64: what a C client may send; see make_rng
+
+
+def _interval(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    """Human-readable range: '>= 1', '> 0', 'in [0, 1]', 'in (0, 1]'."""
+    if hi is None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def _in_range(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False,
+              note: str = "") -> AfterValidator:
+    """A validator that rejects values outside the range (and NaN or infinity), naming field and range."""
+    allowed = _interval(lo, hi, lo_open, hi_open) + (f" ({note})" if note else "")
+
+    def check(value: float, info: ValidationInfo) -> float:
+        ok = math.isfinite(value) and (value > lo if lo_open else value >= lo)
+        if hi is not None:
+            ok = ok and (value < hi if hi_open else value <= hi)
+        if not ok:
+            raise ValueError(f"{info.field_name} must be {allowed}, got {value!r}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _as_list(value: object) -> object:
+    # OpenAI's `stop` is "string or array": a lone string is a list of one.
+    return [value] if isinstance(value, str) else value
+
+
+def _check_stop(stop: list[str]) -> list[str]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop strings must be non-empty (1 or more characters)")
+    return stop
+
+
+def _check_seed(seed: int | None) -> int | None:
+    if seed is not None and not _SEED_MIN <= seed < _SEED_MAX:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
+    return seed
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings of one request; defaults match the OpenAI API (temperature 1, nothing filtered)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: Annotated[int, _in_range(1)] = 256
+    temperature: Annotated[float, _in_range(0, note="0 = greedy")] = 1.0
+    top_p: Annotated[float, _in_range(0, 1, lo_open=True)] = 1.0
+    top_k: Annotated[int, _in_range(0, note="0 = off")] = 0
+    min_p: Annotated[float, _in_range(0, 1)] = 0.0
+    # vLLM semantics over prompt + output tokens: positive logits divided, negative ones multiplied.
+    repetition_penalty: Annotated[float, _in_range(0, lo_open=True, note="1 = off")] = 1.0
+    # OpenAI semantics over output tokens only: logit -= count * frequency + (count > 0) * presence.
+    presence_penalty: Annotated[float, _in_range(-2, 2)] = 0.0
+    frequency_penalty: Annotated[float, _in_range(-2, 2)] = 0.0
+    seed: Annotated[int | None, AfterValidator(_check_seed)] = None
+    stop: Annotated[list[str], BeforeValidator(_as_list), AfterValidator(_check_stop)] = Field(default_factory=list)
+    ignore_eos: bool = False  # keep generating through EOS until max_tokens (benchmarks); the engine's rule
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)

@@ -1,0 +1,123 @@
+"""The engine on real bundles: greedy output equals the numpy reference, batching changes nothing,
+seeds reproduce, stop strings are honoured, and bad budgets / prompts get clear errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference
+from agent.config import EngineConfig
+from agent.engine import Engine, Finished, RequestError, TextDelta
+from agent.memory import MemoryBudgetError
+from agent.sampling_params import SamplingParams
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("eng") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle):
+    return Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=16))
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 260, int(rng.integers(5, 40))).tolist() for _ in range(n)]
+
+
+def test_greedy_equals_numpy_reference_for_32_tokens(engine, tiny_checkpoint):
+    ids = prompts(1)[0]
+    out = engine.generate(ids, SamplingParams(max_tokens=32, **GREEDY))
+    assert out.token_ids == reference.greedy(tiny_checkpoint, ids, 32)
+    assert out.figures.completion_tokens == 32 and out.figures.finish_reason == "length"
+
+
+def test_concurrent_requests_equal_one_at_a_time(engine):
+    ps = prompts(6, seed=1)
+    alone = [engine.generate(p, SamplingParams(max_tokens=20, **GREEDY)).token_ids for p in ps]
+    handles = [engine.submit(p, SamplingParams(max_tokens=20, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in handles):
+        engine.step()
+    assert [h.result().token_ids for h in handles] == alone
+
+
+def test_in_place_cache_decode_equals_recompute(tiny_bundle):
+    runner = tiny_bundle.runner(2)
+    ids = prompts(1, seed=2)[0] + [7, 8, 9, 10]
+    n = len(ids)
+    full = runner.forward(np.array([ids]), np.array([n - 1]), np.array([n]), np.arange(n)[None], runner.new_cache(1, 64))
+    cache = runner.new_cache(1, 64)
+    runner.forward(np.array([ids[:-4]]), np.array([n - 5]), np.array([n - 4]), np.array([[0]]), cache)
+    for t in range(n - 4, n):
+        step = runner.forward(np.array([[ids[t]]]), np.array([t]), np.array([1]), np.zeros((1, 1), np.int64), cache)
+        np.testing.assert_allclose(step[0, 0], full[0, t], rtol=1e-4, atol=1e-4 * np.abs(full).max())
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_fp32_bundle):
+    return Engine(real_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=1024))
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(engine.tokenizer.render_chat([{"role": "user", "content": text}]))
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_equals_numpy_reference_for_16_tokens(real_engine, real_checkpoint):
+    ids = chat(real_engine, "Name a large river in Europe.")
+    out = real_engine.generate(ids, SamplingParams(max_tokens=16, **GREEDY))
+    assert out.token_ids == reference.greedy(real_checkpoint, ids, 16)
+
+
+@pytest.mark.real_model
+def test_same_seed_same_text_and_different_seed_differs(real_engine):
+    p = chat(real_engine, "Write a short poem about the sea.")
+    params = dict(max_tokens=24, temperature=1.0, top_p=0.95, ignore_eos=True)
+    a = real_engine.generate(p, SamplingParams(seed=7, **params)).text
+    b = real_engine.generate(p, SamplingParams(seed=7, **params)).text
+    c = real_engine.generate(p, SamplingParams(seed=8, **params)).text
+    assert a == b and a != c
+
+
+@pytest.mark.real_model
+def test_stop_string_across_tokens_is_honoured_and_never_streamed(real_engine):
+    p = chat(real_engine, "Explain in two sentences why the sky is blue.")
+    free = real_engine.generate(p, SamplingParams(max_tokens=40, **GREEDY)).text
+    assert len(free) > 30
+    # a stop string that starts and ends inside tokens: "Rayleigh" -> "ayleig" style cut of the output
+    stop = free[11:19]
+    handle = real_engine.submit(p, SamplingParams(max_tokens=40, stop=[stop], **GREEDY))
+    while not handle.seq.is_finished:
+        real_engine.step()
+    events = list(handle)
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    final = events[-1]
+    assert isinstance(final, Finished) and final.figures.finish_reason == "stop"
+    assert streamed == final.text == free[:free.index(stop)]
+    assert stop not in streamed
+
+
+def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(engine):
+    with pytest.raises(RequestError, match="context") as e:
+        engine.submit(list(range(3, 3 + 300)) * 2, SamplingParams(max_tokens=4))
+    assert e.value.code == "context_length_exceeded"
+    assert engine.generate(prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY)).figures.completion_tokens == 4
+
+
+def test_budget_too_small_is_a_clear_error(tiny_bundle):
+    with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
+        Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
+
+
+def test_figures_are_consistent(engine):
+    f = engine.generate(prompts(1, seed=5)[0], SamplingParams(max_tokens=16, **GREEDY)).figures
+    assert f.ttft_ms >= f.queue_ms >= 0 and f.e2e_ms >= f.ttft_ms
+    assert f.decode_tokens_per_s > 0 and f.prefill_tokens_per_s > 0 and f.itl_p95_ms >= f.itl_p50_ms
+    assert f.kv_bytes > 0
