@@ -85,7 +85,7 @@ def build(source, out, precision, block_size, down_block_size, symmetric, method
         calib = calib_text.read_text() if calib_text else default_calibration_text()
         bundle = build_bundle(ckpt, spec, out, name=name or _name_of(source), force=force, eval_text=text,
                               calibration_text=calib,
-                              threads=threads, progress=lambda s: click.echo(f"  {s}"))
+                              threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True)
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)

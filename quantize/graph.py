@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+from tqdm import tqdm
 from onnx import TensorProto, helper, numpy_helper
 
 from agent import wire
@@ -333,7 +334,7 @@ def io_spec(g: Geometry) -> tuple[list, list]:
 def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
                 hessians: dict[str, np.ndarray] | None = None,
                 precision_of: Callable[[str, int], Precision] | None = None,
-                capture: bool = False) -> tuple[onnx.ModelProto, list[str]]:
+                capture: bool = False, show_progress: bool = False) -> tuple[onnx.ModelProto, list[str]]:
     """The decoder ModelProto and a line per weight saying what precision it got.
 
     capture=True also exposes every projection's input as a graph output named after its HF weight
@@ -356,7 +357,8 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
               ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",
               epsilon=g.rms_norm_eps, axis=-1, stash_type=1)
-    for i in range(g.num_layers):
+    for i in tqdm(range(g.num_layers), desc=f"  {spec.precision} layers", unit="layer", disable=not show_progress,
+                  leave=False):
         if i > 0:
             x, residual = _skip_norm(b, f"model.layers.{i}.input_layernorm", x, residual,
                                      ckpt.layer(i, "input_layernorm.weight"), g.rms_norm_eps)

@@ -37,8 +37,10 @@ def model_config(ckpt: Checkpoint, spec: QuantSpec, name: str) -> wire.ModelConf
                             chat_template=t.chat_template, precision=spec.precision, quant=spec.model_dump())
 
 
-def write_graph(ckpt: Checkpoint, spec: QuantSpec, out: Path, calib: Calibration | None = None) -> list[str]:
-    model, report = build_graph(ckpt, spec, calib.importance if calib else None, calib.hessians if calib else None)
+def write_graph(ckpt: Checkpoint, spec: QuantSpec, out: Path, calib: Calibration | None = None,
+                show_progress: bool = False) -> list[str]:
+    model, report = build_graph(ckpt, spec, calib.importance if calib else None, calib.hessians if calib else None,
+                                show_progress=show_progress)
     onnx.save_model(model, str(out / wire.GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=wire.GRAPH_DATA, size_threshold=1024)
     return report
@@ -72,7 +74,7 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
                  eval_text: str | None = None, calibration_text: str | None = None, threads: int | None = None,
-                 progress: Callable[[str], None] = print) -> Bundle:
+                 progress: Callable[[str], None] = print, show_progress: bool = False) -> Bundle:
     """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4/INT8
     block search by activation importance."""
     out = Path(out)
@@ -87,7 +89,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
             progress("measuring activation statistics over the calibration text")
             calib = calibrate(ckpt, encode(ckpt.tokenizer.tokenizer_json, calibration_text),
                               with_hessians=spec.method == "gptq", threads=threads)
-        _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress)
+        _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress, show_progress)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,9 +97,9 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     return open_bundle(out)
 
 
-def _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress) -> None:
+def _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress, show_progress) -> None:
     progress(f"building {spec.precision} graph")
-    report = write_graph(ckpt, spec, tmp, calib)
+    report = write_graph(ckpt, spec, tmp, calib, show_progress)
     del calib  # the Hessians are large
     (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
     (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, TokenType
 from gguf.quants import quantize
@@ -46,11 +47,28 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Byte offsets of the float16 scale fields in each K-quant block (llama.cpp's block_q4_K/q5_K/q6_K).
+_KQUANT_F16_FIELDS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def random_kquant_rows(shape: tuple[int, int], qtype: QT, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid K-quant blocks (gguf cannot quantize K-quants): random codes, small fp16 scales."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, type_size), dtype=np.uint8)
+    for off in _KQUANT_F16_FIELDS[qtype]:
+        raw[..., off:off + 2] = np.full(raw.shape[:2], 0.002, np.float16)[..., None].view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
 def _add(writer: GGUFWriter, name: str, w: np.ndarray, qtype: QT) -> None:
-    if qtype == QT.F32:
+    if qtype in _KQUANT_F16_FIELDS:
+        writer.add_tensor(name, random_kquant_rows(w.shape, qtype, np.random.default_rng(w.size)), raw_dtype=qtype)
+    elif qtype == QT.F32:
         writer.add_tensor(name, w.astype(np.float32))
     elif qtype == QT.F16:
         writer.add_tensor(name, w.astype(np.float16))
+    elif qtype == QT.BF16:
+        writer.add_tensor(name, quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
     else:
         writer.add_tensor(name, quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
 

@@ -64,3 +64,23 @@ def test_node_names_are_readable(tiny_checkpoint):
     names = {n.name for n in model.graph.node}
     assert "/model/layers.0/attn/qkv_proj/MatMul" in names
     assert "/model/layers.1/attn/GroupQueryAttention" in names
+
+
+def test_k_quant_and_bf16_tensors_load_and_match_reference(tmp_path):
+    """BF16, Q4_K, Q5_K and Q6_K tensors (256-wide rows) go through the same reader, graph and reference."""
+    from gguf import GGMLQuantizationType as QT
+
+    from quantize.checkpoint import load_checkpoint
+    from tiny import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "k.gguf", hidden=256, intermediate=256, heads=4, kv_heads=2,
+                            types=(QT.BF16, QT.Q4_K, QT.Q5_K, QT.Q6_K))
+    ckpt = load_checkpoint(path)
+    assert all(np.isfinite(w).all() for w in ckpt.weights.values())
+    model, _ = build_graph(ckpt, QuantSpec())
+    save(model, tmp_path / "model.onnx")
+    g = ckpt.geometry
+    runner = ModelRunner(tmp_path / "model.onnx", g.num_layers, g.num_kv_heads, g.head_dim, threads=2)
+    ids = list(range(5, 17))
+    logits = runner.forward(np.array([ids]), np.array([11]), np.array([12]), np.arange(12)[None], runner.new_cache(1, 16))
+    assert rel_err(logits[0], reference.forward(ckpt, ids)) < 1e-4
