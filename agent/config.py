@@ -21,6 +21,9 @@ class EngineConfig(BaseModel):
     kv_smallest_class: int = Field(256, ge=16, description="capacity of the smallest KV slot class, in tokens")
     prefill_chunk_tokens: int = Field(256, ge=16, le=8192, description="prompt tokens computed per engine step")
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot before 'overloaded'")
+    max_queue_wait_s: float = Field(60.0, gt=0, description="a request waiting longer ends as 'overloaded'")
+    prefix_cache_fraction: float = Field(0.2, ge=0, lt=1, description="share of the KV budget kept for prefix blocks")
+    prefix_block_tokens: int = Field(16, ge=1, le=1024, description="prefix-cache granularity, in tokens")
     kv_dtype: Literal["fp32"] = "fp32"
 
 

@@ -19,6 +19,7 @@ from agent.bundle import Bundle
 from agent.config import EngineConfig
 from agent.kv_cache import KVPool
 from agent.memory import MB, MemoryBudgetError, class_capacities, kv_bytes_per_token, plan_slots, required_budget_bytes
+from agent.prefix_cache import PrefixCache
 from agent.process import peak_rss_bytes, reset_peak_rss
 from agent.sampler import make_rng, sample
 from agent.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class Finished:
     text: str  # the whole completion
     token_ids: list[int]
     figures: RequestFigures
+    error: str | None = None  # set when figures.finish_reason == "error" (e.g. "overloaded: ...")
 
 
 class RequestHandle:
@@ -83,7 +85,7 @@ class Engine:
         self.runner = bundle.runner(config.threads)
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
-        self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens)
+        self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s)
         self.streams: dict[int, tuple[RequestHandle, IncrementalDetokenizer]] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -105,10 +107,17 @@ class Engine:
                                     f"{-(-need // MB)} MB ({self.baseline_bytes / MB:.0f} MB model and runtime + "
                                     f"{self.config.min_context}-token KV cache)")
         capacities = class_capacities(self.max_context, min(self.config.kv_smallest_class, self.max_context))
-        classes = plan_slots(budget - self.baseline_bytes, per_token, capacities, self.config.min_context)
+        kv_bytes = budget - self.baseline_bytes
+        prefix_blocks = int(kv_bytes * self.config.prefix_cache_fraction) // (per_token * self.config.prefix_block_tokens)
+        classes = plan_slots(kv_bytes - prefix_blocks * per_token * self.config.prefix_block_tokens, per_token,
+                             capacities, self.config.min_context)
         pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim)
-        log.info("KV cache: %s (%.0f MB of %d MB budget)", ", ".join(f"{x.num_slots}x{x.capacity_tokens}" for x in classes),
-                 pool.nbytes / MB, self.config.memory_budget_mb)
+        self.prefix = (PrefixCache(prefix_blocks, self.config.prefix_block_tokens, c.num_layers, c.num_kv_heads,
+                                   c.head_dim) if prefix_blocks > 0 else None)
+        log.info("KV cache: %s (%.0f MB) + prefix cache %d blocks of %d tokens (%.0f MB), budget %d MB",
+                 ", ".join(f"{x.num_slots}x{x.capacity_tokens}" for x in classes), pool.nbytes / MB, prefix_blocks,
+                 self.config.prefix_block_tokens, self.prefix.nbytes / MB if self.prefix else 0,
+                 self.config.memory_budget_mb)
         return pool
 
     def _warm_up(self) -> None:
@@ -127,6 +136,8 @@ class Engine:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
                                f"{self.kv.max_capacity} (prompt plus at least one generated token)",
                                "context_length_exceeded")
+        if self.num_waiting >= self.config.max_queue:
+            raise RequestError(f"overloaded: {self.num_waiting} requests are already waiting", "overloaded")
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
         handle = RequestHandle(seq)
@@ -167,8 +178,10 @@ class Engine:
         for seq in self.scheduler.reap_cancelled():
             self._finish_stream(seq)
         for seq in self.scheduler.admit():
-            if seq.is_finished:  # cancelled while waiting
+            if seq.is_finished:  # cancelled, or waited too long
                 self._finish_stream(seq)
+            elif self.prefix is not None:
+                self._load_prefix(seq)
         plan = self.scheduler.plan()
         if plan.is_empty:
             return False
@@ -188,6 +201,12 @@ class Engine:
             self.streams[seq.seq_id] = (handle, self.tokenizer.detokenizer(seq.params.stop, seq.prompt_ids))
             self.scheduler.add(handle.seq)
 
+    def _load_prefix(self, seq: Sequence) -> None:
+        pool = self.scheduler.pool_of(seq)
+        n = self.prefix.load(seq.prompt_ids, pool, pool.slot_of(seq.seq_id))
+        seq.num_computed = seq.cached_prompt_tokens = n
+        pool.lengths[seq.seq_id] = n
+
     def _prefill(self, seq: Sequence, n: int) -> None:
         pool = self.scheduler.pool_of(seq)
         slot = pool.slot_of(seq.seq_id)
@@ -198,6 +217,8 @@ class Engine:
         seq.num_computed += n
         pool.lengths[seq.seq_id] = seq.num_computed
         if seq.num_uncomputed == 0:  # prompt (and any recomputed output) done: sample the next token
+            if self.prefix is not None:
+                self.prefix.store(seq.prompt_ids, pool, slot)
             seq.start_decoding()
             self._accept(seq, self._sample(seq, logits[0, 0]))
 
@@ -248,7 +269,7 @@ class Engine:
         if tail:
             handle.text_parts.append(tail)
             handle.events.put(TextDelta(tail))
-        handle.events.put(Finished("".join(handle.text_parts), list(seq.output_ids), seq.figures()))
+        handle.events.put(Finished("".join(handle.text_parts), list(seq.output_ids), seq.figures(), seq.error))
 
     # ---- state for health, metrics and telemetry ----
     @property
@@ -261,6 +282,9 @@ class Engine:
 
     def kv_utilization(self) -> float:
         return self.kv.utilization()
+
+    def prefix_cache_hit_ratio(self) -> float:
+        return self.prefix.hit_ratio if self.prefix else 0.0
 
     def is_decoding(self, seq: Sequence) -> bool:
         return seq.status is Status.DECODING

@@ -86,6 +86,10 @@ class KVPool:
         """The smallest class with a free slot that holds `tokens`, else None."""
         return next((p for p in self.classes if p.capacity >= tokens and p.num_free > 0), None)
 
+    def smallest_capacity_for(self, tokens: int) -> int:
+        """Capacity of the smallest class that could ever hold `tokens` (free or not)."""
+        return next(p.capacity for p in self.classes if p.capacity >= tokens)
+
     def can_allocate(self, tokens: int) -> bool:
         return self.fitting(tokens) is not None
 

@@ -8,7 +8,7 @@ prompt arrives.
 """
 from __future__ import annotations
 
-import heapq
+import time
 from dataclasses import dataclass, field
 
 from agent.kv_cache import KVPool, SlotPool
@@ -25,11 +25,15 @@ class StepPlan:
         return not self.prefills and not self.decodes
 
 
+AGING_S = 10.0  # a waiting request gains one priority level per this many seconds, so none starves
+
+
 class Scheduler:
-    def __init__(self, kv: KVPool, prefill_chunk_tokens: int):
+    def __init__(self, kv: KVPool, prefill_chunk_tokens: int, max_queue_wait_s: float = 60.0):
         self.kv = kv
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.waiting: list[tuple[int, float, int, Sequence]] = []  # heap by (priority, submit time)
+        self.max_queue_wait_s = max_queue_wait_s
+        self.waiting: list[Sequence] = []  # short (bounded by max_queue): scanned, not heaped, because priorities age
         self.running: list[Sequence] = []
 
     @property
@@ -37,25 +41,37 @@ class Scheduler:
         return len(self.waiting)
 
     def add(self, seq: Sequence) -> None:
-        heapq.heappush(self.waiting, (seq.priority, seq.t_submit, seq.seq_id, seq))
+        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _queue_order(self, now: float) -> list[Sequence]:
+        """Waiting sequences by effective priority (lower first, aged by waiting time), then arrival."""
+        return sorted(self.waiting, key=lambda s: (s.priority - (now - s.t_submit) // AGING_S, s.t_submit, s.seq_id))
+
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences into KV slots while the head of the queue fits."""
-        admitted = []
-        while self.waiting:
-            seq = self.waiting[0][3]
-            if seq.cancelled:
-                heapq.heappop(self.waiting)
-                seq.finish(FinishReason.CANCELLED)
-                admitted.append(seq)  # the engine reports it finished
+        """Move waiting sequences into KV slots in queue order. Returns them, and any that ended in the queue
+        (cancelled, or waited longer than max_queue_wait_s: 'overloaded').
+
+        When the head does not fit, later requests may still start, but only in size classes smaller than
+        the one the head is waiting for, so they can never take the head's slot and starve it.
+        """
+        now, admitted, ceiling = time.perf_counter(), [], None
+        for seq in self._queue_order(now):
+            if seq.cancelled or now - seq.t_submit > self.max_queue_wait_s:
+                self.waiting.remove(seq)
+                seq.finish(FinishReason.CANCELLED if seq.cancelled else FinishReason.ERROR,
+                           None if seq.cancelled else "overloaded: no capacity within the queue's maximum wait")
+                admitted.append(seq)
                 continue
-            if not self.kv.can_allocate(seq.max_total_tokens):
-                break
-            heapq.heappop(self.waiting)
-            pool = self.kv.allocate(seq.seq_id, seq.max_total_tokens)
+            pool = self.kv.fitting(seq.max_total_tokens)
+            if pool is None or (ceiling is not None and pool.capacity >= ceiling):
+                if ceiling is None:
+                    ceiling = self.kv.smallest_capacity_for(seq.max_total_tokens)
+                continue
+            self.waiting.remove(seq)
+            self.kv.allocate(seq.seq_id, seq.max_total_tokens)
             seq.kv_bytes = pool.keys[0][0].nbytes * 2 * len(pool.keys)
             seq.admit()
             self.running.append(seq)

@@ -43,6 +43,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # why a request ended with FinishReason.ERROR (e.g. "overloaded: ...")
     num_computed: int = 0  # tokens whose KV is in the slot
     cancelled: bool = False
     preemptions: int = 0
@@ -98,8 +99,8 @@ class Sequence:
         self.token_times.append(now)
         self.output_ids.append(token)
 
-    def finish(self, reason: FinishReason) -> None:
-        self.status, self.finish_reason = Status.FINISHED, reason
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
 
     # ---- figures ----
     def figures(self) -> RequestFigures:

@@ -1,0 +1,168 @@
+"""Serving many requests: batching equals sequential, prefix-cache reuse, admission control, fairness."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from agent.config import EngineConfig
+from agent.engine import Engine, RequestError
+from agent.kv_cache import KVPool
+from agent.memory import SizeClass
+from agent.sampling_params import SamplingParams
+from agent.scheduler import AGING_S, Scheduler
+from agent.sequence import FinishReason, Sequence, Status
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("sched") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+def count_prefilled(engine: Engine) -> list[int]:
+    """Wrap the runner so the test sees how many new tokens each call computed."""
+    counts, forward = [], engine.runner.forward
+
+    def counting(input_ids, seqlens_k, query_seqlens, *a, **kw):
+        counts.append(int(np.asarray(query_seqlens).sum()))
+        return forward(input_ids, seqlens_k, query_seqlens, *a, **kw)
+
+    engine.runner.forward = counting
+    return counts
+
+
+def test_prefix_cache_hit_is_exact_and_computes_only_the_suffix(tiny_bundle):
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=32))
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, 260, 100).tolist()  # a shared "system prompt" of 100 tokens
+    a, b = system + [11, 12, 13], system + [21, 22, 23, 24, 25]
+    cold = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=32,
+                                            prefix_cache_fraction=0.0))
+    expected = cold.generate(b, SamplingParams(max_tokens=12, **GREEDY)).token_ids
+    engine.generate(a, SamplingParams(max_tokens=4, **GREEDY))  # warms the cache with `system`'s blocks
+    counts = count_prefilled(engine)
+    out = engine.generate(b, SamplingParams(max_tokens=12, **GREEDY))
+    assert out.token_ids == expected
+    cached = out.figures.cached_prompt_tokens
+    assert cached == 96  # six full 16-token blocks of the shared 100 tokens
+    prefill_tokens = sum(counts) - 11  # the 11 decode steps compute one token each
+    assert prefill_tokens == len(b) - cached
+    assert engine.prefix_cache_hit_ratio() > 0
+
+
+def test_small_budget_sixteen_concurrent_requests(tiny_bundle):
+    """Few slots, a short queue: the rest are refused as overloaded, every admitted request finishes."""
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=256, min_context=64,
+                                              kv_smallest_class=256, max_queue=4, prefix_cache_fraction=0.0))
+    slots = sum(p.num_slots for p in engine.kv.classes)
+    engine.start()
+    handles, refused = [], 0
+    rng = np.random.default_rng(1)
+    for _ in range(16):
+        try:
+            handles.append(engine.submit(rng.integers(3, 260, 30).tolist(), SamplingParams(max_tokens=40, **GREEDY)))
+        except RequestError as e:
+            assert e.code == "overloaded"
+            refused += 1
+    results = [h.result() for h in handles]
+    engine.stop()
+    assert all(r.figures.finish_reason == "length" and r.figures.completion_tokens == 40 for r in results)
+    assert refused > 0 and len(handles) + refused == 16
+    assert engine.num_running == 0 and engine.kv.utilization() == 0.0
+    print(f"slots {slots}, admitted {len(handles)}, refused {refused}")
+
+
+LOAD_SCRIPT = """
+import sys, numpy as np
+from agent.bundle import open_bundle
+from agent.config import EngineConfig
+from agent.engine import Engine
+from agent.process import peak_rss_bytes
+from agent.sampling_params import SamplingParams
+budget = int(sys.argv[2])
+engine = Engine(open_bundle(sys.argv[1]), EngineConfig(threads=2, memory_budget_mb=budget, min_context=64))
+engine.start()
+rng = np.random.default_rng(2)
+hs = [engine.submit(rng.integers(3, 260, 50).tolist(), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+      for _ in range(16)]
+done = sum(h.result().figures.completion_tokens == 30 for h in hs)
+engine.stop()
+print(done, peak_rss_bytes())
+"""
+
+
+def test_peak_rss_stays_within_budget_under_16_requests(tiny_bundle):
+    """In a fresh process (this one holds other tests' models), so the peak RSS is the engine's own."""
+    import subprocess
+    import sys
+
+    budget_mb = 300
+    out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tiny_bundle.path), str(budget_mb)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    done, peak = map(int, out.stdout.split())
+    print(f"16 requests done: {done}, peak RSS {peak / 2**20:.0f} MB of a {budget_mb} MB budget")
+    assert done == 16 and peak <= budget_mb << 20
+
+
+def test_cancel_frees_the_slot(tiny_bundle):
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2048, min_context=64))
+    h = engine.submit(list(range(5, 25)), SamplingParams(max_tokens=200, **GREEDY))
+    for _ in range(5):
+        engine.step()
+    assert engine.num_running == 1
+    h.cancel()
+    engine.step()
+    assert engine.num_running == 0 and h.result().figures.finish_reason == "cancelled"
+
+
+def make_seq(tokens: int, priority: int = 0, t_submit: float | None = None) -> Sequence:
+    s = Sequence([1] * 4, SamplingParams(max_tokens=tokens - 4), np.random.default_rng(0), tokens, priority=priority)
+    if t_submit is not None:
+        s.t_submit = t_submit
+    return s
+
+
+def test_fcfs_within_priority_and_aging():
+    kv = KVPool([SizeClass(64, 1)], num_layers=1, kv_heads=1, head_dim=4)
+    sched = Scheduler(kv, 16)
+    now = time.perf_counter()
+    old_low = make_seq(32, priority=1, t_submit=now - 2 * AGING_S - 1)  # aged two levels: effectively -1
+    new_high = make_seq(32, priority=0, t_submit=now)
+    sched.add(new_high)
+    sched.add(old_low)
+    assert sched.admit() == [old_low]
+
+
+def test_a_blocked_head_is_never_overtaken_for_its_slot():
+    kv = KVPool([SizeClass(64, 2), SizeClass(512, 1)], num_layers=1, kv_heads=1, head_dim=4)
+    sched = Scheduler(kv, 16)
+    big_running = make_seq(400)
+    sched.add(big_running)
+    assert sched.admit() == [big_running]
+    big_waiting, small, medium = make_seq(300), make_seq(40), make_seq(60)
+    for s in (big_waiting, small, medium):
+        sched.add(s)
+    # the 512 slot is busy: the big head waits; small requests use the 64 class, which the head cannot use
+    assert sched.admit() == [small, medium]
+    sched.finish(big_running, FinishReason.STOP)
+    assert sched.admit() == [big_waiting] and big_waiting.status is Status.PREFILLING
+
+
+@pytest.mark.real_model
+def test_real_model_concurrent_equals_sequential(real_fp32_bundle):
+    engine = Engine(real_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=1024))
+    tok = engine.tokenizer
+    questions = ["What is 2 + 2?", "Name a color.", "Say hello in French.", "What is the largest ocean?"]
+    ps = [tok.encode(tok.render_chat([{"role": "user", "content": q}])) for q in questions]
+    alone = [engine.generate(p, SamplingParams(max_tokens=16, **GREEDY)).token_ids for p in ps]
+    hs = [engine.submit(p, SamplingParams(max_tokens=16, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in hs):
+        engine.step()
+    assert [h.result().token_ids for h in hs] == alone
