@@ -144,3 +144,108 @@ class RequestFigures(_Frozen):
     kv_bytes: int  # KV-cache bytes the request's slot reserved
     finish_reason: str  # stop | length | cancelled | error
     preemptions: int = 0
+
+
+# ---- MQTT: topics and messages shared by the agent and the fleet (MQTT v5) ---------------------------------
+# One versioned root; every device publishes only under its own id (the broker ACL enforces it).
+#   edge/v1/{device}/state          retained DeviceState (birth; the Last Will sets status=offline)
+#   edge/v1/{device}/tele           QoS 1 TelemetryBatch (records from the device's SQLite outbox)
+#   edge/v1/{device}/evt/{kind}     QoS 1 Event
+#   edge/v1/{device}/cmd/req/{name} CommandRequest, fleet -> device (v5 response topic + correlation data)
+#   edge/v1/{device}/cmd/res        CommandResponse, device -> fleet
+#   edge/v1/{device}/jobs/notify    JobDocument, fleet -> device (model updates)
+#   edge/v1/{device}/jobs/update    JobStatusUpdate, device -> fleet
+TOPIC_ROOT = "edge/v1"
+MAX_PAYLOAD_BYTES = 256 * 1024  # larger messages are refused on both sides (models travel over HTTP)
+
+
+def topic(device_id: str, *parts: str) -> str:
+    return "/".join((TOPIC_ROOT, device_id, *parts))
+
+
+def device_of(mqtt_topic: str) -> str | None:
+    """The device id a topic belongs to, or None if it is not under TOPIC_ROOT."""
+    parts = mqtt_topic.split("/")
+    return parts[2] if len(parts) > 3 and "/".join(parts[:2]) == TOPIC_ROOT else None
+
+
+DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no MQTT wildcards or separators
+
+
+class Hardware(_Frozen):
+    cpu: str
+    cores: int
+    memory_mb: int
+    arch: str
+
+
+class DeviceState(_Frozen):
+    device_id: str = Field(pattern=DEVICE_ID_PATTERN)
+    status: str = Field(pattern=r"^(online|offline|stopped)$")
+    connection: int = Field(ge=0)  # grows on every connect: a late Will from an older session is ignored
+    boot_id: str
+    ts: float  # seconds since the epoch
+    model: str | None = None
+    version: str | None = None
+    precision: str | None = None
+    hardware: Hardware | None = None
+    agent_version: str | None = None
+
+
+class RequestRecord(_Frozen):
+    """One served request, as telemetry."""
+
+    model: str
+    version: str
+    figures: RequestFigures
+
+
+class SampleRecord(_Frozen):
+    """A periodic engine / system sample over an interval."""
+
+    interval_s: float
+    rss_mb: float
+    cpu_percent: float
+    kv_utilization: float
+    queue_depth: int
+    running: int
+    tokens_per_s: float  # tokens generated over the interval / interval
+
+
+class EventRecord(_Frozen):
+    kind: str = Field(pattern=r"^[a-z_]{1,32}$")  # start, model_change, error, dropped_rows, ...
+    detail: dict = {}
+
+
+class TelemetryRecord(_Frozen):
+    """The unit of delivery: (device_id, boot_id, seq) is unique, so the fleet drops replays."""
+
+    boot_id: str
+    seq: int = Field(ge=0)
+    ts: float
+    kind: str = Field(pattern=r"^(request|sample|event)$")
+    request: RequestRecord | None = None
+    sample: SampleRecord | None = None
+    event: EventRecord | None = None
+
+
+class TelemetryBatch(_Frozen):
+    device_id: str = Field(pattern=DEVICE_ID_PATTERN)
+    records: list[TelemetryRecord] = Field(min_length=1, max_length=1000)
+
+
+class CommandRequest(_Frozen):
+    """Body of cmd/req/{name}; the name is in the topic. Correlation data and response topic are MQTT v5
+    properties, not body fields."""
+
+    args: dict = {}
+
+
+COMMANDS = ("ping", "get_config", "set_config", "benchmark", "telemetry_flush", "rollback")
+
+
+class CommandResponse(_Frozen):
+    command: str
+    ok: bool
+    result: dict = {}
+    error: str | None = None

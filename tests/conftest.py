@@ -45,3 +45,13 @@ def real_fp32_bundle(real_checkpoint, tmp_path_factory):
 
     return build_bundle(real_checkpoint, QuantSpec(), tmp_path_factory.mktemp("real") / "fp32", name="smollm2",
                         progress=lambda s: None)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A real Mosquitto on a free loopback port, for one test."""
+    from broker import Broker
+
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
