@@ -25,6 +25,7 @@ from agent.sampler import make_rng, sample
 from agent.sampling_params import SamplingParams
 from agent.scheduler import Scheduler
 from agent.sequence import FinishReason, Sequence, Status
+from agent.speculative import ngram_draft, verify
 from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
 from agent.wire import RequestFigures
 
@@ -223,24 +224,57 @@ class Engine:
             self._accept(seq, self._sample(seq, logits[0, 0]))
 
     def _decode(self, idx: int, seqs: list[Sequence]) -> None:
+        """One decode call over the pool's live slots [0:n]. A row with a draft runs [last, d1..dk];
+        the batch is right-padded to the longest row (query_seqlens tells each row's length)."""
         pool = self.kv.classes[idx]
         n = len(pool.owners)
         decoding = {s.seq_id: s for s in seqs}
-        ids = np.zeros((n, 1), np.int64)
+        drafts = {s.seq_id: self._draft(s, len(seqs)) for s in seqs}
+        # GQA needs room for the whole padded row in every slot: cached tokens + width <= capacity
+        cached = [decoding[o].num_computed if o in decoding else max(pool.lengths[o], 1) for o in pool.owners]
+        width = min(1 + max(len(d) for d in drafts.values()), pool.capacity - max(cached))
+        drafts = {k: d[:width - 1] for k, d in drafts.items()}
+        ids = np.zeros((n, width), np.int64)
         seqlens = np.zeros(n, np.int32)
         q = np.zeros(n, np.int32)
         for row, owner in enumerate(pool.owners):
             s = decoding.get(owner)
             if s is not None:
-                ids[row, 0], seqlens[row], q[row] = s.all_ids[s.num_computed], s.num_computed, 1
+                run = [s.all_ids[s.num_computed]] + drafts[owner]
+                ids[row, :len(run)], seqlens[row], q[row] = run, s.num_computed + len(run) - 1, len(run)
             else:  # a slot still prefilling: idle row, cache untouched
                 seqlens[row] = max(pool.lengths[owner] - 1, 0)
-        logits = self.runner.forward(ids, seqlens, q, np.zeros((n, 1), np.int64), pool.view(0, n))
+        positions = np.minimum(np.arange(width)[None, :], np.maximum(q, 1)[:, None] - 1)  # [n, width]
+        logits = self.runner.forward(ids, seqlens, q, positions, pool.view(0, n))
         rows = {owner: row for row, owner in enumerate(pool.owners)}
         for s in seqs:
-            s.num_computed += 1
-            pool.lengths[s.seq_id] = s.num_computed
-            self._accept(s, self._sample(s, logits[rows[s.seq_id], 0]))
+            self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]])
+
+    def _draft(self, seq: Sequence, batch: int) -> list[int]:
+        """Prompt-lookup draft for this step, or [] when speculation is off, paused or not worth it."""
+        mode = seq.params.speculative or self.config.speculative
+        if mode != "ngram" or batch > self.config.speculative_max_batch:
+            return []
+        room = min(seq.params.max_tokens - len(seq.output_ids), seq.max_total_tokens - seq.num_tokens) - 1
+        k = min(seq.draft_length.current(), room)
+        return ngram_draft(seq.all_ids, k) if k > 0 else []
+
+    def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray) -> None:
+        """Account for the tokens the step computed and append what verification accepted."""
+        if draft:
+            tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+            accepted = len(tokens) - 1
+            seq.drafted_tokens += len(draft)
+            seq.accepted_tokens += accepted
+            seq.draft_length.update(len(draft), accepted)
+        else:
+            tokens = [self._sample(seq, logits[0])]
+        seq.num_computed += len(tokens)  # the last token + the accepted drafts now have valid KV
+        pool.lengths[seq.seq_id] = seq.num_computed
+        for t in tokens:
+            self._accept(seq, t)
+            if seq.is_finished:
+                return
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
         return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)

@@ -7,7 +7,7 @@ reported with its field name and the range it must lie in, so an API client can 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
@@ -74,6 +74,9 @@ class SamplingParams(BaseModel):
     frequency_penalty: Annotated[float, _in_range(-2, 2)] = 0.0
     seed: Annotated[int | None, AfterValidator(_check_seed)] = None
     stop: Annotated[list[str], BeforeValidator(_as_list), AfterValidator(_check_stop)] = Field(default_factory=list)
+    # Speculative decoding for this request: None follows the engine's config; "off", "ngram" (prompt lookup)
+    # or "draft" (a smaller draft model, when the engine has one). Output distribution is unchanged.
+    speculative: Literal["off", "ngram", "draft"] | None = None
     ignore_eos: bool = False  # keep generating through EOS until max_tokens (benchmarks); the engine's rule
 
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.sampling_params import SamplingParams
+from agent.speculative import DraftLength
 from agent.wire import RequestFigures
 
 _ids = itertools.count()
@@ -54,6 +55,9 @@ class Sequence:
     t_first: float | None = None
     token_times: list[float] = field(default_factory=list)
     kv_bytes: int = 0
+    draft_length: DraftLength = field(default_factory=DraftLength)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     # ---- derived ----
     @property
@@ -119,4 +123,5 @@ class Sequence:
             decode_tokens_per_s=(n_out - 1) / decode_s if decode_s > 0 else 0.0,
             itl_p50_ms=float(np.percentile(itl, 50)), itl_p95_ms=float(np.percentile(itl, 95)),
             e2e_ms=ms(self.t_submit, end), kv_bytes=self.kv_bytes,
-            finish_reason=(self.finish_reason or FinishReason.ERROR).value, preemptions=self.preemptions)
+            finish_reason=(self.finish_reason or FinishReason.ERROR).value, preemptions=self.preemptions,
+            drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens)

@@ -144,6 +144,8 @@ class RequestFigures(_Frozen):
     kv_bytes: int  # KV-cache bytes the request's slot reserved
     finish_reason: str  # stop | length | cancelled | error
     preemptions: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens proposed, and those the model accepted
+    accepted_tokens: int = 0
 
 
 # ---- MQTT: topics and messages shared by the agent and the fleet (MQTT v5) ---------------------------------

@@ -24,7 +24,7 @@ def tiny_bundle(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_bundle):
-    return Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=16))
+    return Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=16))
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -62,7 +62,7 @@ def test_in_place_cache_decode_equals_recompute(tiny_bundle):
 
 @pytest.fixture(scope="module")
 def real_engine(real_fp32_bundle):
-    return Engine(real_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=1024))
+    return Engine(real_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=16000, max_context=1024))
 
 
 def chat(engine: Engine, text: str) -> list[int]:

@@ -1,0 +1,106 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them in one model step, keep what the model
+would have produced anyway.
+
+Drafts come from prompt lookup (the continuation of the longest recent n-gram that already occurred in
+the prompt or output) or from a draft model. The target runs [last token, d1..dk] in one pass (k+1
+query rows on top of the cache); rejected positions are simply overwritten by the next step.
+
+Acceptance keeps the output exactly what plain decoding would give: greedy requests accept a draft token
+only if it is the argmax; sampled requests use the speculative-sampling rule (Leviathan et al. 2023,
+Chen et al. 2023): accept d with probability min(1, p(d)/q(d)), else draw from the residual
+max(0, p - q) renormalised. A prompt-lookup draft is deterministic (q is one-hot), so the rule becomes
+accept with probability p(d), else draw from p with d removed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.sampler import apply_penalties, distribution, draw
+from agent.sampling_params import SamplingParams
+
+
+def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = 4, min_ngram: int = 2, window: int = 4096) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of ids' longest suffix n-gram."""
+    if k <= 0:
+        return []
+    arr = np.asarray(ids[-window:], np.int64)
+    n_total = len(arr)
+    for n in range(min(max_ngram, n_total - 1), min_ngram - 1, -1):
+        suffix = arr[n_total - n:]
+        # candidate starts whose n-gram equals the suffix, excluding the suffix itself
+        starts = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(arr[:-1], n) == suffix, axis=1))
+        if len(starts):
+            follow = int(starts[-1]) + n
+            return arr[follow:follow + k].tolist()
+    return []
+
+
+@dataclass
+class DraftLength:
+    """Adapts k to the acceptance rate; backs off to 0 (no speculation) when drafts keep failing.
+
+    A verify step costs more than a plain decode step (k+1 rows through the model), so speculation only
+    pays while most of a draft is accepted.
+    """
+
+    k_max: int = 5
+    k: int = 3
+    acceptance: float = 0.6  # exponential moving average of accepted / drafted
+    pause_steps: int = 0
+
+    def current(self) -> int:
+        if self.pause_steps > 0:
+            self.pause_steps -= 1
+            return 0
+        return self.k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        if self.acceptance < 0.25:
+            self.pause_steps, self.k, self.acceptance = 16, 2, 0.5  # rest, then probe with short drafts
+        else:
+            self.k = max(1, min(self.k_max, round(1 + self.acceptance * self.k_max)))
+
+
+def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+           output_ids: Sequence[int], rng: np.random.Generator) -> list[int]:
+    """The tokens to append: the accepted prefix of the draft plus one token from the target.
+
+    logits [len(draft) + 1, V]: row i predicts the token after draft[:i].
+    """
+    out: list[int] = []
+    history = list(output_ids)
+    for i, d in enumerate(draft):
+        token = _accept_or_replace(d, logits[i], params, prompt_ids, history, rng)
+        out.append(token)
+        history.append(token)
+        if token != d:
+            return out
+    out.append(_sample_one(logits[len(draft)], params, prompt_ids, history, rng))
+    return out
+
+
+def _accept_or_replace(d: int, row: np.ndarray, params: SamplingParams, prompt_ids, history, rng) -> int:
+    if params.is_greedy:
+        return int(np.argmax(apply_penalties(row, params, prompt_ids, history)))
+    ids, probs = distribution(row, params, prompt_ids, history)
+    hit = np.flatnonzero(ids == d)
+    p_d = float(probs[hit[0]]) / float(probs.sum()) if len(hit) else 0.0
+    if rng.random() < p_d:
+        return d
+    residual = probs.copy()
+    if len(hit):
+        residual[hit[0]] = 0.0  # q is one-hot on d: max(0, p - q) removes d
+    return int(ids[draw(residual, rng)])
+
+
+def _sample_one(row: np.ndarray, params: SamplingParams, prompt_ids, history, rng) -> int:
+    if params.is_greedy:
+        return int(np.argmax(apply_penalties(row, params, prompt_ids, history)))
+    ids, probs = distribution(row, params, prompt_ids, history)
+    return int(ids[draw(probs, rng)])

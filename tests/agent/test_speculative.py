@@ -1,0 +1,98 @@
+"""Speculative decoding keeps the output: greedy equals plain greedy token for token, and speculative
+sampling keeps the target's distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.config import EngineConfig
+from agent.engine import Engine
+from agent.sampling_params import SamplingParams
+from agent.speculative import DraftLength, ngram_draft, verify
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_ngram_draft_follows_the_latest_match():
+    assert ngram_draft([1, 2, 3, 4, 5, 9, 9, 2, 3, 4], 3) == [5, 9, 9]
+    assert ngram_draft([1, 2, 3], 2) == []
+    assert ngram_draft([7, 1, 2, 8, 1, 2, 9, 1, 2], 2) == [9, 1]  # the most recent occurrence wins
+
+
+def test_draft_length_backs_off_and_grows():
+    dl = DraftLength()
+    for _ in range(10):
+        dl.update(4, 4)
+    assert dl.current() == dl.k_max
+    for _ in range(6):
+        dl.update(4, 0)
+    assert dl.current() == 0  # paused
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("spec") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+def repetitive_prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        phrase = rng.integers(3, 260, 6).tolist()
+        out.append(phrase * 4 + rng.integers(3, 260, 3).tolist() + phrase[:3])
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_greedy_equals_plain_greedy_tiny(tiny_bundle, batch):
+    ps = repetitive_prompts(batch)
+    cfg = dict(threads=2, memory_budget_mb=16000, min_context=64, speculative_max_batch=4)
+    plain = Engine(tiny_bundle, EngineConfig(**cfg))
+    spec = Engine(tiny_bundle, EngineConfig(speculative="ngram", **cfg))
+    want = [plain.generate(p, SamplingParams(max_tokens=40, **GREEDY)).token_ids for p in ps]
+    hs = [spec.submit(p, SamplingParams(max_tokens=40, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in hs):
+        spec.step()
+    results = [h.result() for h in hs]
+    assert [r.token_ids for r in results] == want
+    assert sum(r.figures.drafted_tokens for r in results) > 0
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_greedy_equals_plain_greedy_real(real_fp32_bundle, batch):
+    cfg = dict(threads=2, memory_budget_mb=16000, max_context=1024, speculative_max_batch=4)
+    plain = Engine(real_fp32_bundle, EngineConfig(**cfg))
+    spec = Engine(real_fp32_bundle, EngineConfig(speculative="ngram", **cfg))
+    tok = plain.tokenizer
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and "
+               "wrote the weather in a leather book. ")
+    questions = ["Repeat the passage exactly.", "Quote the first sentence.", "What did the keeper write?",
+                 "Copy the text word for word."][:batch]
+    ps = [tok.encode(tok.render_chat([{"role": "user", "content": passage + q}])) for q in questions]
+    want = [plain.generate(p, SamplingParams(max_tokens=32, **GREEDY)).token_ids for p in ps]
+    hs = [spec.submit(p, SamplingParams(max_tokens=32, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in hs):
+        spec.step()
+    results = [h.result() for h in hs]
+    assert [r.token_ids for r in results] == want
+    print("accepted/drafted", sum(r.figures.accepted_tokens for r in results),
+          sum(r.figures.drafted_tokens for r in results))
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """Chi-square test: tokens from verify() over a fixed draft follow the target distribution, even though
+    the draft always proposes token 1 (p = 0.4)."""
+    rng = np.random.default_rng(1234)
+    logits = np.log(np.array([0.05, 0.4, 0.25, 0.2, 0.1], np.float32))
+    params = SamplingParams(temperature=1.0, seed=1)
+    n = 20000
+    first = np.array([verify([1], np.stack([logits, logits]), params, [], [], rng)[0] for _ in range(n)])
+    counts = np.bincount(first, minlength=5)
+    p = np.exp(logits) / np.exp(logits).sum()
+    expected = p * n
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert stat < 18.47, (counts, expected)  # chi-square, 4 degrees of freedom, p = 0.001
