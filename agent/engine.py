@@ -17,6 +17,7 @@ import numpy as np
 
 from agent.bundle import Bundle
 from agent.config import EngineConfig
+from agent.draft import DraftModel
 from agent.kv_cache import KVPool
 from agent.memory import MB, MemoryBudgetError, class_capacities, kv_bytes_per_token, plan_slots, required_budget_bytes
 from agent.prefix_cache import PrefixCache
@@ -77,13 +78,14 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig()):
+    def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig(), draft: Bundle | None = None):
         self.bundle, self.config = bundle, config
         c = bundle.config
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
         self.eos_ids = set(c.eos_token_ids)
         reset_peak_rss()
         self.runner = bundle.runner(config.threads)
+        self.draft = self._load_draft(draft)
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
         self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s)
@@ -93,11 +95,22 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _load_draft(self, draft: Bundle | None) -> DraftModel | None:
+        if draft is None:
+            return None
+        if draft.tokenizer_json() != self.bundle.tokenizer_json():
+            raise RequestError(f"draft model {draft.manifest.name}@{draft.manifest.version} has another tokenizer "
+                               f"than {self.bundle.manifest.name}; speculative decoding needs the same one")
+        return DraftModel(draft, self.config.threads)
+
     # ---- memory ----
     def _plan_kv(self) -> KVPool:
         """Measure what the model costs with its largest step, then give the rest of the budget to KV."""
         c = self.bundle.config
         per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+        if self.draft is not None:  # the draft's cache mirrors every slot, so a token costs both
+            d = self.draft.bundle.config
+            per_token += kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim)
         self._warm_up()
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         budget = self.config.memory_budget_mb * MB
@@ -113,6 +126,8 @@ class Engine:
         classes = plan_slots(kv_bytes - prefix_blocks * per_token * self.config.prefix_block_tokens, per_token,
                              capacities, self.config.min_context)
         pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim)
+        if self.draft is not None:
+            self.draft.attach(pool)
         self.prefix = (PrefixCache(prefix_blocks, self.config.prefix_block_tokens, c.num_layers, c.num_kv_heads,
                                    c.head_dim) if prefix_blocks > 0 else None)
         log.info("KV cache: %s (%.0f MB) + prefix cache %d blocks of %d tokens (%.0f MB), budget %d MB",
@@ -137,6 +152,8 @@ class Engine:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
                                f"{self.kv.max_capacity} (prompt plus at least one generated token)",
                                "context_length_exceeded")
+        if params.speculative == "draft" and self.draft is None:
+            raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)")
         if self.num_waiting >= self.config.max_queue:
             raise RequestError(f"overloaded: {self.num_waiting} requests are already waiting", "overloaded")
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
@@ -253,11 +270,15 @@ class Engine:
     def _draft(self, seq: Sequence, batch: int) -> list[int]:
         """Prompt-lookup draft for this step, or [] when speculation is off, paused or not worth it."""
         mode = seq.params.speculative or self.config.speculative
-        if mode != "ngram" or batch > self.config.speculative_max_batch:
+        if mode == "off" or batch > self.config.speculative_max_batch:
             return []
         room = min(seq.params.max_tokens - len(seq.output_ids), seq.max_total_tokens - seq.num_tokens) - 1
         k = min(seq.draft_length.current(), room)
-        return ngram_draft(seq.all_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if mode == "draft" and self.draft is not None:
+            return self.draft.propose(seq.seq_id, seq.all_ids, k)
+        return ngram_draft(seq.all_ids, k)
 
     def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray) -> None:
         """Account for the tokens the step computed and append what verification accepted."""
@@ -270,6 +291,8 @@ class Engine:
         else:
             tokens = [self._sample(seq, logits[0])]
         seq.num_computed += len(tokens)  # the last token + the accepted drafts now have valid KV
+        if self.draft is not None:
+            self.draft.accepted(seq.seq_id, seq.num_computed)
         pool.lengths[seq.seq_id] = seq.num_computed
         for t in tokens:
             self._accept(seq, t)
@@ -298,6 +321,8 @@ class Engine:
             self._finish_stream(seq)
 
     def _finish_stream(self, seq: Sequence) -> None:
+        if self.draft is not None:
+            self.draft.forget(seq.seq_id)
         handle, detok = self.streams.pop(seq.seq_id)
         tail = detok.flush()  # held-back text that turned out not to be a stop string
         if tail:

@@ -64,8 +64,16 @@ class KVPool:
     """All size classes. Sequences get the smallest class whose capacity holds their whole need."""
 
     def __init__(self, classes: list[SizeClass], num_layers: int, kv_heads: int, head_dim: int):
-        self.classes = [self._make(c, num_layers, kv_heads, head_dim) for c in sorted(classes, key=lambda c: c.capacity_tokens)]
+        self.size_classes = sorted(classes, key=lambda c: c.capacity_tokens)
+        self.classes = [self._make(c, num_layers, kv_heads, head_dim) for c in self.size_classes]
         self.where: dict[int, SlotPool] = {}
+        self.mirror: KVPool | None = None  # a draft model's cache, slot for slot
+
+    def attach_mirror(self, num_layers: int, kv_heads: int, head_dim: int) -> "KVPool":
+        """A pool with the same classes for another model (the speculative draft), allocated and freed in
+        lockstep so a sequence has the same slot index in both."""
+        self.mirror = KVPool(self.size_classes, num_layers, kv_heads, head_dim)
+        return self.mirror
 
     @staticmethod
     def _make(c: SizeClass, layers: int, kv_heads: int, head_dim: int) -> SlotPool:
@@ -98,10 +106,14 @@ class KVPool:
         assert pool is not None, "allocate() without can_allocate()"
         pool.allocate(seq_id)
         self.where[seq_id] = pool
+        if self.mirror is not None:
+            self.mirror.allocate(seq_id, tokens)
         return pool
 
     def free(self, seq_id: int) -> None:
         self.where.pop(seq_id).free(seq_id)
+        if self.mirror is not None:
+            self.mirror.free(seq_id)
 
     def utilization(self) -> float:
         """Tokens held / tokens allocated (over all slots of all classes)."""

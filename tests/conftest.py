@@ -55,3 +55,13 @@ def broker(tmp_path):
     b = Broker(tmp_path / "broker").start()
     yield b
     b.stop()
+
+
+@pytest.fixture(scope="session")
+def real_q4_bundle(real_checkpoint, tmp_path_factory):
+    """The real SmolLM2 as an INT4 bundle keeping the GGUF's own Q4_1 blocks (fast to build, no calibration)."""
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    return build_bundle(real_checkpoint, QuantSpec(precision="int4", keep_source_quant=True),
+                        tmp_path_factory.mktemp("real") / "q4", name="smollm2", progress=lambda s: None)

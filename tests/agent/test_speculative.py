@@ -96,3 +96,49 @@ def test_speculative_sampling_keeps_the_target_distribution():
     expected = p * n
     stat = float(((counts - expected) ** 2 / expected).sum())
     assert stat < 18.47, (counts, expected)  # chi-square, 4 degrees of freedom, p = 0.001
+
+
+@pytest.fixture(scope="module")
+def tiny_int8_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
+                        tmp_path_factory.mktemp("spec") / "int8", name="tiny", progress=lambda s: None)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_draft_model_greedy_equals_plain_greedy_tiny(tiny_bundle, tiny_int8_bundle, batch):
+    """The INT8 build drafts for the fp32 one: outputs stay the fp32 model's, token for token."""
+    ps = [p[:20] for p in repetitive_prompts(batch)]
+    cfg = dict(threads=2, memory_budget_mb=16000, min_context=64, speculative_max_batch=4)
+    plain = Engine(tiny_bundle, EngineConfig(**cfg))
+    spec = Engine(tiny_bundle, EngineConfig(speculative="draft", **cfg), draft=tiny_int8_bundle)
+    want = [plain.generate(p, SamplingParams(max_tokens=40, **GREEDY)).token_ids for p in ps]
+    hs = [spec.submit(p, SamplingParams(max_tokens=40, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in hs):
+        spec.step()
+    results = [h.result() for h in hs]
+    assert [r.token_ids for r in results] == want
+    drafted = sum(r.figures.drafted_tokens for r in results)
+    accepted = sum(r.figures.accepted_tokens for r in results)
+    assert drafted > 0 and accepted > drafted / 2  # an int8 draft of the same weights mostly agrees
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("batch", [1, 4])
+def test_draft_model_greedy_equals_plain_greedy_real(real_fp32_bundle, real_q4_bundle, batch):
+    """The real model's INT4 (Q4_1-block) build drafts for its fp32 build."""
+    cfg = dict(threads=2, memory_budget_mb=16000, max_context=1024, speculative_max_batch=4)
+    plain = Engine(real_fp32_bundle, EngineConfig(**cfg))
+    spec = Engine(real_fp32_bundle, EngineConfig(speculative="draft", **cfg), draft=real_q4_bundle)
+    tok = plain.tokenizer
+    questions = ["Name three planets.", "What is a river?", "Give me a synonym for happy.", "Count to five."][:batch]
+    ps = [tok.encode(tok.render_chat([{"role": "user", "content": q}])) for q in questions]
+    want = [plain.generate(p, SamplingParams(max_tokens=24, **GREEDY)).token_ids for p in ps]
+    hs = [spec.submit(p, SamplingParams(max_tokens=24, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in hs):
+        spec.step()
+    results = [h.result() for h in hs]
+    assert [r.token_ids for r in results] == want
+    accepted = sum(r.figures.accepted_tokens for r in results)
+    drafted = sum(r.figures.drafted_tokens for r in results)
+    print(f"batch {batch}: accepted {accepted} of {drafted} drafted tokens")
+    assert accepted > 0

@@ -1,0 +1,54 @@
+"""The draft model for speculative decoding: a smaller or more heavily quantized bundle with the same
+tokenizer, whose greedy guesses the target verifies in one pass.
+
+Its KV cache mirrors the target's slots (KVPool.attach_mirror). Per sequence it keeps how many tokens
+its cache holds; before drafting it catches up on the tokens the target accepted since (one chunked
+call), then decodes k tokens greedily. Positions the target rejects are overwritten next time, exactly as
+in the target's cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from agent.bundle import Bundle
+from agent.kv_cache import KVPool
+from agent.runner import ModelRunner
+
+
+class DraftModel:
+    def __init__(self, bundle: Bundle, threads: int | None):
+        self.bundle = bundle
+        self.runner: ModelRunner = bundle.runner(threads)
+        self.kv: KVPool | None = None
+        self.computed: dict[int, int] = {}  # sequence id -> tokens in the draft's cache
+
+    def attach(self, target_kv: KVPool) -> None:
+        c = self.bundle.config
+        self.kv = target_kv.attach_mirror(c.num_layers, c.num_kv_heads, c.head_dim)
+
+    def forget(self, seq_id: int) -> None:
+        self.computed.pop(seq_id, None)
+
+    def propose(self, seq_id: int, ids: list[int], k: int) -> list[int]:
+        """k greedy tokens after ids (ids = the sequence so far, including its last, not-yet-verified token)."""
+        pool = self.kv.where[seq_id]
+        slot = pool.slot_of(seq_id)
+        view = pool.view(slot, slot + 1)
+        done = min(self.computed.get(seq_id, 0), len(ids) - 1)
+        new = ids[done:]
+        logits = self.runner.forward(np.array([new]), np.array([len(ids) - 1]), np.array([len(new)]),
+                                     np.array([[len(new) - 1]]), view)
+        draft = [int(logits[0, 0].argmax())]
+        n = len(ids)
+        while len(draft) < k:
+            logits = self.runner.forward(np.array([[draft[-1]]]), np.array([n]), np.array([1]),
+                                         np.zeros((1, 1), np.int64), view)
+            draft.append(int(logits[0, 0].argmax()))
+            n += 1
+        self.computed[seq_id] = n  # ids + all drafts but the last are in the cache
+        pool.lengths[seq_id] = n
+        return draft
+
+    def accepted(self, seq_id: int, num_valid: int) -> None:
+        """After verification: only the first num_valid tokens of the draft's cache match the sequence."""
+        self.computed[seq_id] = min(self.computed.get(seq_id, 0), num_valid)
