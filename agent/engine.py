@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,8 +79,12 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig(), draft: Bundle | None = None):
+    def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig(), draft: Bundle | None = None,
+                 heartbeat: Callable[[], None] | None = None):
         self.bundle, self.config = bundle, config
+        # called by the loop itself every iteration (busy or idle): a watchdog fed from here stops being fed
+        # when the loop is stuck, which a free-running timer would not notice
+        self.heartbeat = heartbeat or (lambda: None)
         c = bundle.config
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
         self.eos_ids = set(c.eos_token_ids)
@@ -93,6 +98,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._wake_interval_s = 0.5  # idle loop period: also the heartbeat's period when there is no work
         self._thread: threading.Thread | None = None
 
     def _load_draft(self, draft: Bundle | None) -> DraftModel | None:
@@ -186,8 +192,9 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.heartbeat()
             if not self.step():
-                self._wake.wait(0.5)
+                self._wake.wait(self._wake_interval_s)
                 self._wake.clear()
 
     def step(self) -> bool:
