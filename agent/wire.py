@@ -6,6 +6,7 @@ messages join this module with the telemetry issue.)
 """
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 
@@ -251,3 +252,53 @@ class CommandResponse(_Frozen):
     ok: bool
     result: dict = {}
     error: str | None = None
+
+
+# ---- Model update jobs (AWS IoT Jobs' state names) -------------------------------------------------------
+class JobState(str, enum.Enum):
+    QUEUED = "QUEUED"
+    IN_PROGRESS = "IN_PROGRESS"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    REJECTED = "REJECTED"  # refused before download: signature, key, budget, compatibility, downgrade
+    TIMED_OUT = "TIMED_OUT"
+    CANCELED = "CANCELED"
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.REJECTED, JobState.TIMED_OUT,
+                                 JobState.CANCELED})
+
+
+class JobStep(str, enum.Enum):
+    DOWNLOADING = "downloading"
+    VERIFYING = "verifying"
+    LOADING = "loading"
+    HEALTH_CHECK = "health_check"
+    ACTIVATING = "activating"
+
+
+class JobDocument(_Frozen):
+    """fleet -> device on jobs/notify: what to install and how to check it. Large files go over HTTP."""
+
+    job_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    operation: str = Field("install", pattern=r"^(install|rollback)$")
+    manifest: Manifest | None = None  # the signed manifest (None for rollback)
+    signature: str | None = None  # base64 Ed25519 signature over manifest.canonical_bytes()
+    key_id: str | None = None  # which trusted key signed it
+    base_url: str | None = None  # files are fetched from base_url + "/" + path, with HTTP Range
+    min_tokens_per_s: float | None = Field(None, ge=0)  # health-check floor; None: 70% of the current model's
+    golden_tokens: int = Field(16, ge=1, le=64)  # golden continuation tokens that must match exactly
+    allow_downgrade: bool = False
+
+
+class JobStatusUpdate(_Frozen):
+    """device -> fleet on jobs/update: where a job stands on this device."""
+
+    job_id: str
+    device_id: str = Field(pattern=DEVICE_ID_PATTERN)
+    state: JobState
+    step: JobStep | None = None
+    percent: float | None = None  # download progress
+    reason: str | None = None  # why FAILED / REJECTED
+    figures: dict = {}  # measured health-check figures on SUCCEEDED
+    ts: float

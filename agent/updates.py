@@ -1,0 +1,331 @@
+"""Signed model updates on the device: verify, download, check, activate, and roll back.
+
+A job moves QUEUED -> IN_PROGRESS (downloading -> verifying -> loading -> health_check -> activating)
+-> SUCCEEDED, or ends FAILED / REJECTED with a reason. Nothing is downloaded before the signature, the
+budget, the compatibility and the version order check out (REJECTED otherwise). Files land in a staging
+directory named by the manifest's content hash, resume with HTTP Range after an interruption, and must
+match their sha256 and size. The new model must reproduce the manifest's golden greedy continuation and
+decode above a tokens/s floor before `current` (a symlink, swapped by rename) points at it; `previous`
+keeps the old one for rollback. Every step is journalled, so after a crash the agent comes back on a
+verified model and reports what really happened to the job.
+
+Layout under the state directory:
+    models/NAME@VERSION/   verified bundles        current -> models/...   previous -> models/...
+    models/.staging/DIGEST/ downloads in progress  updates/job.json        the journal
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from agent import wire
+from agent.bundle import Bundle, BundleError, open_bundle, safe_member
+from agent.memory import MB
+from agent.trust import TrustError, verify_manifest
+from agent.wire import JobDocument, JobState, JobStep
+
+log = logging.getLogger(__name__)
+
+RUNTIME_OVERHEAD_BYTES = 96 * MB  # ONNX Runtime + Python beside the weights (measured ~80 MB for SmolLM2)
+DOWNLOAD_ATTEMPTS = 5
+CHUNK_BYTES = 1 << 20
+
+
+class JobFailed(Exception):
+    def __init__(self, state: JobState, reason: str):
+        super().__init__(reason)
+        self.state, self.reason = state, reason
+
+
+# ---- the model store: symlinks and directories ------------------------------------------------------------
+class ModelStore:
+    def __init__(self, state_dir: Path):
+        self.root = Path(state_dir)
+        self.models = self.root / "models"
+        self.staging_root = self.models / ".staging"
+        self.journal = self.root / "updates" / "job.json"
+        for d in (self.models, self.staging_root, self.journal.parent):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def link(self, name: str) -> Path | None:
+        p = self.root / name
+        return p.resolve() if p.is_symlink() else None
+
+    def _set_link(self, name: str, target: Path) -> None:
+        tmp = self.root / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(os.path.relpath(target, self.root))
+        tmp.rename(self.root / name)  # rename(2) replaces the old link atomically
+
+    def activate(self, bundle_dir: Path) -> None:
+        current = self.link("current")
+        if current and current != bundle_dir.resolve():
+            self._set_link("previous", current)
+        self._set_link("current", bundle_dir)
+
+    def rollback(self) -> Path:
+        previous = self.link("previous")
+        if previous is None or not previous.exists():
+            raise JobFailed(JobState.FAILED, "no previous model to roll back to")
+        current = self.link("current")
+        self._set_link("current", previous)
+        if current:
+            self._set_link("previous", current)
+        return previous
+
+    def bootable(self) -> Bundle:
+        """The model to serve: `current` if it verifies, else `previous` (and current is repointed)."""
+        errors = []
+        for name in ("current", "previous"):
+            target = self.link(name)
+            if target is None:
+                continue
+            try:
+                bundle = open_bundle(target)
+            except BundleError as e:
+                errors.append(f"{name}: {e}")
+                continue
+            if name == "previous":
+                self._set_link("current", target)
+            return bundle
+        raise BundleError("no verified model to serve" + (f" ({'; '.join(errors)})" if errors else ""))
+
+    def write_journal(self, entry: dict) -> None:
+        tmp = self.journal.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entry))
+        os.replace(tmp, self.journal)
+
+    def read_journal(self) -> dict | None:
+        try:
+            return json.loads(self.journal.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+# ---- what the updater needs from the running agent -------------------------------------------------------
+@dataclass
+class UpdateContext:
+    device_id: str
+    store: ModelStore
+    trusted_keys: dict
+    memory_budget_mb: int
+    current: Callable[[], Bundle]  # the bundle now serving
+    report: Callable[[wire.JobStatusUpdate], None]
+    swap: Callable[[Bundle], None]  # make the engine serve this bundle (drains the old one)
+    threads: int | None = None
+    measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
+    current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
+
+
+def default_measure(bundle: Bundle, threads: int | None, n_tokens: int) -> tuple[list[int], float]:
+    """Greedy continuation of the manifest's golden prompt, and its decode tokens/s, on this device."""
+    runner = bundle.runner(threads)
+    prompt = bundle.manifest.golden.prompt_ids
+    cache = runner.new_cache(1, len(prompt) + n_tokens + 1)
+    p = len(prompt)
+    logits = runner.forward(np.array([prompt]), np.array([p - 1]), np.array([p]), np.array([[p - 1]]), cache)
+    out = [int(logits[0, 0].argmax())]
+    t0 = time.perf_counter()
+    for t in range(p, p + n_tokens - 1):
+        logits = runner.forward(np.array([[out[-1]]]), np.array([t]), np.array([1]), np.zeros((1, 1), np.int64), cache)
+        out.append(int(logits[0, 0].argmax()))
+    return out, (n_tokens - 1) / max(time.perf_counter() - t0, 1e-9)
+
+
+# ---- one job ---------------------------------------------------------------------------------------------
+class UpdateJob:
+    def __init__(self, ctx: UpdateContext, doc: JobDocument):
+        self.ctx, self.doc = ctx, doc
+        self.staging: Path | None = None
+
+    def status(self, state: JobState, step: JobStep | None = None, **kw) -> None:
+        self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": state.value,
+                                      "step": step.value if step else None,
+                                      "target": str(self.staging) if self.staging else None, **{
+                                          k: v for k, v in kw.items() if k == "reason"}})
+        self.ctx.report(wire.JobStatusUpdate(job_id=self.doc.job_id, device_id=self.ctx.device_id, state=state,
+                                             step=step, ts=time.time(), **kw))
+
+    def run(self) -> JobState:
+        try:
+            if self.doc.operation == "rollback":
+                return self._rollback()
+            self.status(JobState.QUEUED)
+            self._check()
+            self._download()
+            bundle = self._verify()
+            figures = self._health_check(bundle)
+            self._activate(bundle)
+            self.status(JobState.SUCCEEDED, figures=figures)
+            return JobState.SUCCEEDED
+        except JobFailed as e:
+            self._clean_staging()
+            log.warning("job %s %s: %s", self.doc.job_id, e.state.value, e.reason)
+            self.status(e.state, reason=e.reason)
+            return e.state
+
+    # -- before any download: REJECTED --
+    def _check(self) -> None:
+        m = self.doc.manifest
+        try:
+            verify_manifest(m, self.doc.signature, self.doc.key_id, self.ctx.trusted_keys)
+        except TrustError as e:
+            raise JobFailed(JobState.REJECTED, str(e)) from e
+        if m.schema_version != wire.MANIFEST_SCHEMA_VERSION:
+            raise JobFailed(JobState.REJECTED, f"incompatible manifest schema {m.schema_version}")
+        staging = self.ctx.store.staging_root / self._digest()
+        for rel in m.files:
+            try:
+                safe_member(staging, rel)
+            except BundleError as e:
+                raise JobFailed(JobState.REJECTED, f"unsafe file name in manifest: {rel!r}") from e
+        weights = sum(f.size_bytes for rel, f in m.files.items() if rel.startswith(wire.GRAPH))
+        if weights + RUNTIME_OVERHEAD_BYTES > self.ctx.memory_budget_mb * MB:
+            raise JobFailed(JobState.REJECTED, f"model needs about {(weights + RUNTIME_OVERHEAD_BYTES) // MB} MB, "
+                                               f"more than memory_budget_mb={self.ctx.memory_budget_mb}")
+        current = self.ctx.current().manifest
+        if (m.name, m.version) == (current.name, current.version):
+            raise JobFailed(JobState.REJECTED, f"{m.name}@{m.version} is already the current model")
+        if m.created_at < current.created_at and not self.doc.allow_downgrade:
+            raise JobFailed(JobState.REJECTED, f"downgrade from {current.version} ({current.created_at}) refused "
+                                               "without allow_downgrade")
+
+    def _digest(self) -> str:
+        return hashlib.sha256(self.doc.manifest.canonical_bytes()).hexdigest()[:32]
+
+    # -- download with resume --
+    def _download(self) -> None:
+        m = self.doc.manifest
+        if not self.doc.base_url:
+            raise JobFailed(JobState.FAILED, "job has no base_url to download from")
+        self.staging = self.ctx.store.staging_root / self._digest()
+        self.staging.mkdir(parents=True, exist_ok=True)
+        total = sum(f.size_bytes for f in m.files.values()) or 1
+        done = 0
+        for rel, entry in sorted(m.files.items()):
+            self._fetch(rel, entry, lambda n: self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING,
+                                                          percent=round(100 * (done + n) / total, 1)))
+            done += entry.size_bytes
+        (self.staging / wire.MANIFEST).write_text(m.model_dump_json(indent=2))
+
+    def _fetch(self, rel: str, entry: wire.FileEntry, progress: Callable[[int], None]) -> None:
+        path = safe_member(self.staging, rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        url = f"{self.doc.base_url.rstrip('/')}/{rel}"
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            have = path.stat().st_size if path.exists() else 0
+            if have == entry.size_bytes:
+                return
+            if have > entry.size_bytes:
+                path.unlink()
+                have = 0
+            try:
+                self._get(url, path, have, progress)
+            except (OSError, urllib.error.URLError) as e:
+                log.info("download of %s interrupted (%s), resuming", rel, e)
+                time.sleep(min(0.2 * 2 ** attempt, 5))
+        if not path.exists() or path.stat().st_size != entry.size_bytes:
+            raise JobFailed(JobState.FAILED, f"download of {rel} incomplete after {DOWNLOAD_ATTEMPTS} attempts")
+
+    @staticmethod
+    def _get(url: str, path: Path, have: int, progress: Callable[[int], None]) -> None:
+        req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            mode = "ab" if have and resp.status == 206 else "wb"  # a 200 means the server ignored Range
+            written = have if mode == "ab" else 0
+            with open(path, mode) as f:
+                while chunk := resp.read(CHUNK_BYTES):
+                    f.write(chunk)
+                    written += len(chunk)
+                    progress(written)
+
+    # -- verify, load, check --
+    def _verify(self) -> Bundle:
+        self.status(JobState.IN_PROGRESS, JobStep.VERIFYING)
+        try:
+            return open_bundle(self.staging)
+        except BundleError as e:
+            raise JobFailed(JobState.FAILED, f"verification failed: {e}") from e
+
+    def _health_check(self, bundle: Bundle) -> dict:
+        self.status(JobState.IN_PROGRESS, JobStep.LOADING)
+        measure = self.ctx.measure or (lambda b, n: default_measure(b, self.ctx.threads, n))
+        golden = bundle.manifest.golden.continuation_ids
+        n = min(self.doc.golden_tokens, len(golden))
+        self.status(JobState.IN_PROGRESS, JobStep.HEALTH_CHECK)
+        ids, tps = measure(bundle, max(n, 16))
+        if ids[:n] != golden[:n]:
+            first = next(i for i in range(n) if ids[i] != golden[i])
+            raise JobFailed(JobState.FAILED, f"golden output mismatch at token {first} of {n}")
+        floor = self.doc.min_tokens_per_s
+        if floor is None:
+            floor = 0.7 * self._current_tps(measure)
+        if tps < floor:
+            raise JobFailed(JobState.FAILED, f"decode {tps:.1f} tokens/s is below the floor {floor:.1f}")
+        return {"decode_tokens_per_s": round(tps, 2), "tokens_per_s_floor": round(floor, 2), "golden_tokens": n}
+
+    def _current_tps(self, measure) -> float:
+        cur = self.ctx.current()
+        if cur.manifest.version not in self.ctx.current_tokens_per_s:
+            self.ctx.current_tokens_per_s[cur.manifest.version] = measure(cur, 16)[1]
+        return self.ctx.current_tokens_per_s[cur.manifest.version]
+
+    # -- activate --
+    def _activate(self, bundle: Bundle) -> None:
+        self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
+        m = bundle.manifest
+        final = self.ctx.store.models / f"{m.name}@{m.version}"
+        if final.exists():
+            shutil.rmtree(final)
+        self.staging.rename(final)
+        self.staging = final
+        self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
+                                      "step": JobStep.ACTIVATING.value, "target": str(final)})
+        self.ctx.store.activate(final)
+        self.ctx.swap(open_bundle(final, verify_files=False))
+
+    def _rollback(self) -> JobState:
+        self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
+        target = self.ctx.store.rollback()
+        self.ctx.swap(open_bundle(target))
+        self.status(JobState.SUCCEEDED, figures={"rolled_back_to": target.name})
+        return JobState.SUCCEEDED
+
+    def _clean_staging(self) -> None:
+        if self.staging and self.staging.parent == self.ctx.store.staging_root:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
+    """At start: settle a job the last run left unfinished, and report its real state."""
+    entry = ctx.store.read_journal()
+    if not entry or entry.get("state") != JobState.IN_PROGRESS.value:
+        shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
+        ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
+        return None
+    target = Path(entry["target"]) if entry.get("target") else None
+    current = ctx.store.link("current")
+    if entry.get("step") == JobStep.ACTIVATING.value and target and current == target.resolve():
+        state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
+    else:
+        state, reason = JobState.FAILED, f"interrupted by an agent restart during {entry.get('step')}"
+        if target and target.parent == ctx.store.models and target.exists() and target.resolve() != current:
+            shutil.rmtree(target, ignore_errors=True)  # moved in but never activated
+    shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
+    ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
+    update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id, state=state, reason=reason,
+                                  ts=time.time())
+    ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None, "target": None})
+    ctx.report(update)
+    return update

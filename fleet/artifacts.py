@@ -1,0 +1,96 @@
+"""Serving model bundle files over HTTP with Range requests, so devices can resume interrupted downloads.
+
+Files are served read-only from one directory tree (published bundles, by name@version); paths that
+escape it are refused. Large files never travel over MQTT.
+Run: edge-fleet serve ... --artifacts-http 127.0.0.1:PORT
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+from http import HTTPStatus
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+
+
+class RangeHandler(SimpleHTTPRequestHandler):
+    """GET and HEAD of files under the server's directory, honouring a single `Range: bytes=a-[b]`."""
+
+    def list_directory(self, path):  # no directory listings
+        self.send_error(HTTPStatus.NOT_FOUND)
+        return None
+
+    def log_message(self, format, *args):  # quiet: the fleet logs requests its own way
+        pass
+
+    def send_head(self):
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return None
+        size = path.stat().st_size
+        start, end = 0, size - 1
+        m = _RANGE.match(self.headers.get("Range", ""))
+        if m:
+            start = int(m.group(1))
+            end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+            if start >= size or start > end:
+                self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.end_headers()
+                return None
+            self.send_response(HTTPStatus.PARTIAL_CONTENT)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        else:
+            self.send_response(HTTPStatus.OK)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        f = open(path, "rb")
+        f.seek(start)
+        self._remaining = end - start + 1
+        return f
+
+    def copyfile(self, source, outputfile):
+        remaining = self._remaining
+        while remaining > 0:
+            chunk = source.read(min(1 << 20, remaining))
+            if not chunk:
+                break
+            outputfile.write(chunk)
+            remaining -= len(chunk)
+
+
+class ArtifactServer:
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, handler=RangeHandler):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.httpd = ThreadingHTTPServer((host, port), lambda *a: handler(*a, directory=str(self.root)))
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="artifacts", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "ArtifactServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def publish_dir(self, bundle: Path, name: str) -> str:
+        """Copy a bundle under root/name (atomically) and return its URL prefix."""
+        dest = self.root / name
+        tmp = self.root / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(bundle, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        return f"{self.base_url}/{name}"

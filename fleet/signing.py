@@ -1,0 +1,44 @@
+"""Signing model manifests for rollout: Ed25519 key pairs and detached signatures (the `cryptography` package).
+
+`edge-fleet keygen --out PATH` writes PATH (private, mode 0600) and PATH.pub; `edge-fleet publish` signs
+a bundle's canonical manifest bytes. Devices verify with agent.trust against the public keys they trust.
+"""
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption, PrivateFormat, PublicFormat,
+                                                          load_pem_private_key)
+
+from agent.trust import key_id
+from agent.wire import Manifest
+
+
+def keygen(out: Path) -> str:
+    """Write a new key pair; returns its key id. Refuses to overwrite an existing key."""
+    out = Path(out)
+    if out.exists() or out.with_name(out.name + ".pub").exists():
+        raise FileExistsError(f"{out} already exists; refusing to overwrite a signing key")
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never world-readable, not even briefly
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    out.with_name(out.name + ".pub").write_bytes(key.public_key().public_bytes(Encoding.PEM,
+                                                                               PublicFormat.SubjectPublicKeyInfo))
+    return key_id(key.public_key())
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    key = load_pem_private_key(Path(path).read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path}: not an Ed25519 private key")
+    return key
+
+
+def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey) -> tuple[str, str]:
+    """(base64 signature, key id) over the manifest's canonical bytes."""
+    return base64.b64encode(key.sign(manifest.canonical_bytes())).decode(), key_id(key.public_key())

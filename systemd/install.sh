@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install the edge agent on an edge box: the package in its own virtual environment under /opt/edge-llm,
+# the systemd units and snippets, the config, and a model bundle. Run as root from a checkout:
+#   sudo systemd/install.sh --bundle bundles/smollm2-int4 [--fleet]
+# Idempotent: rerunning upgrades the package and keeps an existing /etc/edge-agent/agent.toml.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+prefix=/opt/edge-llm
+bundle=""
+fleet=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --bundle) bundle="$2"; shift 2 ;;
+        --fleet) fleet=1; shift ;;
+        --prefix) prefix="$2"; shift 2 ;;
+        *) echo "unknown option: $1" >&2; exit 2 ;;
+    esac
+done
+
+echo "==> package into $prefix/venv"
+python3 -m venv "$prefix/venv"
+"$prefix/venv/bin/pip" install -q --upgrade pip
+"$prefix/venv/bin/pip" install -q "$repo"
+install -m 0644 "$repo/README.md" "$prefix/README.md"
+
+echo "==> users, directories, units"
+install -m 0644 "$repo/systemd/sysusers.d/edge-llm.conf" /usr/lib/sysusers.d/edge-llm.conf
+install -m 0644 "$repo/systemd/tmpfiles.d/edge-llm.conf" /usr/lib/tmpfiles.d/edge-llm.conf
+systemd-sysusers /usr/lib/sysusers.d/edge-llm.conf
+systemd-tmpfiles --create /usr/lib/tmpfiles.d/edge-llm.conf
+install -m 0644 "$repo/systemd/edge-agent.service" /etc/systemd/system/edge-agent.service
+[ -f /etc/edge-agent/agent.toml ] || install -m 0640 -g edge-agent "$repo/systemd/agent.toml" /etc/edge-agent/agent.toml
+if [ "$fleet" = 1 ]; then
+    install -m 0644 "$repo/systemd/edge-fleet.service" /etc/systemd/system/edge-fleet.service
+    [ -f /etc/edge-fleet/fleet.toml ] || install -m 0640 -g edge-fleet "$repo/systemd/fleet.toml" /etc/edge-fleet/fleet.toml
+fi
+
+if [ -n "$bundle" ]; then
+    echo "==> model bundle $bundle"
+    "$prefix/venv/bin/edge-quantize" inspect "$bundle" >/dev/null  # verifies every file's hash first
+    name="$(basename "$bundle")"
+    cp -a "$bundle" "/var/lib/edge-agent/models/.$name.tmp"
+    rm -rf "/var/lib/edge-agent/models/$name"
+    mv "/var/lib/edge-agent/models/.$name.tmp" "/var/lib/edge-agent/models/$name"
+    ln -sfn "models/$name" /var/lib/edge-agent/current.tmp && mv -T /var/lib/edge-agent/current.tmp /var/lib/edge-agent/current
+    chown -R edge-agent:edge-agent /var/lib/edge-agent
+fi
+
+"$prefix/venv/bin/edge-agent" check-config --config /etc/edge-agent/agent.toml
+systemctl daemon-reload
+systemctl enable --now edge-agent.service
+[ "$fleet" = 1 ] && systemctl enable --now edge-fleet.service
+echo "installed: systemctl status edge-agent"

@@ -1,0 +1,250 @@
+"""Signed model updates on a device: a full install, the negative matrix, resumable downloads and crashes
+at every step. Real bundles of the tiny model, a real HTTP Range server, real Ed25519 signatures."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import wire
+from agent.bundle import open_bundle
+from agent.trust import load_trusted_keys
+from agent.updates import ModelStore, UpdateContext, UpdateJob, recover
+from agent.wire import JobDocument, JobState
+from fleet.artifacts import ArtifactServer, RangeHandler
+from fleet.signing import keygen, load_private_key, sign_manifest
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+
+@pytest.fixture(scope="module")
+def bundles(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("upd")
+    v1 = build_bundle(tiny_checkpoint, QuantSpec(), root / "v1", name="tiny", progress=lambda s: None)
+    v2 = build_bundle(tiny_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
+                      root / "v2", name="tiny", progress=lambda s: None)
+    return v1, v2
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys")
+    keygen(root / "fleet.key")
+    keygen(root / "other.key")
+    return root
+
+
+class Device:
+    """The updater with a real store, serving v1, and a record of every status it reported."""
+
+    def __init__(self, root: Path, v1, keys: Path, budget_mb: int = 4096):
+        self.store = ModelStore(root / "state")
+        dest = self.store.models / f"{v1.manifest.name}@{v1.manifest.version}"
+        shutil.copytree(v1.path, dest)
+        self.store.activate(dest)
+        self.serving = open_bundle(dest)
+        self.reports: list[wire.JobStatusUpdate] = []
+        self.ctx = UpdateContext(device_id="dev1", store=self.store,
+                                 trusted_keys=load_trusted_keys([keys / "fleet.key.pub"]), memory_budget_mb=budget_mb,
+                                 current=lambda: self.serving, report=self.reports.append, swap=self._swap, threads=1)
+
+    def _swap(self, bundle):
+        self.serving = bundle
+
+    def model_dirs(self) -> list[str]:
+        return sorted(p.name for p in self.store.models.iterdir() if p.name != ".staging")
+
+    def staging_empty(self) -> bool:
+        return not any(self.store.staging_root.iterdir())
+
+
+def job(manifest: wire.Manifest, keyfile: Path | None, base_url: str, **kw) -> JobDocument:
+    sig, kid = sign_manifest(manifest, load_private_key(keyfile)) if keyfile else (None, None)
+    return JobDocument(job_id="job-1", manifest=manifest, signature=sig, key_id=kid, base_url=base_url, **kw)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = ArtifactServer(tmp_path / "artifacts").start()
+    yield s
+    s.stop()
+
+
+def test_install_succeeds_and_keeps_previous(tmp_path, bundles, keys, server):
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v2.manifest.version
+    assert dev.store.link("current").name.endswith(v2.manifest.version)
+    assert dev.store.link("previous").name.endswith(v1.manifest.version)
+    steps = [r.step.value for r in dev.reports if r.step]
+    assert steps[0] == "downloading" and steps[-1] == "activating"
+    assert {"verifying", "loading", "health_check"} <= set(steps)
+    assert dev.reports[-1].state is JobState.SUCCEEDED and "decode_tokens_per_s" in dev.reports[-1].figures
+    assert dev.staging_empty()
+    # and back again
+    assert UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v1.manifest.version
+
+
+def _tamper_manifest(m: wire.Manifest, **changes) -> wire.Manifest:
+    return wire.Manifest.model_validate(m.model_dump() | changes)
+
+
+NEGATIVE = {
+    # name: (how to make the job, expected state, words in the reason)
+    "tampered file": ("tamper_file", JobState.FAILED, "sha256"),
+    "tampered manifest": ("tamper_manifest", JobState.REJECTED, "bad signature"),
+    "unknown key": ("unknown_key", JobState.REJECTED, "unknown key"),
+    "no signature": ("unsigned", JobState.REJECTED, "no signed manifest"),
+    "sha256 mismatch": ("wrong_sha", JobState.FAILED, "sha256"),
+    "truncated download": ("truncated", JobState.FAILED, "incomplete"),
+    "too large for budget": ("small_budget", JobState.REJECTED, "memory_budget_mb"),
+    "downgrade": ("downgrade", JobState.REJECTED, "downgrade"),
+    "golden mismatch": ("golden", JobState.FAILED, "golden"),
+    "tps below floor": ("slow", JobState.FAILED, "below the floor"),
+    "path escape": ("escape", JobState.REJECTED, "unsafe file name"),
+}
+
+
+class TruncatingHandler(RangeHandler):
+    """Serves every file one byte short, forever."""
+
+    def send_head(self):
+        f = super().send_head()
+        if f is not None:
+            self._remaining = max(self._remaining - 1, 0)
+        return f
+
+
+@pytest.mark.parametrize("case", list(NEGATIVE))
+def test_negative_matrix_leaves_the_old_model_serving(case, tmp_path, bundles, keys, server):
+    v1, v2 = bundles
+    how, expected, words = NEGATIVE[case]
+    dev = Device(tmp_path, v1, keys, budget_mb=1 if how == "small_budget" else 4096)
+    before = dev.model_dirs()
+    url = server.publish_dir(v2.path, "tiny-v2")
+    m, key, kw = v2.manifest, keys / "fleet.key", {"min_tokens_per_s": 0}
+    if how == "tamper_file":
+        with open(server.root / "tiny-v2" / wire.GRAPH_DATA, "r+b") as f:
+            f.seek(64)
+            f.write(b"\x13\x37")
+    elif how == "tamper_manifest":
+        doc = job(m, key, url, **kw)
+        doc = doc.model_copy(update={"manifest": _tamper_manifest(m, precision="fp32")})
+    elif how == "unknown_key":
+        key = keys / "other.key"
+    elif how == "unsigned":
+        key = None
+    elif how == "wrong_sha":
+        files = dict(m.files)
+        files[wire.TOKENIZER] = files[wire.TOKENIZER].model_copy(update={"sha256": "0" * 64})
+        m = _tamper_manifest(m, files={k: v.model_dump() for k, v in files.items()})
+    elif how == "truncated":
+        server.stop()
+        server = ArtifactServer(server.root, handler=TruncatingHandler).start()
+        url = f"{server.base_url}/tiny-v2"
+    elif how == "downgrade":
+        m = _tamper_manifest(m, created_at="2000-01-01T00:00:00+00:00")
+    elif how == "golden":
+        golden = m.golden.model_copy(update={"continuation_ids": [1] * 32})
+        m = _tamper_manifest(m, golden=golden.model_dump())
+    elif how == "slow":
+        kw = {"min_tokens_per_s": 1e9}
+    elif how == "escape":
+        files = dict(m.files)
+        files["../../escaped.bin"] = files.pop(wire.TOKENIZER)
+        m = _tamper_manifest(m, files={k: v.model_dump() for k, v in files.items()})
+    if how != "tamper_manifest":
+        doc = job(m, key, url, **kw)
+    state = UpdateJob(dev.ctx, doc).run()
+    assert state is expected, dev.reports[-1]
+    assert words in dev.reports[-1].reason
+    assert dev.serving.manifest.version == v1.manifest.version
+    assert dev.store.link("current").name.endswith(v1.manifest.version)
+    assert dev.model_dirs() == before and dev.staging_empty()
+    assert not (tmp_path / "escaped.bin").exists()
+    if how == "truncated":
+        server.stop()
+
+
+class DroppingHandler(RangeHandler):
+    """Drops the connection part-way through the first three responses; counts the bytes it sent."""
+
+    drops_left = 3
+    sent = 0
+
+    def copyfile(self, source, outputfile):
+        if DroppingHandler.drops_left > 0 and self._remaining > 4096:
+            DroppingHandler.drops_left -= 1
+            chunk = source.read(self._remaining // 3)
+            outputfile.write(chunk)
+            DroppingHandler.sent += len(chunk)
+            self.close_connection = True
+            self.connection.shutdown(2)  # the socket dies mid-body
+            return
+        DroppingHandler.sent += self._remaining
+        super().copyfile(source, outputfile)
+
+
+def test_download_resumes_after_three_drops_without_refetching(tmp_path, bundles, keys):
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    server = ArtifactServer(tmp_path / "artifacts", handler=DroppingHandler).start()
+    try:
+        url = server.publish_dir(v2.path, "tiny-v2")
+        state = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run()
+    finally:
+        server.stop()
+    total = sum(f.size_bytes for f in v2.manifest.files.values())
+    print(f"bundle {total} bytes, served {DroppingHandler.sent} bytes over 3 dropped connections")
+    assert state is JobState.SUCCEEDED and DroppingHandler.drops_left == 0
+    assert DroppingHandler.sent <= total  # each drop resumed where it stopped: nothing fetched twice
+
+
+CRASH_SCRIPT = """
+import os, signal, sys, json
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+from agent import wire
+from agent.bundle import open_bundle
+from agent.trust import load_trusted_keys
+from agent.updates import ModelStore, UpdateContext, UpdateJob
+store = ModelStore(Path(sys.argv[1]))
+doc = wire.JobDocument.model_validate_json(Path(sys.argv[2]).read_text())
+crash_at = sys.argv[3]
+serving = [store.bootable()]
+def report(u):
+    if u.step is not None and u.step.value == crash_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+ctx = UpdateContext(device_id="dev1", store=store, trusted_keys=load_trusted_keys([Path(sys.argv[5])]),
+                    memory_budget_mb=4096, current=lambda: serving[0], report=report,
+                    swap=lambda b: serving.__setitem__(0, b), threads=1)
+UpdateJob(ctx, doc).run()
+"""
+
+
+@pytest.mark.parametrize("step", ["downloading", "verifying", "health_check", "activating"])
+def test_sigkill_at_each_step_recovers_on_a_verified_model(step, tmp_path, bundles, keys, server):
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    docfile = tmp_path / "job.json"
+    docfile.write_text(job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0).model_dump_json())
+    r = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(dev.store.root), str(docfile), step,
+                        str(Path(__file__).parent.parent), str(keys / "fleet.key.pub")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    update = recover(dev.ctx)  # the restarted agent settles the job...
+    bundle = dev.store.bootable()  # ...and comes up on a verified model
+    assert update is not None and update.job_id == "job-1"
+    assert update.state is JobState.FAILED and step in update.reason
+    assert bundle.manifest.version == v1.manifest.version
+    assert dev.staging_empty() and dev.model_dirs() == [f"tiny@{v1.manifest.version}"]
