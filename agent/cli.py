@@ -1,6 +1,8 @@
 """edge-agent: the on-device service's command line.
 
 Run: edge-agent generate --model BUNDLE [--chat] [--max-tokens N] [--threads N] [--ignore-eos] [--json] "prompt"
+     edge-agent serve --model BUNDLE --socket PATH [--config agent.toml] [--tcp 127.0.0.1:PORT]
+     edge-agent telemetry [--state-dir DIR] [--since 1h] [--json]
 """
 from __future__ import annotations
 
@@ -49,9 +51,12 @@ def cli(verbose: bool) -> None:
 @click.option("--threads", type=int, default=None)
 @click.option("--memory-budget-mb", type=int, default=1024, show_default=True)
 @click.option("--ignore-eos", is_flag=True)
+@click.option("--speculative", type=click.Choice(["off", "ngram", "draft"]), default="off", show_default=True,
+              help="Speculative decoding: prompt lookup (ngram) or a draft model (draft).")
+@click.option("--draft-model", type=click.Path(path_type=Path), default=None, help="Draft bundle for --speculative draft.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k, seed, stop, threads,
-             memory_budget_mb, ignore_eos, as_json):
+             memory_budget_mb, ignore_eos, speculative, draft_model, as_json):
     """Generate a completion of PROMPT, streaming it to the terminal, then print the figures.
 
     Example: edge-agent generate --model bundles/smollm2-int4 --chat "Name three rivers."
@@ -62,7 +67,11 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop), ignore_eos=ignore_eos)
-        engine = Engine(open_bundle(model), EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb))
+        if speculative == "draft" and draft_model is None:
+            raise ValueError("--speculative draft needs --draft-model BUNDLE")
+        engine = Engine(open_bundle(model), EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb,
+                                                         speculative=speculative),
+                        draft=open_bundle(draft_model) if draft_model else None)
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -80,12 +89,61 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
         click.echo(json.dumps({"text": ev.text, "prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
                                "ttft_ms": round(f.ttft_ms, 2), "decode_tokens_per_s": round(f.decode_tokens_per_s, 2),
                                "prefill_tokens_per_s": round(f.prefill_tokens_per_s, 2),
-                               "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "finish_reason": f.finish_reason}))
+                               "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1), "finish_reason": f.finish_reason,
+                               "drafted_tokens": f.drafted_tokens, "accepted_tokens": f.accepted_tokens}))
     else:
         click.echo(f"\n\n[{f.finish_reason}] prompt {f.prompt_tokens} tokens, completion {f.completion_tokens} tokens | "
                    f"TTFT {f.ttft_ms:.0f} ms | prefill {f.prefill_tokens_per_s:.0f} tok/s | "
                    f"decode {f.decode_tokens_per_s:.1f} tok/s | ITL p50/p95 {f.itl_p50_ms:.1f}/{f.itl_p95_ms:.1f} ms | "
                    f"peak RSS {peak_rss_bytes() / 2**20:.0f} MB", err=True)
+
+
+@cli.command()
+@click.option("--model", "model", type=click.Path(path_type=Path), default=None,
+              help="Bundle directory (default: the config file's `model`).")
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
+              help="Unix socket to listen on (default: the config's api.socket).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Agent TOML config ([engine], [api] sections); flags override it.")
+@click.option("--threads", type=int, default=None)
+@click.option("--memory-budget-mb", type=int, default=None)
+@click.option("--tcp", default=None, help="Also listen on HOST:PORT (loopback unless the config sets tcp_any_host).")
+def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp):
+    """Serve the OpenAI-compatible API on a Unix socket, in the foreground, until SIGTERM or Ctrl-C.
+
+    Example: edge-agent serve --model bundles/smollm2-int4 --socket /tmp/edge.sock --tcp 127.0.0.1:8080
+    """
+    from agent.serve import ServeError, load_agent_config, serve_forever
+
+    try:
+        config = load_agent_config(config_path, model=model, socket=socket_path, threads=threads,
+                                   memory_budget_mb=memory_budget_mb, tcp=tcp)
+        serve_forever(config, announce=lambda line: click.echo(line, err=True))
+    except (ValidationError, ServeError, *USER_ERRORS) as e:
+        _fail(e)
+
+
+@cli.command()
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory holding telemetry.db (default: telemetry.state_dir's, /var/lib/edge-agent).")
+@click.option("--since", default="1h", show_default=True, help="Window: a number and s, m, h or d.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def telemetry(state_dir, since, as_json):
+    """Summarise this device's recorded telemetry: decode speed and TTFT p50/p95 by model, version and hour,
+    and requests by finish reason.
+
+    Example: edge-agent telemetry --state-dir /var/lib/edge-agent --since 6h
+    """
+    import sqlite3
+
+    from agent.config import TelemetryConfig
+    from agent.telemetry import format_summary, parse_window, summary
+
+    try:
+        result = summary(state_dir or TelemetryConfig().state_dir, parse_window(since))
+    except (ValueError, OSError, sqlite3.Error) as e:
+        _fail(e)
+    click.echo(json.dumps(result, indent=2) if as_json else format_summary(result))
 
 
 def main() -> None:

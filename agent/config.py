@@ -8,8 +8,12 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, SecretStr
+
+from agent.wire import DEVICE_ID_PATTERN
 
 
 class EngineConfig(BaseModel):
@@ -22,6 +26,9 @@ class EngineConfig(BaseModel):
     kv_smallest_class: int = Field(256, ge=16, description="capacity of the smallest KV slot class, in tokens")
     prefill_chunk_tokens: int = Field(256, ge=16, le=8192, description="prompt tokens computed per engine step")
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot before 'overloaded'")
+    default_max_tokens: int = Field(1024, ge=1, description="completion limit of a chat request that sets none; a "
+                                    "request reserves KV for its whole limit, so 'the whole context' would queue "
+                                    "every such request for the largest slot")
     max_queue_wait_s: float = Field(60.0, gt=0, description="a request waiting longer ends as 'overloaded'")
     prefix_cache_fraction: float = Field(0.2, ge=0, lt=1, description="share of the KV budget kept for prefix blocks")
     prefix_block_tokens: int = Field(16, ge=1, le=1024, description="prefix-cache granularity, in tokens")
@@ -80,9 +87,83 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+# ---- Telemetry and the MQTT link (telemetry issue) ------------------------------------------------------
+def _check_mqtt_url(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname or not port_ok or parts.path or parts.query:
+        raise ValueError(f"url must be mqtt://HOST[:PORT] or mqtts://HOST[:PORT]; got {url!r}")
+    return url
+
+
+class MqttConfig(BaseModel):
+    """Where the fleet's broker is and how the link behaves (agent.mqtt). Absent: the agent only keeps records."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: Annotated[str, AfterValidator(_check_mqtt_url)] = Field(
+        description="mqtt://HOST[:PORT] (1883) or mqtts://HOST[:PORT] (8883, TLS)")
+    username: str | None = Field(None, description="broker user; the ACL expects the device id")
+    password: SecretStr | None = Field(None, description="broker password (never printed)")
+    ca_file: Path | None = Field(None, description="mqtts: CA bundle; None: the system's trust store")
+    cert_file: Path | None = Field(None, description="mqtts: client certificate (mutual TLS), with key_file")
+    key_file: Path | None = Field(None, description="mqtts: the client certificate's private key")
+    keepalive_s: int = Field(30, ge=5, le=65535, description="MQTT keep alive (a dead link is noticed in 1.5x this)")
+    session_expiry_s: int = Field(7 * 24 * 3600, ge=0, le=2**32 - 1,
+                                  description="how long the broker keeps our session (and queued commands) offline")
+    connect_timeout_s: float = Field(10.0, gt=0, description="TCP/TLS connect plus CONNACK")
+    backoff_min_s: float = Field(1.0, gt=0, description="first reconnect delay (full jitter below it)")
+    backoff_max_s: float = Field(120.0, gt=0, description="reconnect delays double up to this cap")
+    batch_max_records: int = Field(200, ge=1, le=1000, description="telemetry records per TelemetryBatch")
+    max_inflight_batches: int = Field(8, ge=1, le=64, description="batches awaiting PUBACK before the outbox waits")
+    outbox_poll_s: float = Field(1.0, gt=0, description="the outbox looks for new rows at least this often")
+    response_expiry_s: int = Field(60, ge=1, description="MessageExpiryInterval of command responses")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.backoff_max_s < self.backoff_min_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_min_s ({self.backoff_min_s})")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (mutual TLS)")
+        if not self.uses_tls and (self.ca_file or self.cert_file):
+            raise ValueError("ca_file / cert_file / key_file need an mqtts:// url")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.url.startswith("mqtts://")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or (8883 if self.uses_tls else 1883)
+
+
+class TelemetryConfig(BaseModel):
+    """The on-device telemetry store (agent.store), its sampler and retention (agent.telemetry)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    state_dir: Path = Field(Path("/var/lib/edge-agent"), description="holds telemetry.db")
+    device_id: str | None = Field(None, pattern=DEVICE_ID_PATTERN, description="None: this host's name")
+    sample_interval_s: float = Field(10.0, gt=0, description="a SampleRecord every this many seconds")
+    retention_interval_s: float = Field(300.0, gt=0, description="how often retention runs")
+    max_age_s: float = Field(30 * 24 * 3600, gt=0, description="delivered records older than this are deleted")
+    max_bytes: int = Field(64 << 20, ge=1 << 16, description="stored records beyond this are deleted, "
+                                                             "delivered ones first")
+    mqtt: MqttConfig | None = None
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: Path | None = None
     engine: EngineConfig = EngineConfig()
     api: ApiConfig = ApiConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,7 +52,9 @@ class Finished:
     text: str  # the whole completion
     token_ids: list[int]
     figures: RequestFigures
-    error: str | None = None  # set when figures.finish_reason == "error" (e.g. "overloaded: ...")
+    error: str | None = None  # set when figures.finish_reason == "error"
+    error_code: str | None = None  # "overloaded" (no capacity within the queue's wait) or "internal"
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each generated token
 
 
 class RequestHandle:
@@ -98,6 +100,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._kv_utilization = 0.0
         self._wake_interval_s = 0.5  # idle loop period: also the heartbeat's period when there is no work
         self._thread: threading.Thread | None = None
 
@@ -190,12 +193,29 @@ class Engine:
         if self._thread:
             self._thread.join()
 
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self.heartbeat()
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception:  # a bug must not take the service down: fail what was in flight, keep serving
+                log.exception("engine step failed; ending the running requests with an error")
+                self._fail_running("internal error")
+                busy = True
+            if not busy:
                 self._wake.wait(self._wake_interval_s)
                 self._wake.clear()
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            seq.error = message
+            if seq.seq_id in self.streams:
+                self._finish_stream(seq)
 
     def step(self) -> bool:
         """One scheduling round and model step. Returns False when there was nothing to do."""
@@ -208,6 +228,7 @@ class Engine:
             elif self.prefix is not None:
                 self._load_prefix(seq)
         plan = self.scheduler.plan()
+        self._kv_utilization = self.kv.utilization()
         if plan.is_empty:
             return False
         for seq, n in plan.prefills:
@@ -335,7 +356,11 @@ class Engine:
         if tail:
             handle.text_parts.append(tail)
             handle.events.put(TextDelta(tail))
-        handle.events.put(Finished("".join(handle.text_parts), list(seq.output_ids), seq.figures(), seq.error))
+        code = None
+        if seq.finish_reason is FinishReason.ERROR:
+            code = "overloaded" if (seq.error or "").startswith("overloaded") else "internal"
+        handle.events.put(Finished("".join(handle.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
+                                   list(seq.token_times)))
 
     # ---- state for health, metrics and telemetry ----
     @property
@@ -347,7 +372,8 @@ class Engine:
         return self.scheduler.num_waiting + self._inbox.qsize()
 
     def kv_utilization(self) -> float:
-        return self.kv.utilization()
+        """Tokens held / allocated, as of the last step (a snapshot: safe to read from any thread)."""
+        return self._kv_utilization
 
     def prefix_cache_hit_ratio(self) -> float:
         return self.prefix.hit_ratio if self.prefix else 0.0

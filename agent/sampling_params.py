@@ -81,7 +81,9 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # vLLM's rule: a temperature this small is greedy in all but float rounding, and dividing logits by
+        # it overflows (1e-50 made every probability 0 and the draw fail)
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:

@@ -1,0 +1,502 @@
+"""The local HTTP API: OpenAI-compatible endpoints served over the agent's Unix socket (the only Starlette import).
+
+POST /v1/chat/completions and /v1/completions answer with one JSON object or, with "stream": true, a
+server-sent-event stream ending in `data: [DONE]` (OpenAI API); GET /v1/models, /health and /metrics
+report the model, readiness and Prometheus metrics. This module translates between HTTP and the engine
+and holds no engine logic: it validates a body (agent.openai_models), tokenizes it, submits it, and relays
+the request's events. The engine thread fills one blocking queue per request; an `EventBridge` thread
+hands each event to the event loop with call_soon_threadsafe, so the loop never blocks on the engine. A
+client that goes away cancels its request at once. Every error has OpenAI's body
+{"error": {"message", "type", "param", "code"}}; an unexpected exception is logged with its traceback
+and answered with a bare 500.
+
+Example:
+    app = create_app(Backend(manifest), Metrics(), ApiConfig())   # then serve it (agent.serve)
+    backend.mark_ready(engine)                                      # /health turns 200
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from agent import openai_models as om
+from agent.config import ApiConfig
+from agent.engine import Engine, Finished, RequestError, RequestHandle, TextDelta
+from agent.metrics import Metrics
+from agent.wire import Manifest
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream sentinel
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered in OpenAI's shape; `retry_after_s` adds a Retry-After header (429, 503)."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> Response:
+        body = om.ErrorResponse(error=om.ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                                     code=self.code))
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return Response(body.model_dump_json(), self.status, headers, media_type="application/json")
+
+
+def invalid_request(message: str, param: str | None = None, code: str = "invalid_value", status: int = 400):
+    return ApiError(status, message, "invalid_request_error", code, param)
+
+
+def overloaded(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(429, message, "rate_limit_error", "overloaded", retry_after_s=retry_after_s)
+
+
+# ---- what is being served ---------------------------------------------------------------------------
+class ServerState(enum.Enum):
+    LOADING = "loading"  # the socket answers; the model is being verified and loaded
+    READY = "ready"
+    DRAINING = "draining"  # shutting down: in-flight requests finish, new ones are refused
+    FAILED = "failed"  # the model could not be loaded
+
+
+_TRANSITIONS = {
+    ServerState.LOADING: {ServerState.READY, ServerState.DRAINING, ServerState.FAILED},
+    ServerState.READY: {ServerState.DRAINING},
+    ServerState.DRAINING: set(),
+    ServerState.FAILED: {ServerState.DRAINING},
+}
+
+
+class Backend:
+    """The model this server answers for and, once loaded, its engine; the state gates every endpoint.
+
+    The loader thread calls mark_ready / mark_failed, the server's shutdown calls mark_draining.
+    """
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.engine: Engine | None = None
+        self.state = ServerState.LOADING
+        self._lock = threading.Lock()
+        self._on_ready: list[Callable[[Engine], None]] = []
+
+    @property
+    def model_ids(self) -> tuple[str, str]:
+        """The names a request's `model` may use: the bare name, or name@version."""
+        return self.manifest.name, f"{self.manifest.name}@{self.manifest.version}"
+
+    def can_move(self, to: ServerState) -> bool:
+        return to in _TRANSITIONS[self.state]
+
+    def _move(self, to: ServerState) -> bool:
+        with self._lock:
+            if not self.can_move(to):
+                return False
+            self.state = to
+            return True
+
+    def on_ready(self, callback: Callable[[Engine], None]) -> None:
+        self._on_ready.append(callback)
+
+    def mark_ready(self, engine: Engine) -> None:
+        self.engine = engine  # set before the state, so a READY backend always has its engine
+        for callback in self._on_ready:
+            callback(engine)
+        if not self._move(ServerState.READY):
+            raise RuntimeError(f"cannot become ready from {self.state.value}")
+
+    def mark_failed(self) -> None:
+        self._move(ServerState.FAILED)
+
+    def mark_draining(self) -> None:
+        self._move(ServerState.DRAINING)
+
+    def require_engine(self) -> Engine:
+        if self.state is ServerState.READY:
+            return self.engine
+        what = {ServerState.LOADING: "the model is still loading", ServerState.DRAINING: "the server is shutting down",
+                ServerState.FAILED: "the model failed to load"}[self.state]
+        raise ApiError(503, f"not ready: {what}", "server_error", self.state.value, retry_after_s=1)
+
+
+# ---- engine events -> event loop ---------------------------------------------------------------------
+class EventBridge:
+    """One request's engine events, moved from its blocking queue to the event loop by a helper thread.
+
+    A thread per request (not asyncio.to_thread per event) because the default executor has a handful of
+    workers and 32 blocked streams would starve it. The thread ends with the request's Finished event,
+    which the engine always sends (also after cancel()).
+    """
+
+    def __init__(self, handle: RequestHandle, on_finished: Callable[[Finished], None]):
+        self.handle = handle
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._on_finished = on_finished
+        self.is_finished = False
+        threading.Thread(target=self._pump, name=f"api-events-{handle.seq.seq_id}", daemon=True).start()
+
+    def _pump(self) -> None:
+        for event in self.handle:  # blocks in the engine queue's get(), off the event loop
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, event)
+            except RuntimeError:  # the loop is closed: the server has stopped and nobody is waiting
+                return
+
+    def _deliver(self, event: TextDelta | Finished) -> None:
+        if isinstance(event, Finished):
+            self.is_finished = True
+            self._on_finished(event)  # counted even when the client is gone and nobody reads it
+        self._queue.put_nowait(event)
+
+    async def get(self) -> TextDelta | Finished:
+        return await self._queue.get()
+
+    def cancel(self) -> None:
+        if not self.is_finished:
+            self.handle.cancel()
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response started."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # Once the body is read, receive() returns only at http.disconnect (ASGI HTTP spec).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_or_gone(events: EventBridge, gone: asyncio.Task) -> TextDelta | Finished:
+    """The next event, or ClientGone if the client disconnects first."""
+    get = asyncio.ensure_future(events.get())
+    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    raise ClientGone
+
+
+# ---- the two completion endpoints ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reply:
+    """Identity shared by a response and every chunk of its stream."""
+
+    id: str
+    created: int
+    model: str
+    fingerprint: str
+    include_usage: bool
+
+    def common(self) -> dict:
+        return dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint)
+
+
+class ChatKind:
+    path = "/v1/chat/completions"
+    prompt_field = "messages"
+    request_model = om.ChatCompletionRequest
+    id_prefix = "chatcmpl-"
+
+    @staticmethod
+    def prompt_ids(req: om.ChatCompletionRequest, engine: Engine) -> list[int]:
+        try:
+            return engine.tokenizer.encode_chat(req.template_messages())
+        except ValueError as e:  # the template refused the conversation
+            raise om.FieldError(str(e), "messages") from None
+
+    @staticmethod
+    def default_max_tokens(engine: Engine) -> int:
+        # OpenAI: no limit but the context. The engine reserves KV for the whole limit at admission, so we
+        # use the configured default (clamped to the context by the engine) instead of the full context.
+        return engine.config.default_max_tokens
+
+    @staticmethod
+    def response(r: Reply, fin: Finished) -> om.ChatCompletion:
+        choice = om.ChatChoice(message=om.AssistantMessage(content=fin.text), finish_reason=fin.figures.finish_reason)
+        return om.ChatCompletion(**r.common(), choices=[choice], usage=om.Usage.of(fin.figures), timings=fin.figures)
+
+    @staticmethod
+    def opening_chunk(r: Reply) -> om.ChatCompletionChunk | None:
+        # OpenAI's first chunk carries the role and empty content.
+        return om.ChatCompletionChunk(**r.common(), choices=[om.ChatChunkChoice(delta=om.ChatDelta(role="assistant",
+                                                                                                 content=""))])
+
+    @staticmethod
+    def chunk(r: Reply, text: str | None, fin: Finished | None = None) -> om.ChatCompletionChunk:
+        choice = om.ChatChunkChoice(delta=om.ChatDelta(content=text),
+                                    finish_reason=fin.figures.finish_reason if fin else None)
+        return om.ChatCompletionChunk(**r.common(), choices=[choice], timings=fin.figures if fin else None)
+
+    @staticmethod
+    def usage_chunk(r: Reply, fin: Finished) -> om.ChatCompletionChunk:
+        return om.ChatCompletionChunk(**r.common(), choices=[], usage=om.Usage.of(fin.figures))
+
+
+class TextKind:
+    path = "/v1/completions"
+    prompt_field = "prompt"
+    request_model = om.CompletionRequest
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def prompt_ids(req: om.CompletionRequest, engine: Engine) -> list[int]:
+        prompt = req.prompt_text_or_ids()
+        if isinstance(prompt, str):
+            return engine.tokenizer.encode(prompt)
+        vocab_size = engine.bundle.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise om.FieldError(f"prompt: token id {bad} is outside this model's vocabulary [0, {vocab_size})",
+                                "prompt")
+        return list(prompt)
+
+    @staticmethod
+    def default_max_tokens(engine: Engine) -> int:
+        return om.COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    @staticmethod
+    def response(r: Reply, fin: Finished) -> om.TextCompletion:
+        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason)
+        return om.TextCompletion(**r.common(), choices=[choice], usage=om.Usage.of(fin.figures), timings=fin.figures)
+
+    @staticmethod
+    def opening_chunk(r: Reply) -> None:
+        return None
+
+    @staticmethod
+    def chunk(r: Reply, text: str | None, fin: Finished | None = None) -> om.TextCompletion:
+        choice = om.TextChoice(text=text or "", finish_reason=fin.figures.finish_reason if fin else None)
+        return om.TextCompletion(**r.common(), choices=[choice], timings=fin.figures if fin else None)
+
+    @staticmethod
+    def usage_chunk(r: Reply, fin: Finished) -> om.TextCompletion:
+        return om.TextCompletion(**r.common(), choices=[], usage=om.Usage.of(fin.figures))
+
+
+Kind = type[ChatKind] | type[TextKind]
+
+
+def sse_event(chunk: BaseModel, include_usage: bool) -> bytes:
+    """One `data:` event. OpenAI: with include_usage every chunk has "usage" (null but the last); chat deltas
+    carry only the keys they set; `timings` appears on the chunk that finishes the choice."""
+    body = chunk.model_dump(mode="json")
+    for choice in body["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if not include_usage and body["usage"] is None:
+        del body["usage"]
+    if body["timings"] is None:
+        del body["timings"]
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def finished_error(fin: Finished, retry_after_s: int) -> ApiError | None:
+    """The API error for a request the engine ended without a normal finish, else None."""
+    reason = fin.figures.finish_reason
+    if reason == "error":
+        message = fin.error or "the engine failed the request"
+        if fin.error_code == "overloaded":
+            return overloaded(message, retry_after_s)
+        log.error("request failed in the engine: %s", message)
+        return ApiError(500, "internal error", "server_error", "internal_error")
+    if reason == "cancelled":  # not by this client (it would not be waiting): the engine is stopping
+        return ApiError(503, "the request was cancelled: the server is shutting down", "server_error", "cancelled")
+    return None
+
+
+# ---- the application ---------------------------------------------------------------------------------
+class OpenAIServer:
+    """The endpoints, bound to one backend, metrics and API configuration."""
+
+    def __init__(self, backend: Backend, metrics: Metrics, config: ApiConfig):
+        self.backend, self.metrics, self.config = backend, metrics, config
+        backend.on_ready(metrics.bind_engine)
+
+    # -- plumbing --
+    def endpoint(self, fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Wrap a handler: ApiError -> its response, anything unexpected -> logged, bare 500."""
+
+        @functools.wraps(fn)
+        async def run(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ApiError as e:
+                self.metrics.observe_error(e.code or e.type)
+                return e.response()
+            except (ClientDisconnect, ClientGone):
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            except Exception:
+                log.exception("internal error serving %s %s", request.method, request.url.path)
+                self.metrics.observe_error("internal_error")
+                return ApiError(500, "internal error", "server_error", "internal_error").response()
+
+        return run
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise invalid_request(f"the request body is {declared} bytes; at most {limit} are accepted",
+                                  code="request_too_large", status=413)
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise invalid_request(f"the request body exceeds {limit} bytes", code="request_too_large", status=413)
+        return bytes(body)
+
+    def parse(self, body: bytes, model: type[om.SamplingRequest]) -> om.SamplingRequest:
+        try:
+            req = model.model_validate_json(body)
+        except ValidationError as e:
+            message, param = om.describe_validation_error(e, model)
+            code = {"json_invalid": "invalid_json", "extra_forbidden": "unknown_parameter"}.get(e.errors()[0]["type"])
+            raise invalid_request(message, param, code or "invalid_value") from None
+        if req.model not in self.backend.model_ids:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+                                f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
+        return req
+
+    def submit(self, engine: Engine, prompt_ids: list[int], req: om.SamplingRequest, kind: Kind) -> RequestHandle:
+        try:
+            params = req.sampling_params(kind.default_max_tokens(engine))
+            return engine.submit(prompt_ids, params, req.priority)
+        except om.FieldError as e:
+            raise invalid_request(str(e), e.param) from None
+        except RequestError as e:
+            if e.code == "overloaded":
+                raise overloaded(str(e), self.config.retry_after_s) from None
+            raise invalid_request(str(e), kind.prompt_field, e.code) from None
+
+    # -- completions --
+    async def complete(self, request: Request, kind: Kind) -> Response:
+        req = self.parse(await self.read_body(request), kind.request_model)
+        engine = self.backend.require_engine()
+        try:
+            # Tokenizing a long prompt takes milliseconds: off the loop, so other streams keep flowing.
+            prompt_ids = await asyncio.to_thread(kind.prompt_ids, req, engine)
+        except om.FieldError as e:
+            raise invalid_request(str(e), e.param) from None
+        handle = self.submit(engine, prompt_ids, req, kind)
+        events = EventBridge(handle, self._observe(handle))
+        reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
+                      self.backend.manifest.version, req.include_usage)
+        return await self.relay(request, events, kind, reply, req.stream)
+
+    def _observe(self, handle: RequestHandle) -> Callable[[Finished], None]:
+        return lambda fin: self.metrics.observe_finished(fin.figures, fin.token_times)
+
+    async def relay(self, request: Request, events: EventBridge, kind: Kind, reply: Reply, stream: bool) -> Response:
+        """Wait for the first event (or the whole answer) while watching for the client going away."""
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            event = await _next_or_gone(events, gone)
+            while not stream and not isinstance(event, Finished):
+                event = await _next_or_gone(events, gone)
+        except BaseException:
+            events.cancel()  # the client left (or we failed): free the slot now
+            raise
+        finally:
+            gone.cancel()
+        if isinstance(event, Finished) and (error := finished_error(event, self.config.retry_after_s)):
+            raise error
+        if not stream:
+            return Response(kind.response(reply, event).model_dump_json(), media_type="application/json")
+        # Headers go out only now, so a request refused in the queue still gets its real status code.
+        return StreamingResponse(self.stream(events, event, kind, reply), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def stream(self, events: EventBridge, event: TextDelta | Finished, kind: Kind,
+                     reply: Reply) -> AsyncIterator[bytes]:
+        # Starlette cancels this generator when the client disconnects; `finally` then cancels the request.
+        try:
+            if (opening := kind.opening_chunk(reply)) is not None:
+                yield sse_event(opening, reply.include_usage)
+            while isinstance(event, TextDelta):
+                yield sse_event(kind.chunk(reply, event.text), reply.include_usage)
+                event = await events.get()
+            yield self._stream_end(event, kind, reply)
+        finally:
+            events.cancel()
+
+    def _stream_end(self, fin: Finished, kind: Kind, reply: Reply) -> bytes:
+        error = finished_error(fin, self.config.retry_after_s)
+        if error is not None:  # mid-stream: the status is sent already, so the error is an event (as vLLM does)
+            self.metrics.observe_error(error.code or error.type)
+            body = om.ErrorResponse(error=om.ErrorDetail(message=error.message, type=error.type, code=error.code))
+            return b"data: " + body.model_dump_json().encode() + b"\n\n" + SSE_DONE
+        end = sse_event(kind.chunk(reply, None if kind is ChatKind else "", fin), reply.include_usage)
+        if reply.include_usage:
+            end += sse_event(kind.usage_chunk(reply, fin), True)
+        return end + SSE_DONE
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, ChatKind)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, TextKind)
+
+    # -- status --
+    async def models(self, request: Request) -> Response:
+        m = self.backend.manifest
+        card = om.ModelCard(id=m.name, created=_unix_seconds(m.created_at), version=m.version, precision=m.precision)
+        return Response(om.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    async def health(self, request: Request) -> Response:
+        state, m = self.backend.state, self.backend.manifest
+        engine = self.backend.engine
+        healthy = state is ServerState.READY and engine is not None and engine.is_running
+        status = state.value if state is not ServerState.READY or healthy else "engine_stopped"
+        body = om.Health(status=status, model=m.name, version=m.version).model_dump_json()
+        return Response(body, 200 if healthy else 503, media_type="application/json")
+
+    async def prometheus(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def _unix_seconds(iso: str) -> int:
+    try:
+        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return 0  # a manifest from an older quantizer with another date format: OpenAI's field is required
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    # Unknown paths and wrong methods, in OpenAI's error shape too.
+    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error",
+                    "not_found" if exc.status_code == 404 else "method_not_allowed").response()
+
+
+def create_app(backend: Backend, metrics: Metrics, config: ApiConfig = ApiConfig()) -> Starlette:
+    server = OpenAIServer(backend, metrics, config)
+    e = server.endpoint
+    routes = [
+        Route("/v1/chat/completions", e(server.chat_completions), methods=["POST"]),
+        Route("/v1/completions", e(server.completions), methods=["POST"]),
+        Route("/v1/models", e(server.models), methods=["GET"]),
+        Route("/health", e(server.health), methods=["GET"]),
+        Route("/metrics", e(server.prometheus), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

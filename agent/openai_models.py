@@ -1,0 +1,263 @@
+"""The OpenAI-compatible wire shapes of the local API: requests validated at the boundary, responses built here.
+
+Requests follow the OpenAI API reference for /v1/chat/completions and /v1/completions (strict JSON types,
+n = 1 only, an unknown field is an error) plus vLLM's extension names: top_k, min_p, repetition_penalty,
+ignore_eos and priority. Sampling ranges are checked once, by `SamplingParams`; this module only maps
+fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
+the engine's `RequestFigures`. Nothing here does I/O.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agent.sampling_params import SamplingParams
+from agent.wire import RequestFigures
+
+# OpenAI's default for /v1/completions ("max_tokens ... Defaults to 16"); chat has no limit but the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # vLLM's `priority`: lower is served first
+
+
+class FieldError(ValueError):
+    """A request field whose value the server cannot use; `param` names it as OpenAI's error body does."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# ---- requests ---------------------------------------------------------------------------------------
+class _Request(BaseModel):
+    # strict: JSON types as the OpenAI API documents them ("1" is not a number, 1.0 is not an integer).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False  # OpenAI: one extra chunk before [DONE] with usage and no choices
+
+
+class TextPart(_Request):
+    type: Literal["text"]  # image and audio parts are refused: this is a text model
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted, as OpenAI does; chat templates do not print it
+
+    def as_template_message(self) -> dict:
+        # OpenAI: "developer" messages replace "system" ones for newer models; templates only know "system".
+        role = "system" if self.role == "developer" else self.role
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": role, "content": text}
+
+
+class SamplingRequest(_Request):
+    """Fields both endpoints share; ranges are SamplingParams' (one definition)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for OpenAI compatibility; not used
+    # vLLM's extension names
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+
+    @model_validator(mode="after")
+    def _check_choices_and_stream(self):
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (this server returns one choice per request), got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")  # as the OpenAI API says
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams; FieldError naming the field when a value is out of range."""
+        fields = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
+                  "min_p", "repetition_penalty", "ignore_eos")
+        given = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        max_tokens = self.requested_max_tokens()
+        try:
+            return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens, **given)
+        except ValidationError as e:
+            raise FieldError(*describe_validation_error(e)) from None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    @model_validator(mode="after")
+    def _check_max_tokens(self):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_message() for m in self.messages]
+
+
+class CompletionRequest(SamplingRequest):
+    # OpenAI also allows a batch of prompts; with n = 1 only, a list must hold exactly one.
+    prompt: str | list[int] | list[str]
+
+    def prompt_text_or_ids(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise FieldError(f"prompt: send one prompt per request (got {len(self.prompt)})", "prompt")
+            return self.prompt[0]
+        return self.prompt
+
+
+def describe_validation_error(e: ValidationError, model: type[BaseModel] | None = None) -> tuple[str, str | None]:
+    """(message, param) for the first problem, worded for an API client: what was wrong, what is allowed."""
+    err = e.errors(include_url=False)[0]
+    param = ".".join(str(x) for x in err["loc"]) or None
+    if err["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {err['msg']}", None
+    if err["type"] == "extra_forbidden":
+        allowed = f"; allowed: {', '.join(sorted(model.model_fields))}" if model and len(err["loc"]) == 1 else ""
+        return f"unknown field {param!r}{allowed}", param
+    if err["type"] == "model_type" and not err["loc"]:
+        return "the request body must be a JSON object", None
+    more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
+    msg = err["msg"].removeprefix("Value error, ")
+    named = param is None or msg.startswith(param.rsplit(".", 1)[-1])  # SamplingParams' messages name the field
+    return (msg if named else f"{param}: {msg}") + more, param
+
+
+# ---- responses --------------------------------------------------------------------------------------
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, f: RequestFigures) -> "Usage":
+        return cls(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                   total_tokens=f.prompt_tokens + f.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=f.cached_prompt_tokens))
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class TextChoice(_Response):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class _Completion(_Response):
+    id: str
+    created: int  # Unix seconds
+    model: str
+    system_fingerprint: str  # the bundle version: OpenAI's "backend configuration" fingerprint
+    usage: Usage | None = None
+    timings: RequestFigures | None = None  # extension, as llama.cpp's server names it
+
+
+class ChatCompletion(_Completion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Completion):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class TextCompletion(_Completion):
+    # OpenAI uses the same object name for whole completions and their stream chunks.
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[TextChoice]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorDetail
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "edge"
+    version: str  # extension: the bundle version
+    precision: str  # extension: e.g. "int4"
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(_Response):
+    status: Literal["loading", "ready", "draining", "failed", "engine_stopped"]
+    model: str
+    version: str

@@ -1,0 +1,249 @@
+"""Wiring for `edge-agent serve`: config, sockets, the engine loader and uvicorn, run in the foreground.
+
+The Unix socket is bound first (its mode and group set before listen(), so no client can connect
+through looser permissions), then the model loads in a thread while /health answers 503 "loading". A
+socket file left by a crash is replaced only if it is a socket and nothing answers on it; any other file
+at that path is an error. SIGTERM or Ctrl-C drains: /health turns 503, the listeners close, in-flight
+requests get `drain_timeout_s` to finish, then the engine stops and the socket file is removed.
+
+Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/api.sock [--config agent.toml] [--tcp 127.0.0.1:8080]
+"""
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import uvicorn
+
+from agent.api import Backend, ServerState, create_app
+from agent.bundle import open_bundle
+from agent.config import AgentConfig, ApiConfig, EngineConfig
+from agent.engine import Engine
+from agent.metrics import Metrics
+from agent.wire import Manifest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 128  # pending connections per listener; clients beyond it are refused by the kernel
+PROBE_TIMEOUT_S = 1.0  # how long a stale-socket probe waits for a live server to accept
+
+
+class ServeError(RuntimeError):
+    """The server cannot start (or its model failed to load); the message says why."""
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
+    """The TOML config file (if any) with command-line flags laid over it (flags win), validated once.
+
+    flags: model, socket, tcp (top level / [api]) and threads, memory_budget_mb ([engine]); None = not given.
+    """
+    data = tomllib.loads(Path(path).read_text()) if path else {}
+    engine_flags = {k: flags.pop(k) for k in ("threads", "memory_budget_mb") if flags.get(k) is not None}
+    api_flags = {k: flags.pop(k) for k in ("socket", "tcp") if flags.get(k) is not None}
+    if flags.get("model") is not None:
+        data["model"] = flags["model"]
+    if engine_flags:
+        data["engine"] = {**data.get("engine", {}), **engine_flags}
+    if api_flags:
+        data["api"] = {**data.get("api", {}), **api_flags}
+    return AgentConfig.model_validate(data)
+
+
+# ---- sockets ----------------------------------------------------------------------------------------
+def clear_stale_socket(path: Path) -> None:
+    """Make way for a new socket at path: remove a socket nobody answers on; refuse anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ServeError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT_S)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:  # a socket file with no listener: left by a crash
+        log.warning("removing stale socket %s", path)
+        path.unlink()
+        return
+    except FileNotFoundError:  # removed meanwhile
+        return
+    except OSError as e:
+        raise ServeError(f"{path}: cannot tell whether another server uses it ({e})") from e
+    finally:
+        probe.close()
+    raise ServeError(f"{path}: another server is answering on this socket")
+
+
+def bind_unix(path: Path, mode: int, group: str | None) -> socket.socket:
+    """A listening Unix socket at path with the given permission bits and group."""
+    path = Path(path)
+    clear_stale_socket(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, mode)  # before listen(): until then a connect() is refused, whatever the mode
+        if group is not None:
+            os.chown(path, -1, _group_id(group))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        _unlink_if_socket(path)
+        raise
+    return sock
+
+
+def _group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ServeError(f"socket_group {group!r} is not a group on this system") from None
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+def _unlink_if_socket(path: Path) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+# ---- the server -------------------------------------------------------------------------------------
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, backend: Backend):
+        super().__init__(config)
+        self.backend = backend
+
+    def handle_exit(self, sig, frame) -> None:
+        self.backend.mark_draining()  # /health answers 503 while in-flight requests finish
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own version re-raises the signal after shutdown, killing the process before the engine
+        # stops and the socket file is removed; here a drained shutdown simply returns (exit status 0).
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class ApiServer:
+    """The API app on pre-bound sockets, with a loader thread that brings the engine up.
+
+    run() serves in the calling thread (the main thread: SIGTERM / SIGINT drain); start() / stop() run it
+    in a background thread (tests).
+    """
+
+    def __init__(self, backend: Backend, sockets: list[socket.socket], config: ApiConfig,
+                 metrics: Metrics | None = None):
+        self.backend, self.sockets = backend, sockets
+        self.metrics = metrics or Metrics()
+        app = create_app(backend, self.metrics, config)
+        uv = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="off", access_log=False, log_config=None,
+                            timeout_graceful_shutdown=config.drain_timeout_s)
+        self.uvicorn = _Uvicorn(uv, backend)
+        self.load_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def load_in_background(self, load: Callable[[], Engine]) -> threading.Thread:
+        """Call load() (which returns a started engine) in a thread; the backend turns ready or failed."""
+        thread = threading.Thread(target=self._load, args=(load,), name="engine-loader", daemon=True)
+        thread.start()
+        return thread
+
+    def _load(self, load: Callable[[], Engine]) -> None:
+        try:
+            engine = load()
+        except Exception as e:
+            log.error("the model failed to load: %s", e)
+            self.load_error = e
+            self.backend.mark_failed()
+            self.uvicorn.should_exit = True  # a service without its model should exit, so systemd sees it
+            return
+        if self.backend.can_move(ServerState.READY):
+            self.backend.mark_ready(engine)
+        else:  # shutdown began while loading
+            engine.stop()
+
+    def run(self) -> None:
+        self.uvicorn.run(sockets=self.sockets)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread = threading.Thread(target=self.run, name="api-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise ServeError("the API server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.backend.mark_draining()
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+
+
+def load_engine(model: Path, config: EngineConfig) -> Engine:
+    engine = Engine(open_bundle(model), config)
+    engine.start()
+    return engine
+
+
+def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.info) -> None:
+    """Serve config.model on the configured socket(s) until SIGTERM / SIGINT, then drain and stop."""
+    if config.model is None:
+        raise ServeError("no model: pass --model or set `model` in the config file")
+    manifest = Manifest.read(config.model)  # identity for /health and /v1/models while the bundle loads
+    api = config.api
+    sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
+    try:
+        if api.tcp_address is not None:
+            sockets.append(bind_tcp(*api.tcp_address))
+    except BaseException:
+        sockets[0].close()
+        _unlink_if_socket(Path(api.socket))
+        raise
+    try:
+        server = ApiServer(Backend(manifest), sockets, api)
+        server.load_in_background(lambda: load_engine(config.model, config.engine))
+        announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"
+                 + (f" and http://{api.tcp}" if api.tcp else "") + " (loading the model)")
+        server.run()
+    finally:
+        _unlink_if_socket(Path(api.socket))
+    if server.backend.engine is not None:
+        server.backend.engine.stop()
+    if server.load_error is not None:
+        raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error

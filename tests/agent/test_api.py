@@ -1,0 +1,421 @@
+"""The local API over a real Unix socket with real engines: the official openai client against the tiny and the
+real model, 32 concurrent streams, a fuzz of odd bodies, /metrics, OpenAI-shaped errors, loading and draining,
+a client that disconnects cancelling its request, socket safety, and `edge-agent serve` as a process."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.api import Backend
+from agent.config import ApiConfig, EngineConfig
+from agent.engine import Engine
+from agent.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
+from agent.wire import Manifest
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+TINY_ENGINE = EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=64)
+USER_HI = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("api") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_bundle):
+    engine = Engine(tiny_bundle, TINY_ENGINE)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@dataclass
+class Served:
+    server: ApiServer
+    path: Path
+    engine: Engine | None
+
+    def http(self, timeout_s: float = 30.0) -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.path)), base_url="http://localhost",
+                            timeout=timeout_s)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
+                             http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(self.path))))
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v"}': value}."""
+        text = self.http().get("/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+        return out
+
+
+@contextmanager
+def serving(bundle, engine: Engine | None, load=None, config: ApiConfig | None = None):
+    """A real server on a fresh Unix socket (AF_UNIX paths are short: not under pytest's tmp_path)."""
+    folder = Path(tempfile.mkdtemp(prefix="edge-api-", dir="/tmp"))
+    path = folder / "api.sock"
+    config = config or ApiConfig(socket=path, drain_timeout_s=2)
+    server = ApiServer(Backend(Manifest.read(bundle.path)), [bind_unix(path, config.socket_mode, None)], config)
+    server.start()
+    server.load_in_background(load or (lambda: engine))
+    try:
+        if load is None:
+            wait_for(lambda: server.backend.state.value == "ready")
+        yield Served(server, path, engine)
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine) as served:
+        yield served
+
+
+def sse_events(raw: str) -> list[dict]:
+    """The JSON events of a well-formed SSE body; asserts the framing and the closing [DONE]."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    blocks = raw.split("\n\n")[:-1]
+    assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
+    assert blocks[-1] == "data: [DONE]" and "data: [DONE]" not in blocks[:-1]
+    return [json.loads(b.removeprefix("data: ")) for b in blocks[:-1]]
+
+
+# ---- the openai client, tiny and real model ------------------------------------------------------------
+def check_chat_and_stream(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int) -> str:
+    args = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+    whole = client.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and whole.model == model and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.model_extra["timings"]["ttft_ms"] > 0
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == choice.finish_reason and "timings" in chunks[-2].model_extra
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == choice.message.content
+    return choice.message.content
+
+
+def test_openai_client_chat_and_stream_on_tiny_model(tiny):
+    client = tiny.openai()
+    check_chat_and_stream(client, "tiny", USER_HI, 12)
+    forced = client.chat.completions.create(model="tiny", messages=USER_HI, max_completion_tokens=9,
+                                            extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05, "priority": 3})
+    assert forced.usage.completion_tokens == 9 and forced.choices[0].finish_reason == "length"
+
+
+def test_text_completions_with_text_and_token_id_prompts(tiny):
+    client = tiny.openai()
+    by_text = client.completions.create(model="tiny", prompt="the answer", temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert by_text.object == "text_completion" and by_text.usage.completion_tokens == 16  # OpenAI's default
+    by_ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(by_ids)
+    assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
+    assert client.models.list().data[0].id == "tiny"
+
+
+@pytest.fixture(scope="module")
+def real(real_fp32_bundle):
+    engine = Engine(real_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=1024))
+    engine.start()
+    with serving(real_fp32_bundle, engine) as served:
+        yield served
+    engine.stop()
+
+
+@pytest.mark.real_model
+def test_openai_client_chat_and_stream_on_real_model(real):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    text = check_chat_and_stream(real.openai(), "smollm2", question, 12)
+    assert "Paris" in text
+
+
+# ---- load: 32 concurrent streams -------------------------------------------------------------------------
+async def one_stream(client: httpx.AsyncClient, i: int) -> list[dict]:
+    body = dict(model="tiny", messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=16, stream=True,
+                temperature=0.8, seed=i, ignore_eos=True, stream_options={"include_usage": True})
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return sse_events((await r.aread()).decode())
+
+
+def test_32_concurrent_streams_all_finish_well_formed(tiny):
+    async def run():
+        transport = httpx.AsyncHTTPTransport(uds=str(tiny.path))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as client:
+            return await asyncio.gather(*(one_stream(client, i) for i in range(32)))
+
+    for events in asyncio.run(run()):
+        assert len({e["id"] for e in events}) == 1
+        assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 16
+        assert all(e["usage"] is None for e in events[:-1])
+
+
+# ---- fuzz: odd bodies never give a 500 or a hang ------------------------------------------------------------
+# A valid request of either endpoint, then up to three fields replaced by odd values or removed, sent as JSON,
+# truncated JSON, or to the other endpoint; plus arbitrary JSON and bytes.
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+ODD = st.one_of(JSON, st.sampled_from([0, -1, 0.5, 1e308, -1e-9, float("nan"), float("inf"), 10**30, -(2**70), "1",
+                                       True, "", "\x00", "\ud7ff\U0001f600" * 50, [], {}, [1, "a"], {"text": 1}]))
+TEXT = st.text(max_size=40)
+PART = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+                                 "content": TEXT | st.lists(PART, max_size=2)})
+SAMPLING = dict(temperature=st.floats(0, 2), top_p=st.floats(0.01, 1), top_k=st.integers(0, 300),
+                min_p=st.floats(0, 1), repetition_penalty=st.floats(0.5, 2), presence_penalty=st.floats(-2, 2),
+                frequency_penalty=st.floats(-2, 2), seed=st.integers(-(2**63), 2**64 - 1),
+                stop=st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=4),
+                stream=st.booleans(), ignore_eos=st.booleans(), priority=st.integers(-5, 5), n=st.just(1),
+                user=TEXT)
+CHAT = st.fixed_dictionaries({"model": st.just("tiny"), "messages": st.lists(MESSAGE, min_size=1, max_size=3),
+                              "max_tokens": st.integers(1, 4)}, optional=SAMPLING)
+TEXT_REQUEST = st.fixed_dictionaries({"model": st.just("tiny"), "max_tokens": st.integers(1, 4),
+                                      "prompt": TEXT | st.lists(st.integers(0, 268), max_size=8)}, optional=SAMPLING)
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream_options", "logprobs",
+          "unknown", *SAMPLING]
+
+
+@st.composite
+def odd_request(draw) -> tuple[str, bytes]:
+    chat = draw(st.booleans())
+    body = draw(CHAT if chat else TEXT_REQUEST)
+    for _ in range(draw(st.integers(0, 3))):
+        key = draw(st.sampled_from(FIELDS))
+        if draw(st.booleans()):
+            body.pop(key, None)
+        else:
+            body[key] = draw(ODD | st.just({"include_usage": True}) | st.integers(-2, 5))
+    raw = json.dumps(body).encode()
+    shape = draw(st.sampled_from(["json"] * 6 + ["truncated", "other endpoint", "any json", "bytes"]))
+    raw = {"truncated": raw[:draw(st.integers(0, len(raw) - 1))], "any json": json.dumps(draw(JSON)).encode(),
+           "bytes": draw(st.binary(max_size=40))}.get(shape, raw)
+    return ("/v1/chat/completions" if chat != (shape == "other endpoint") else "/v1/completions"), raw
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(tiny):
+    with tiny.http(timeout_s=20) as client:
+        yield client
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+@given(request=odd_request())
+def test_fuzzed_bodies_get_a_clean_answer(fuzz_client, request):
+    path, body = request
+    r = fuzz_client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        sse_events(r.text)
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_tiny_temperature_does_not_stop_the_engine(tiny_bundle):
+    """Found by the fuzz run: temperature 1e-232 with min_p used to raise in the sampler and kill the loop."""
+    engine = Engine(tiny_bundle, TINY_ENGINE)
+    engine.start()
+    with serving(tiny_bundle, engine) as s, s.http(timeout_s=3) as http:
+        for temperature in (1e-232, 0.7):
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                   "temperature": temperature, "min_p": 0.1})
+            assert r.status_code == 200
+    engine.stop()
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+def test_metrics_parse_and_count_what_was_served(tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine) as s:
+        before = s.metrics()
+        s.openai().chat.completions.create(model="tiny", messages=USER_HI, max_tokens=5,
+                                           extra_body={"ignore_eos": True})
+        s.http().post("/v1/completions", json={"model": "tiny", "prompt": "x", "bogus": 1})
+        after = s.metrics()
+    length = 'edge:request_success_total{finish_reason="length"}'
+    assert length not in before and after[length] == 1
+    assert after["edge:generation_tokens_total"] - before["edge:generation_tokens_total"] == 5
+    assert after["edge:prompt_tokens_total"] > before["edge:prompt_tokens_total"]
+    assert after["edge:time_to_first_token_seconds_count"] == 1 and after["edge:e2e_request_latency_seconds_count"] == 1
+    assert after["edge:inter_token_latency_seconds_count"] == 4
+    assert after['edge:request_errors_total{code="unknown_parameter"}'] == 1
+    for gauge in ("edge:num_requests_running", "edge:num_requests_waiting", "edge:kv_cache_usage_perc",
+                  "edge:prefix_cache_hit_rate"):
+        assert 0 <= after[gauge] <= 1, gauge
+
+
+# ---- errors in OpenAI's shape --------------------------------------------------------------------------------
+def test_errors_have_openai_status_and_body(tiny):
+    client = tiny.openai()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=USER_HI)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="the " * 300)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    http = tiny.http()
+    cases = [(b'{"model": "tiny", "messages": [', "invalid_json"), (b'{"model":"tiny","prompt":"x","logprobs":1}',
+                                                                    "unknown_parameter"),
+             (b'{"model":"tiny","prompt":"x","n":2}', "invalid_value"),
+             (b'{"model":"tiny","prompt":"x","temperature":"hot"}', "invalid_value")]
+    for body, code in cases:
+        r = http.post("/v1/completions", content=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+    assert "logprobs" in http.post("/v1/completions", content=cases[1][0]).json()["error"]["message"]
+    assert http.post("/v1/completions", content=b"x" * (5 << 20)).status_code == 413
+    assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
+    assert http.get("/v1/chat/completions").status_code == 405
+
+
+def test_overloaded_engine_answers_429_with_retry_after(tiny_bundle):
+    engine = Engine(tiny_bundle, TINY_ENGINE.model_copy(update={"max_queue": 0}))  # every submit is 'overloaded'
+    with serving(tiny_bundle, engine) as s:
+        r = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+        with pytest.raises(openai.RateLimitError):
+            s.openai().completions.create(model="tiny", prompt="hello", stream=True)
+
+
+def test_internal_error_is_a_bare_500_and_logged(tiny, tiny_engine, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("secret detail")
+
+    monkeypatch.setattr(tiny_engine, "submit", broken)
+    r = tiny.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello"})
+    assert r.status_code == 500 and r.json()["error"] == {"message": "internal error", "type": "server_error",
+                                                          "param": None, "code": "internal_error"}
+    assert "secret" not in r.text and "ZeroDivisionError" in caplog.text
+
+
+# ---- lifecycle: loading, ready, draining ----------------------------------------------------------------------
+def test_health_is_503_while_loading_and_draining(tiny_bundle, tiny_engine):
+    loaded = threading.Event()
+    with serving(tiny_bundle, None, load=lambda: (loaded.wait(10), tiny_engine)[1]) as s:
+        http = s.http()
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading", "model": "tiny",
+                                                     "version": s.server.backend.manifest.version}
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 503
+        loaded.set()
+        wait_for(lambda: http.get("/health").status_code == 200)
+        assert http.get("/health").json()["status"] == "ready"
+        s.server.backend.mark_draining()
+        assert http.get("/health").json()["status"] == "draining"
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).status_code == 503
+
+
+# ---- a client that goes away cancels its request ---------------------------------------------------------------
+@pytest.mark.real_model
+def test_disconnect_mid_stream_cancels_the_request(real):
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with real.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert real.engine.num_running == 1
+    wait_for(lambda: real.engine.num_running == 0, timeout_s=3)  # 900 tokens would take the engine ~40 s
+    wait_for(lambda: real.metrics().get('edge:request_success_total{finish_reason="cancelled"}') == 1, 3)
+    with real.http(timeout_s=0.5) as http, pytest.raises(httpx.ReadTimeout):  # not streamed: same
+        http.post("/v1/completions", json={**body, "stream": False})
+    wait_for(lambda: real.metrics().get('edge:request_success_total{finish_reason="cancelled"}') == 2, 3)
+    assert real.engine.num_running == 0
+
+
+# ---- sockets and config ----------------------------------------------------------------------------------------
+def test_socket_mode_and_stale_socket_handling():
+    folder = Path(tempfile.mkdtemp(prefix="edge-sock-", dir="/tmp"))
+    path = folder / "a.sock"
+    try:
+        live = bind_unix(path, 0o660, None)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        with pytest.raises(ServeError, match="another server"):
+            clear_stale_socket(path)
+        live.close()  # a crash: the file stays, nothing listens
+        bind_unix(path, 0o600, None).close()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        (folder / "file").write_text("not a socket")
+        with pytest.raises(ServeError, match="not a socket"):
+            bind_unix(folder / "file", 0o660, None)
+        assert (folder / "file").read_text() == "not a socket"
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_config_file_with_flags_over_it(tmp_path):
+    toml = tmp_path / "agent.toml"
+    toml.write_text('model = "/m"\n[engine]\nthreads = 3\n[api]\nsocket_mode = "0600"\ntcp = "127.0.0.1:9000"\n')
+    c = load_agent_config(toml, threads=1, socket=Path("/tmp/x.sock"), model=None, memory_budget_mb=None, tcp=None)
+    assert (c.model, c.engine.threads, c.api.socket, c.api.socket_mode) == (Path("/m"), 1, Path("/tmp/x.sock"), 0o600)
+    assert c.api.tcp_address == ("127.0.0.1", 9000)
+    with pytest.raises(ValueError, match="not loopback"):
+        load_agent_config(toml, tcp="0.0.0.0:9000")
+
+
+def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle):
+    folder = Path(tempfile.mkdtemp(prefix="edge-cli-", dir="/tmp"))
+    path = folder / "api.sock"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = folder / "agent.toml"
+    config.write_text("[engine]\nmin_context = 64\n[api]\nsocket_mode = 0o600\n")
+    cmd = [sys.executable, "-m", "agent.cli", "serve", "--model", str(tiny_bundle.path), "--socket", str(path),
+           "--config", str(config), "--memory-budget-mb", "2048", "--threads", "1", "--tcp", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        wait_for(path.exists, timeout_s=20)
+        served = Served(None, path, None)
+        wait_for(lambda: served.http().get("/health").status_code == 200, timeout_s=30)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["model"] == "tiny"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, proc.stderr.read()
+        assert not path.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
