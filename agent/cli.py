@@ -7,6 +7,7 @@ Run: edge-agent generate --model BUNDLE [--chat] [--max-tokens N] [--threads N] 
 from __future__ import annotations
 
 import json
+import os
 import logging
 import sys
 from pathlib import Path
@@ -113,12 +114,14 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp):
 
     Example: edge-agent serve --model bundles/smollm2-int4 --socket /tmp/edge.sock --tcp 127.0.0.1:8080
     """
+    from agent.sdnotify import Notifier
     from agent.serve import ServeError, load_agent_config, serve_forever
 
     try:
         config = load_agent_config(config_path, model=model, socket=socket_path, threads=threads,
                                    memory_budget_mb=memory_budget_mb, tcp=tcp)
-        serve_forever(config, announce=lambda line: click.echo(line, err=True))
+        serve_forever(config, announce=lambda line: click.echo(line, err=True),
+                      notifier=Notifier.from_environment(dict(os.environ)))  # systemd's protocol is env-based
     except (ValidationError, ServeError, *USER_ERRORS) as e:
         _fail(e)
 

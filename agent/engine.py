@@ -82,7 +82,7 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig(), draft: Bundle | None = None,
-                 heartbeat: Callable[[], None] | None = None):
+                 heartbeat: Callable[[], None] | None = None, idle_wait_s: float = 0.5):
         self.bundle, self.config = bundle, config
         # called by the loop itself every iteration (busy or idle): a watchdog fed from here stops being fed
         # when the loop is stuck, which a free-running timer would not notice
@@ -101,7 +101,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._kv_utilization = 0.0
-        self._wake_interval_s = 0.5  # idle loop period: also the heartbeat's period when there is no work
+        self._wake_interval_s = idle_wait_s  # idle loop period: also the heartbeat's period when there is no work
         self._thread: threading.Thread | None = None
 
     def _load_draft(self, draft: Bundle | None) -> DraftModel | None:

@@ -27,6 +27,7 @@ import uvicorn
 
 from agent.api import Backend, ServerState, create_app
 from agent.bundle import open_bundle
+from agent.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig
 from agent.engine import Engine
 from agent.metrics import Metrics
@@ -139,8 +140,12 @@ class _Uvicorn(uvicorn.Server):
         super().__init__(config)
         self.backend = backend
 
+    notifier: Notifier | None = None
+
     def handle_exit(self, sig, frame) -> None:
         self.backend.mark_draining()  # /health answers 503 while in-flight requests finish
+        if self.notifier:
+            self.notifier.stopping()
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -215,13 +220,20 @@ class ApiServer:
             self._thread.join()
 
 
-def load_engine(model: Path, config: EngineConfig) -> Engine:
-    engine = Engine(open_bundle(model), config)
+def load_engine(model: Path, config: EngineConfig, notifier: Notifier | None = None) -> Engine:
+    """Verify and load the bundle, start the engine loop; its heartbeat feeds the systemd watchdog."""
+    ping_s = notifier.watchdog_interval_s if notifier and notifier.watchdog_interval_s else 0.5
+    engine = Engine(open_bundle(model), config, heartbeat=notifier.heartbeat if notifier else None,
+                    idle_wait_s=min(0.5, ping_s / 2))  # an idle loop still beats often enough for the watchdog
     engine.start()
+    if notifier:  # READY only now: the model is verified and loaded and the socket already listens
+        m = engine.bundle.manifest
+        notifier.ready(f"serving {m.name}@{m.version} ({m.precision})")
     return engine
 
 
-def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.info) -> None:
+def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.info,
+                  notifier: Notifier | None = None) -> None:
     """Serve config.model on the configured socket(s) until SIGTERM / SIGINT, then drain and stop."""
     if config.model is None:
         raise ServeError("no model: pass --model or set `model` in the config file")
@@ -237,7 +249,8 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
         raise
     try:
         server = ApiServer(Backend(manifest), sockets, api)
-        server.load_in_background(lambda: load_engine(config.model, config.engine))
+        server.uvicorn.notifier = notifier
+        server.load_in_background(lambda: load_engine(config.model, config.engine, notifier))
         announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"
                  + (f" and http://{api.tcp}" if api.tcp else "") + " (loading the model)")
         server.run()

@@ -110,8 +110,7 @@ def test_watchdog_pings_while_healthy_and_stop_when_the_loop_stalls(tiny_bundle,
     listener = NotifyListener(tmp_path / "notify")
     notifier = Notifier(str(tmp_path / "notify"), watchdog_usec=200_000)  # ping every 0.1 s
     engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64),
-                    heartbeat=notifier.heartbeat)
-    engine._wake_interval_s = 0.05
+                    heartbeat=notifier.heartbeat, idle_wait_s=0.05)
     engine.start()
     t0 = time.monotonic()
     time.sleep(1.0)
@@ -127,3 +126,34 @@ def test_watchdog_pings_while_healthy_and_stop_when_the_loop_stalls(tiny_bundle,
     engine.stop()
     listener.close()
     assert healthy >= 5 and stalled == 0
+
+
+def test_serve_speaks_sd_notify_ready_then_stopping_and_exits_0_on_sigterm(tiny_bundle, tmp_path):
+    """edge-agent serve under a fake systemd: READY after load, WATCHDOG pings, STOPPING at SIGTERM, exit 0."""
+    import signal as sig
+
+    listener = NotifyListener(tmp_path / "notify")
+    sock = tmp_path / "agent.sock"
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "400000", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen([str(VENV_BIN / "edge-agent"), "serve", "--model", str(tiny_bundle.path),
+                             "--socket", str(sock), "--memory-budget-mb", "4000"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any("READY=1" in m for _, m in listener.messages):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        assert sock.exists()  # the socket listened before READY
+        time.sleep(1.0)
+        proc.send_signal(sig.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+    messages = [m for _, m in listener.messages]
+    ready = next(i for i, m in enumerate(messages) if "READY=1" in m)
+    stopping = next(i for i, m in enumerate(messages) if "STOPPING=1" in m)
+    assert ready < stopping
+    assert sum("WATCHDOG=1" in m for m in messages[ready:stopping]) >= 3
+    assert not sock.exists()
