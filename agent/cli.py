@@ -149,6 +149,26 @@ def telemetry(state_dir, since, as_json):
     click.echo(json.dumps(result, indent=2) if as_json else format_summary(result))
 
 
+@cli.command("check-config")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="agent.toml")
+def check_config(config_path):
+    """Validate a config file without starting anything; exit 0 when it is valid.
+
+    Example: edge-agent check-config --config /etc/edge-agent/agent.toml
+    """
+    from agent.config import describe_errors
+    from agent.serve import load_agent_config
+
+    try:
+        config = load_agent_config(config_path)
+    except ValidationError as e:
+        raise click.ClickException(f"{config_path}: invalid configuration\n{describe_errors(e)}") from e
+    except (OSError, ValueError) as e:  # unreadable file, TOML syntax error (tomllib's error names the line)
+        raise click.ClickException(f"{config_path}: {e}") from e
+    click.echo(f"{config_path}: ok (model {config.model}, memory budget {config.engine.memory_budget_mb} MB, "
+               f"socket {config.api.socket})")
+
+
 def main() -> None:
     try:
         cli(prog_name="edge-agent")

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-from pydantic import AfterValidator, SecretStr
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agent.wire import DEVICE_ID_PATTERN
 
@@ -167,3 +166,29 @@ class AgentConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     api: ApiConfig = ApiConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the (nested) model a validation error location points into."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = getattr(field, "annotation", None) if field else None
+        candidates = [a for a in getattr(sub, "__args__", (sub,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return list(model.model_fields)
+
+
+def describe_errors(e: ValidationError, root: type[BaseModel] = None) -> str:
+    """One line per problem: the key, what was wrong, and what is allowed."""
+    root = root or AgentConfig
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key (allowed here: {', '.join(_allowed_keys(root, err['loc']))})")
+        else:
+            got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict) else ""
+            lines.append(f"{key}: {err['msg']}{got}")
+    return "\n".join(lines)
