@@ -1,0 +1,471 @@
+"""The device's MQTT v5 link to the fleet (the only paho import): presence, the telemetry outbox, commands.
+
+Threads, one job each:
+- link ("mqtt-link"): connects, watches the connection, reconnects after capped exponential backoff with
+  jitter. Each connection is a fresh paho client whose own network thread (loop_start) runs with
+  reconnect_on_failure=False, so retry policy, the Will's counter and the session stay ours.
+- outbox ("mqtt-outbox"): publishes unsent store rows as TelemetryBatch (QoS 1) and marks them sent on
+  PUBACK only. Rows unacknowledged when a connection ends stay unsent and go again on the next one (the
+  fleet drops replays on (device, boot, seq)).
+- commands ("mqtt-commands"): validates cmd/req/{name} messages, calls the handler, answers on the
+  request's Response Topic with its Correlation Data (MQTT v5 §4.10).
+
+Presence: on connect, a retained DeviceState "online" (birth); the Last Will, registered in CONNECT, is a
+retained "offline" with the same connection number; a clean stop publishes "stopped" and then sends
+DISCONNECT with reason 0x00, which makes the broker discard the Will (MQTT v5 §3.14.4).
+
+Example:
+    link = MqttLink(MqttConfig(url="mqtt://broker:1883"), "dev-1", store, handler=commands)
+    link.start(); ...; link.notify()  # after store.append(); link.stop() on shutdown
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import paho.mqtt.client as paho
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
+from pydantic import ValidationError
+
+from agent.config import MqttConfig
+from agent.store import OutboxRow, TelemetryStore
+from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, TelemetryBatch,
+                        topic)
+
+log = logging.getLogger(__name__)
+
+CommandHandler = Callable[[str, CommandRequest], CommandResponse]
+
+# The broker must not send us packets larger than this (MQTT v5 §3.1.2.11.4 Maximum Packet Size; it drops
+# them instead). Above MAX_PAYLOAD_BYTES so that a too-large command still reaches us and gets an error
+# answer; a bound so that no publisher can make the device buffer megabytes.
+MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
+COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
+REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
+STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
+
+
+class LinkState(enum.Enum):
+    IDLE = "idle"
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+_TRANSITIONS = {
+    LinkState.IDLE: {LinkState.CONNECTING, LinkState.STOPPING},
+    LinkState.CONNECTING: {LinkState.CONNECTED, LinkState.BACKOFF, LinkState.STOPPING},
+    LinkState.CONNECTED: {LinkState.BACKOFF, LinkState.STOPPING},
+    LinkState.BACKOFF: {LinkState.CONNECTING, LinkState.STOPPING},
+    LinkState.STOPPING: {LinkState.STOPPED},
+    LinkState.STOPPED: set(),
+}
+
+
+def backoff_delay_s(attempt: int, min_s: float, max_s: float, rng: random.Random) -> float:
+    """Delay before reconnect attempt `attempt` (0-based): "equal jitter", uniform in [cap/2, cap] with
+    cap = min(max_s, min_s * 2**attempt). Half the delay is fixed (no thundering retries), half spread
+    (a fleet that lost its broker together does not come back together)."""
+    cap = min(max_s, min_s * 2 ** min(attempt, 32))
+    return rng.uniform(cap / 2, cap)
+
+
+class _Connection:
+    """One network connection: its paho client, its number (DeviceState.connection) and its events."""
+
+    def __init__(self, client: paho.Client, number: int):
+        self.client, self.number = client, number
+        self.connack = threading.Event()
+        self.closed = threading.Event()
+        self.reason: ReasonCode | None = None  # the CONNACK's reason code (MQTT v5 §3.2.2.2)
+
+    @property
+    def is_up(self) -> bool:
+        return self.connack.is_set() and not self.reason.is_failure and not self.closed.is_set()
+
+
+class MqttLink:
+    """The device's connection to the fleet broker. start() once, stop() once; thread-safe otherwise."""
+
+    def __init__(self, config: MqttConfig, device_id: str, store: TelemetryStore,
+                 describe: Callable[[], dict] = dict, handler: CommandHandler | None = None,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.time):
+        self.config, self.device_id, self.store = config, device_id, store
+        self.describe, self.clock = describe, clock
+        self.rng = rng or random.Random()
+        self.state = LinkState.IDLE
+        self._state_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._conn: _Connection | None = None
+        self.outbox = _Outbox(store, device_id, config, self._stop)
+        self.commands = _CommandDesk(device_id, handler or _no_handler, config.response_expiry_s, self._stop)
+        self._threads: list[threading.Thread] = []
+
+    # ---- state machine ----
+    def can_move(self, to: LinkState) -> bool:
+        return to in _TRANSITIONS[self.state]
+
+    def _move(self, to: LinkState) -> bool:
+        with self._state_lock:
+            if not self.can_move(to):
+                return False
+            self.state = to
+            return True
+
+    @property
+    def is_connected(self) -> bool:
+        return self.state is LinkState.CONNECTED
+
+    # ---- public ----
+    def start(self) -> None:
+        assert self.state is LinkState.IDLE, "start() once"
+        for target, name in ((self._run, "mqtt-link"), (self.outbox.run, "mqtt-outbox"),
+                             (self.commands.run, "mqtt-commands")):
+            self._threads.append(threading.Thread(target=target, name=name, daemon=True))
+            self._threads[-1].start()
+
+    def stop(self) -> None:
+        """Publish "stopped", disconnect cleanly (the Will is discarded) and end the threads."""
+        if not self._move(LinkState.STOPPING):
+            return
+        self._stop.set()
+        self.outbox.wake()
+        for t in self._threads:
+            t.join()
+        conn = self._conn
+        if conn is not None and conn.is_up:
+            self._farewell(conn)
+        elif conn is not None:
+            conn.client.loop_stop()
+        self._move(LinkState.STOPPED)
+
+    def notify(self) -> None:
+        """New rows were appended: let the outbox look now rather than at its next poll."""
+        self.outbox.wake()
+
+    def flush(self, wait_s: float = 5.0) -> dict:
+        """Force an outbox pass and wait (up to wait_s) until every row is delivered."""
+        self.outbox.wake()
+        deadline = time.monotonic() + wait_s
+        while (unsent := self.store.count_unsent()) and self.is_connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"unsent": unsent, "connected": self.is_connected}
+
+    # ---- the link thread: connect, watch, back off, again ----
+    def _run(self) -> None:
+        attempt = 0
+        while self._move(LinkState.CONNECTING):
+            conn = self._connect()
+            if conn is not None:
+                attempt = 0
+                self._watch(conn)
+            if not self._move(LinkState.BACKOFF):
+                return  # stopping: stop() takes over the connection
+            delay = backoff_delay_s(attempt, self.config.backoff_min_s, self.config.backoff_max_s, self.rng)
+            attempt += 1
+            log.info("mqtt: reconnecting in %.1f s", delay)
+            self._stop.wait(delay)
+
+    def _connect(self) -> _Connection | None:
+        """One attempt: CONNECT with clean_start=0 (keep the session) and the Will; on CONNACK, subscribe and
+        publish the birth. None if the broker is unreachable or refuses us."""
+        conn = self._new_connection(self.store.next_connection())
+        self._conn = conn
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.config.session_expiry_s  # MQTT v5 §3.1.2.11.2
+        props.MaximumPacketSize = MAX_PACKET_BYTES  # MQTT v5 §3.1.2.11.4
+        try:  # MQTT v5 §3.1.2.4: Clean Start 0 resumes the session (our cmd/req subscription, queued commands)
+            conn.client.connect(self.config.host, self.config.port, self.config.keepalive_s, clean_start=False,
+                                properties=props)
+        except (OSError, ValueError) as e:  # refused, unreachable, DNS, TLS handshake
+            log.warning("mqtt: cannot connect to %s: %s", self.config.url, e)
+            return None
+        _no_delay(conn.client)
+        conn.client.loop_start()
+        if not conn.connack.wait(self.config.connect_timeout_s) or conn.reason.is_failure:
+            log.warning("mqtt: %s refused the connection: %s", self.config.url,
+                        conn.reason if conn.reason is not None else "no CONNACK in time")
+            conn.client.disconnect()
+            conn.client.loop_stop()
+            return None
+        return conn if self._on_connected(conn) else None
+
+    def _on_connected(self, conn: _Connection) -> bool:
+        req = topic(self.device_id, "cmd", "req", "+")
+        conn.client.subscribe(req, options=SubscribeOptions(qos=1))
+        conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,
+                            retain=True)
+        if not self._move(LinkState.CONNECTED):
+            return False  # stop() began meanwhile; it says goodbye on this connection
+        log.info("mqtt: connected to %s (connection %d)", self.config.url, conn.number)
+        self.outbox.attach(conn)
+        return True
+
+    def _watch(self, conn: _Connection) -> None:
+        while not conn.closed.wait(0.2):
+            if self._stop.is_set():
+                return
+        self.outbox.attach(None)
+        conn.client.loop_stop()
+
+    def _farewell(self, conn: _Connection) -> None:
+        info = conn.client.publish(topic(self.device_id, "state"), self._state_json("stopped", conn.number),
+                                   qos=1, retain=True)
+        try:
+            info.wait_for_publish(STOP_ACK_TIMEOUT_S)
+        except (ValueError, RuntimeError) as e:
+            log.warning("mqtt: the stopped state may not have reached the broker: %s", e)
+        # Reason 0x00: normal disconnection, the broker discards the Will (MQTT v5 §3.14.4)
+        conn.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Normal disconnection"))
+        conn.client.loop_stop()
+
+    # ---- the paho client of one connection ----
+    def _new_connection(self, number: int) -> _Connection:
+        client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.device_id,
+                             protocol=paho.MQTTv5, reconnect_on_failure=False)
+        conn = _Connection(client, number)
+        client.user_data_set(conn)
+        client.connect_timeout = self.config.connect_timeout_s
+        client.on_connect, client.on_disconnect, client.on_subscribe = _on_connect, _on_disconnect, _on_subscribe
+        client.on_publish, client.on_message = self.outbox.on_ack, self.commands.offer
+        client.will_set(topic(self.device_id, "state"), self._state_json("offline", number), qos=1, retain=True)
+        if self.config.username is not None:
+            password = self.config.password.get_secret_value() if self.config.password else None
+            client.username_pw_set(self.config.username, password)
+        if self.config.uses_tls:
+            client.tls_set(ca_certs=_str(self.config.ca_file), certfile=_str(self.config.cert_file),
+                           keyfile=_str(self.config.key_file))
+        return conn
+
+    def _state_json(self, status: str, number: int) -> str:
+        base = dict(device_id=self.device_id, status=status, connection=number, boot_id=self.store.boot_id,
+                    ts=self.clock())
+        try:
+            return DeviceState(**{**self.describe(), **base}).model_dump_json()
+        except Exception as e:  # a failing or invalid description must not cost us our presence
+            log.warning("mqtt: the device description is invalid, sending a bare state: %s", e)
+            return DeviceState(**base).model_dump_json()
+
+
+def _no_delay(client: paho.Client) -> None:
+    # Without TCP_NODELAY, Nagle holds a command's answer until the PUBACK written just before it is
+    # acknowledged, and the peer delays that ACK: ~40 ms per hop on Linux. Our messages are few and whole.
+    sock = client.socket()
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _str(path) -> str | None:
+    return None if path is None else str(path)
+
+
+def _on_connect(client, conn: _Connection, flags, reason_code, properties) -> None:
+    conn.reason = reason_code
+    conn.connack.set()
+
+
+def _on_disconnect(client, conn: _Connection, flags, reason_code, properties) -> None:
+    if not conn.closed.is_set():
+        log.info("mqtt: connection %d closed: %s", conn.number, reason_code)
+    conn.closed.set()
+
+
+def _on_subscribe(client, conn: _Connection, mid, reason_codes, properties) -> None:
+    for code in reason_codes:  # MQTT v5 §3.9.3: a code >= 0x80 means this subscription was refused
+        if code.is_failure:
+            log.error("mqtt: the broker refused our command subscription: %s (commands will not arrive)", code)
+
+
+def _no_handler(name: str, request: CommandRequest) -> CommandResponse:
+    return CommandResponse(command=name, ok=False, error="this agent does not handle commands")
+
+
+# ---- the outbox ---------------------------------------------------------------------------------------
+class _Outbox:
+    """Unsent rows -> TelemetryBatch -> QoS 1 publish -> PUBACK -> mark_sent.
+
+    Only the outbox thread touches `_inflight` (message id -> row ids) and `_cursor`: paho's thread only
+    queues acks. The ack of a batch can arrive before publish() returns; it is then still queued until
+    this thread has recorded the mapping, so it is never lost. (Holding a lock across publish() instead
+    would deadlock: paho calls on_publish while holding the lock publish() needs.)
+    """
+
+    def __init__(self, store: TelemetryStore, device_id: str, config: MqttConfig, stop: threading.Event):
+        self.store, self.device_id, self.config, self._stop = store, device_id, config, stop
+        self.topic = topic(device_id, "tele")
+        self._acks: queue.SimpleQueue = queue.SimpleQueue()  # (connection, mid, reason code)
+        self._wake = threading.Event()
+        self._target: _Connection | None = None  # set by the link thread
+        self._conn: _Connection | None = None  # the connection _inflight belongs to
+        self._inflight: dict[int, list[int]] = {}
+        self._cursor = 0  # the last row id published on this connection
+        self._paused_until = 0.0
+
+    def attach(self, conn: _Connection | None) -> None:
+        self._target = conn
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def on_ack(self, client, conn: _Connection, mid: int, reason_code, properties) -> None:
+        self._acks.put((conn, mid, reason_code))  # paho's thread: queue it, touch nothing else
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.config.outbox_poll_s)
+            self._wake.clear()
+            try:
+                self._pass()
+            except Exception:  # a database error must not end delivery for good; the next pass retries
+                log.exception("mqtt: outbox pass failed")
+
+    def _pass(self) -> None:
+        self._drain_acks()  # acks that came before a disconnect still count
+        if self._target is not self._conn:  # a new connection (or none): unacked rows go again from the start
+            self._conn, self._inflight, self._cursor = self._target, {}, 0
+        while self._can_publish() and self._publish_batch():
+            self._drain_acks()
+
+    def _can_publish(self) -> bool:
+        return (self._conn is not None and self._conn.is_up and not self._stop.is_set()
+                and len(self._inflight) < self.config.max_inflight_batches and time.monotonic() >= self._paused_until)
+
+    def _drain_acks(self) -> None:
+        while True:
+            try:
+                conn, mid, reason = self._acks.get_nowait()
+            except queue.Empty:
+                return
+            rows = self._inflight.pop(mid, None) if conn is self._conn else None
+            if rows is None:
+                continue  # a state or response publish, or an ack from an earlier connection
+            if reason.is_failure:  # MQTT v5 §3.4.2.1: the broker did not accept it (e.g. 0x87 not authorized)
+                log.warning("mqtt: the broker refused a batch of %d records: %s; retrying in %.0f s", len(rows),
+                            reason, REFUSED_PAUSE_S)
+                self._cursor = min(self._cursor, rows[0] - 1)
+                self._paused_until = time.monotonic() + REFUSED_PAUSE_S
+                continue
+            self.store.mark_sent(rows)
+
+    def _publish_batch(self) -> bool:
+        rows = self.store.unsent(self.config.batch_max_records, after=self._cursor)
+        if not rows:
+            return False
+        rows = fit_batch(rows)
+        payload = TelemetryBatch(device_id=self.device_id, records=[r.record for r in rows]).model_dump_json()
+        info = self._conn.client.publish(self.topic, payload, qos=1)
+        if info.rc != paho.MQTT_ERR_SUCCESS:
+            return False  # the connection just went; the link thread will notice
+        self._inflight[info.mid] = [r.row_id for r in rows]
+        self._cursor = rows[-1].row_id
+        return True
+
+
+def fit_batch(rows: list[OutboxRow], max_bytes: int = MAX_PAYLOAD_BYTES) -> list[OutboxRow]:
+    """The longest prefix of rows whose batch stays under max_bytes (each record fits alone, see store)."""
+    total = 4096  # the envelope: {"device_id": ..., "records": [...]}
+    for i, row in enumerate(rows):
+        total += len(row.body.encode()) + 1
+        if total > max_bytes:
+            return rows[:max(i, 1)]
+    return rows
+
+
+# ---- commands -----------------------------------------------------------------------------------------
+class _CommandDesk:
+    """cmd/req/{name} messages -> validated CommandRequest -> handler -> CommandResponse on the Response Topic.
+
+    paho's thread only queues messages; the worker validates and answers them one at a time, so a slow
+    command (a benchmark) never stalls the network loop. Nothing a publisher sends can end the worker.
+    """
+
+    def __init__(self, device_id: str, handler: CommandHandler, response_expiry_s: int, stop: threading.Event):
+        self.device_id, self.handler, self.response_expiry_s, self._stop = device_id, handler, response_expiry_s, stop
+        self.response_base = topic(device_id, "cmd", "res")
+        self._queue: queue.Queue = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
+
+    def offer(self, client, conn: _Connection, msg) -> None:
+        try:
+            self._queue.put_nowait((conn, msg))
+        except queue.Full:
+            log.warning("mqtt: dropped a command on %s: %d commands already waiting", msg.topic, COMMAND_QUEUE_MAX)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, msg = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._answer(conn, msg)
+            except Exception:  # a bug of ours in one command must not end the service of all the next ones
+                log.exception("mqtt: answering %s failed", msg.topic)
+
+    def _answer(self, conn: _Connection, msg) -> None:
+        name = msg.topic.rsplit("/", 1)[-1]
+        response = self.respond(name, msg.payload)
+        props = msg.properties
+        response_topic = getattr(props, "ResponseTopic", None)  # MQTT v5 §3.3.2.3.5
+        if response_topic is None:
+            log.warning("mqtt: command %r has no response topic; not answered%s", name,
+                        f" (it was refused: {response.error})" if not response.ok else "")
+            return
+        if not self._may_answer_on(response_topic):
+            log.warning("mqtt: command %r asks for an answer on %r, outside %s/#; not answered", name,
+                        response_topic, self.response_base)
+            return
+        out = Properties(PacketTypes.PUBLISH)
+        out.MessageExpiryInterval = self.response_expiry_s  # MQTT v5 §3.3.2.3.3: stale answers are dropped
+        correlation = getattr(props, "CorrelationData", None)
+        if correlation is not None:
+            out.CorrelationData = correlation  # MQTT v5 §3.3.2.3.6: returned unchanged
+        conn.client.publish(response_topic, response.model_dump_json(), qos=1, properties=out)
+
+    def respond(self, name: str, payload: bytes) -> CommandResponse:
+        """The answer to one request: the handler's, or an error saying what was wrong (and logged)."""
+        error = self._check(name, payload)
+        if error is None:
+            try:
+                request = CommandRequest.model_validate_json(payload or b"{}")  # an empty body means no args
+            except ValidationError as e:
+                error = "malformed request: " + _summarize(e)
+        if error is not None:
+            log.warning("mqtt: command %r refused: %s", name[:64], error)
+            return CommandResponse(command=name[:64], ok=False, error=error)
+        try:
+            return self.handler(name, request)
+        except Exception as e:
+            log.exception("mqtt: command %r failed", name)
+            return CommandResponse(command=name, ok=False, error=f"internal error: {type(e).__name__}")
+
+    @staticmethod
+    def _check(name: str, payload: bytes) -> str | None:
+        if name not in COMMANDS:
+            return f"unknown command {name[:64]!r}; known: {', '.join(COMMANDS)}"
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            return f"the request is {len(payload)} bytes; the limit is {MAX_PAYLOAD_BYTES}"
+        return None
+
+    def _may_answer_on(self, response_topic: str) -> bool:
+        # Only our own cmd/res subtree (the broker ACL allows nothing else); never a wildcard (MQTT v5 §4.7.1)
+        inside = response_topic == self.response_base or response_topic.startswith(self.response_base + "/")
+        return inside and "+" not in response_topic and "#" not in response_topic and "\0" not in response_topic
+
+
+def _summarize(e: ValidationError, most: int = 3) -> str:
+    parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:most]]
+    return "; ".join(parts) + (f" (and {e.error_count() - most} more)" if e.error_count() > most else "")
+

@@ -1,0 +1,279 @@
+"""The device's telemetry store and outbox: every record is committed to SQLite before anything sends it.
+
+One table of records (request, sample and event TelemetryRecords as JSON, each with its delivery flag), a
+meta table of counters, and the migrations that built them. `append()` returns only once the row is
+committed (durable before delivered); agent.mqtt reads `unsent()` rows, publishes them and calls
+`mark_sent()` on PUBACK. `enforce()` keeps the file inside its age and byte caps, deleting delivered rows
+first; undelivered rows it must drop are counted and reported as a `dropped_rows` event, so the loss is
+itself delivered. The schema, for `sqlite-utils query telemetry.db "..."`, is documented in docs/telemetry.md.
+
+Example:
+    store = TelemetryStore(Path("/var/lib/edge-agent/telemetry.db"), "dev-1")
+    store.append(EventRecord(kind="start"))
+    rows = store.unsent(200); store.mark_sent([r.row_id for r in rows])
+"""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from sqlite_utils import Database
+
+from agent.wire import MAX_PAYLOAD_BYTES, EventRecord, RequestRecord, SampleRecord, TelemetryRecord
+
+# WAL + synchronous=FULL: a committed record survives a power cut, not just a crash, at one fsync per
+# append; requests finish seconds apart and samples come every ~10 s, so the cost is small on a device.
+SYNCHRONOUS = "FULL"
+# What a row costs beyond its JSON body (columns, rowid, two index entries), in bytes: the byte cap
+# counts body + this, an estimate of the pages the row holds. Freed pages are reused, so the file stays
+# near its high-water mark rather than growing past the cap.
+ROW_OVERHEAD_BYTES = 64
+ENVELOPE_BYTES = 4096  # room a TelemetryBatch envelope needs around its records
+MAX_RECORD_BYTES = MAX_PAYLOAD_BYTES - ENVELOPE_BYTES  # a record must fit one batch on its own
+BUSY_TIMEOUT_S = 10.0  # another process (the CLI, a backup) may hold the write lock briefly
+
+_KINDS = {RequestRecord: "request", SampleRecord: "sample", EventRecord: "event"}
+
+
+# ---- migrations: ordered, named, each run once in its own transaction; never edit a shipped one ------------
+def _m0001_records(db: Database) -> None:
+    # AUTOINCREMENT: row ids never repeat, even after retention empties the table, so the outbox's
+    # "after this id" cursor can never skip a new row.
+    db.execute("""
+        CREATE TABLE records (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            device_id TEXT NOT NULL,
+            boot_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            ts REAL NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('request', 'sample', 'event')),
+            body TEXT NOT NULL,
+            sent INTEGER NOT NULL DEFAULT 0 CHECK (sent IN (0, 1)),
+            sent_at REAL
+        )""")
+    db.execute("CREATE UNIQUE INDEX records_boot_seq ON records (boot_id, seq)")
+    db.execute("CREATE INDEX records_unsent ON records (id) WHERE sent = 0")
+    db.execute("CREATE INDEX records_ts ON records (ts)")
+
+
+def _m0002_meta(db: Database) -> None:
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+    db.execute("INSERT INTO meta (key, value) VALUES ('dropped_undelivered', 0), ('connections', 0)")
+
+
+def _m0003_requests_view(db: Database) -> None:
+    f = "json_extract(body, '$.request.figures.{}')".format
+    db.execute(f"""
+        CREATE VIEW requests AS SELECT
+            id, device_id, boot_id, seq, ts, sent,
+            json_extract(body, '$.request.model') AS model,
+            json_extract(body, '$.request.version') AS version,
+            {f('finish_reason')} AS finish_reason,
+            {f('prompt_tokens')} AS prompt_tokens,
+            {f('completion_tokens')} AS completion_tokens,
+            {f('ttft_ms')} AS ttft_ms,
+            {f('decode_tokens_per_s')} AS decode_tokens_per_s,
+            {f('prefill_tokens_per_s')} AS prefill_tokens_per_s,
+            {f('e2e_ms')} AS e2e_ms
+        FROM records WHERE kind = 'request'""")
+
+
+MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [
+    ("0001_records", _m0001_records),
+    ("0002_meta", _m0002_meta),
+    ("0003_requests_view", _m0003_requests_view),
+]
+
+
+def migrate(db: Database) -> list[str]:
+    """Apply the migrations this database lacks, in order; returns the names applied."""
+    db.execute("CREATE TABLE IF NOT EXISTS migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    done = {row["name"] for row in db.query("SELECT name FROM migrations")}
+    applied = []
+    for name, step in MIGRATIONS:
+        if name in done:
+            continue
+        with db.atomic():
+            step(db)
+            db.execute("INSERT INTO migrations (name, applied_at) VALUES (?, ?)", [name, time.time()])
+        applied.append(name)
+    return applied
+
+
+# ---- the store --------------------------------------------------------------------------------------
+class OutboxRow(NamedTuple):
+    row_id: int
+    body: str  # the TelemetryRecord as JSON, exactly as appended
+
+    @property
+    def record(self) -> TelemetryRecord:
+        return TelemetryRecord.model_validate_json(self.body)
+
+
+@dataclass(frozen=True)
+class RetentionReport:
+    deleted_delivered: int
+    dropped_undelivered: int  # in this pass; the lifetime total is TelemetryStore.dropped_undelivered
+    stored_bytes: int  # after the pass (estimate: body + ROW_OVERHEAD_BYTES per row)
+
+
+class TelemetryStore:
+    """The records of one device. A new boot id per instance (each agent start); seq counts from 0 within it.
+
+    Thread-safe: one connection behind one lock (appends come from the engine's and the sampler's threads,
+    mark_sent from the outbox's).
+    """
+
+    def __init__(self, path: Path, device_id: str, clock: Callable[[], float] = time.time):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.device_id, self.clock = path, device_id, clock
+        self.db = Database(sqlite3.connect(str(path), check_same_thread=False, timeout=BUSY_TIMEOUT_S))
+        self.db.enable_wal()
+        self.db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+        migrate(self.db)
+        self.boot_id = str(uuid.uuid4())
+        self._next_seq = 0
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+    # ---- writing ----
+    def append(self, body: RequestRecord | SampleRecord | EventRecord, ts: float | None = None) -> TelemetryRecord:
+        """Commit one record and return it; the kind follows the body's type."""
+        kind = _KINDS[type(body)]
+        with self._lock:
+            record = TelemetryRecord(boot_id=self.boot_id, seq=self._next_seq,
+                                     ts=self.clock() if ts is None else ts, kind=kind, **{kind: body})
+            text = record.model_dump_json()
+            if len(text.encode()) > MAX_RECORD_BYTES:
+                raise ValueError(f"a {kind} record of {len(text.encode())} bytes exceeds the "
+                                 f"{MAX_RECORD_BYTES}-byte limit of one telemetry batch")
+            self.db.execute(  # autocommits (or joins the caller's transaction, see enforce)
+                "INSERT INTO records (device_id, boot_id, seq, ts, kind, body) VALUES (?, ?, ?, ?, ?, ?)",
+                [self.device_id, record.boot_id, record.seq, record.ts, kind, text])
+            self._next_seq += 1
+        return record
+
+    def mark_sent(self, row_ids: Iterable[int]) -> None:
+        """Flag rows as delivered (the broker acknowledged them). Rows deleted meanwhile are ignored."""
+        now = self.clock()
+        with self._lock, self.db.atomic():
+            self.db.conn.executemany("UPDATE records SET sent = 1, sent_at = ? WHERE id = ? AND sent = 0",
+                                     [(now, i) for i in row_ids])
+
+    def next_connection(self) -> int:
+        """Count one more connection attempt and return the count (the DeviceState `connection`)."""
+        return self._meta_add("connections", 1)
+
+    def _meta_add(self, key: str, n: int) -> int:
+        with self._lock, self.db.atomic():
+            self.db.execute("UPDATE meta SET value = value + ? WHERE key = ?", [n, key])
+            return self._meta(key)
+
+    def _meta(self, key: str) -> int:
+        return next(self.db.query("SELECT value FROM meta WHERE key = ?", [key]))["value"]
+
+    # ---- reading ----
+    def unsent(self, limit: int, after: int = 0) -> list[OutboxRow]:
+        """Up to `limit` undelivered rows with id > after, oldest first."""
+        with self._lock:
+            cur = self.db.execute("SELECT id, body FROM records WHERE sent = 0 AND id > ? ORDER BY id LIMIT ?",
+                                  [after, limit])
+            return [OutboxRow(*row) for row in cur.fetchall()]
+
+    def count_unsent(self) -> int:
+        with self._lock:
+            return self.db.execute("SELECT count(*) FROM records WHERE sent = 0").fetchone()[0]
+
+    @property
+    def dropped_undelivered(self) -> int:
+        with self._lock:
+            return self._meta("dropped_undelivered")
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return self._meta("connections")
+
+    def stored_bytes(self) -> int:
+        with self._lock:
+            return self.db.execute(f"SELECT COALESCE(SUM(length(CAST(body AS BLOB)) + {ROW_OVERHEAD_BYTES}), 0) "
+                                   "FROM records").fetchone()[0]
+
+    # ---- retention ----
+    def enforce(self, max_age_s: float, max_bytes: int) -> RetentionReport:
+        """Delete delivered rows older than max_age_s, then the oldest rows while over max_bytes: delivered
+        ones first, undelivered ones only if that was not enough (counted, and reported as an event).
+
+        Undelivered rows are never deleted for age alone: a device offline for a month keeps its records
+        up to the byte cap, and delivers them when it is back.
+        """
+        with self._lock:
+            with self.db.atomic():
+                aged = self.db.execute("DELETE FROM records WHERE sent = 1 AND ts < ?",
+                                       [self.clock() - max_age_s]).rowcount
+                excess = self.stored_bytes() - max_bytes
+                delivered, freed = self._delete_oldest(sent=1, excess_bytes=excess)
+                dropped, _ = self._delete_oldest(sent=0, excess_bytes=excess - freed)
+                if dropped:
+                    self._report_dropped(dropped)
+            if aged or delivered or dropped:
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # give the WAL's pages back too
+            return RetentionReport(aged + delivered, dropped, self.stored_bytes())
+
+    def _delete_oldest(self, sent: int, excess_bytes: int) -> tuple[int, int]:
+        """Delete the fewest oldest rows (of this delivery state) that free excess_bytes: (rows, bytes)."""
+        if excess_bytes <= 0:
+            return 0, 0
+        size = f"length(CAST(body AS BLOB)) + {ROW_OVERHEAD_BYTES}"
+        last_id, count, freed = self.db.execute(f"""
+            WITH c AS (SELECT id, {size} AS size, SUM({size}) OVER (ORDER BY id) AS cum
+                       FROM records WHERE sent = ?)
+            SELECT MAX(id), COUNT(*), COALESCE(MAX(cum), 0) FROM c WHERE cum - size < ?""",
+                                                [sent, excess_bytes]).fetchone()
+        if count:
+            self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, last_id])
+        return count, freed
+
+    def _report_dropped(self, count: int) -> None:
+        total = self._meta_add("dropped_undelivered", count)
+        self.append(EventRecord(kind="dropped_rows", detail={"count": count, "total": total}))
+
+
+# ---- the read side, for `edge-agent telemetry` ------------------------------------------------------------
+class TelemetryReader:
+    """Read-only queries over a telemetry.db (the agent may be writing it meanwhile: WAL readers don't block)."""
+
+    def __init__(self, path: Path):
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"no telemetry database at {path}")
+        self.db = Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S))
+
+    def request_rows(self, since_ts: float) -> list[dict]:
+        """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s."""
+        return list(self.db.query(
+            "SELECT model, version, strftime('%Y-%m-%dT%H:00Z', ts, 'unixepoch') AS hour, ttft_ms, "
+            "decode_tokens_per_s FROM requests WHERE ts >= ? ORDER BY model, version, hour", [since_ts]))
+
+    def finish_reasons(self, since_ts: float) -> dict[str, int]:
+        return {row["finish_reason"]: row["n"] for row in self.db.query(
+            "SELECT finish_reason, count(*) AS n FROM requests WHERE ts >= ? GROUP BY finish_reason "
+            "ORDER BY n DESC", [since_ts])}
+
+    def counts(self) -> dict[str, int]:
+        row = next(self.db.query("SELECT count(*) AS records, COALESCE(SUM(sent = 0), 0) AS unsent FROM records"))
+        dropped = next(self.db.query("SELECT value FROM meta WHERE key = 'dropped_undelivered'"))["value"]
+        return {**row, "dropped_undelivered": dropped}
+
+    def close(self) -> None:
+        self.db.close()

@@ -1,0 +1,237 @@
+"""Telemetry wiring for the serving agent: records requests, samples the process and the engine, keeps retention.
+
+`Telemetry.open(config)` builds the store (state_dir/telemetry.db), the MQTT link when a broker is
+configured (without one the agent just keeps records) and the command handler. Serve wiring calls
+`start()`, `bind_engine(engine)` once the model is loaded, `record_request(...)` for every finished
+request, and `stop()` on shutdown. A sampler thread appends a SampleRecord every sample_interval_s and
+runs retention every retention_interval_s. `summary()` is the read side of `edge-agent telemetry`.
+
+Example:
+    telemetry = Telemetry.open(config, describe=lambda: {"model": "smollm2", "version": "int4-..."})
+    telemetry.start(); telemetry.bind_engine(engine)
+    telemetry.record_request("smollm2", "int4-...", finished.figures)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from agent.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
+from agent.config import AgentConfig, TelemetryConfig
+from agent.process import rss_bytes
+from agent.store import RetentionReport, TelemetryReader, TelemetryStore
+from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord
+
+if TYPE_CHECKING:
+    from agent.mqtt import MqttLink
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "telemetry.db"
+MB = 1 << 20
+
+
+class EngineProbe(Protocol):
+    """What the sampler reads from the engine (agent.engine.Engine has these)."""
+
+    num_running: int
+    num_waiting: int
+
+    def kv_utilization(self) -> float: ...
+
+
+def default_device_id() -> str:
+    """This host's name, made a valid device id (wire.DEVICE_ID_PATTERN)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()).lstrip("-_.")[:64]
+    return name or "device"
+
+
+class _CpuMeter:
+    """CPU use of this process between two reads, in percent of one core (os.times: user + system)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        t = os.times()
+        return self.clock(), t.user + t.system
+
+    def percent(self) -> float:
+        (wall0, cpu0), (wall1, cpu1) = self._last, self._read()
+        self._last = (wall1, cpu1)
+        return 100.0 * (cpu1 - cpu0) / (wall1 - wall0) if wall1 > wall0 else 0.0
+
+
+class Telemetry:
+    def __init__(self, store: TelemetryStore, config: TelemetryConfig, link: MqttLink | None = None):
+        self.store, self.config, self.link = store, config, link
+        self.settings = LiveSettings()
+        self._engine: EngineProbe | None = None
+        self._tokens = 0  # completion tokens of requests recorded since the last sample
+        self._tokens_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, config: AgentConfig, describe: Callable[[], dict] = dict,
+             rollback: Callable[[dict], dict] | None = None) -> "Telemetry":
+        """The store under config.telemetry.state_dir, plus the MQTT link and its command handler if a broker
+        is configured. describe() returns DeviceState's optional fields (model, version, hardware, ...);
+        rollback(args) is agent.updates' answer to the `rollback` command."""
+        tc = config.telemetry
+        device_id = tc.device_id or default_device_id()
+        telemetry = cls(TelemetryStore(Path(tc.state_dir) / DB_NAME, device_id), tc)
+        if tc.mqtt is not None:
+            from agent.mqtt import MqttLink  # paho only when a broker is configured
+
+            commands = Commands(Device(config, telemetry.settings, benchmark=telemetry._benchmark,
+                                       flush=telemetry.flush, rollback=rollback))
+            telemetry.link = MqttLink(tc.mqtt, device_id, telemetry.store, describe=describe, handler=commands)
+        return telemetry
+
+    # ---- called by the serve wiring ----
+    def start(self) -> None:
+        self.record_event("start", {"pid": os.getpid()})
+        if self.link is not None:
+            self.link.start()
+        self._thread = threading.Thread(target=self._run, name="telemetry-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.record_event("stop", {})
+        if self.link is not None:
+            self.link.flush(wait_s=1.0)  # best effort: what is not delivered now goes after the next start
+            self.link.stop()
+        self.store.close()
+
+    def bind_engine(self, engine: EngineProbe) -> None:
+        self._engine = engine
+
+    def record_request(self, model: str, version: str, figures: RequestFigures) -> None:
+        self._append(RequestRecord(model=model, version=version, figures=figures))
+        with self._tokens_lock:
+            self._tokens += figures.completion_tokens
+
+    def record_event(self, kind: str, detail: dict) -> None:
+        self._append(EventRecord(kind=kind, detail=detail))
+
+    def flush(self, wait_s: float = 5.0) -> dict:
+        if self.link is None:
+            return {"unsent": self.store.count_unsent(), "connected": False}
+        return self.link.flush(wait_s)
+
+    def _append(self, body) -> None:
+        self.store.append(body)  # committed before anything tries to send it
+        if self.link is not None:
+            self.link.notify()
+
+    def _benchmark(self, spec: BenchmarkArgs) -> RequestFigures:
+        if self._engine is None:
+            raise CommandError("the model is still loading")
+        return run_benchmark(self._engine, spec)
+
+    # ---- the sampler thread ----
+    def _run(self) -> None:
+        cpu = _CpuMeter()
+        last_sample = last_retention = time.monotonic()
+        while not self._stop.wait(min(self.config.sample_interval_s, self.config.retention_interval_s, 1.0)):
+            now = time.monotonic()
+            try:
+                if now - last_sample >= self.config.sample_interval_s:
+                    self._append(self.sample(now - last_sample, cpu.percent()))
+                    last_sample = now
+                if now - last_retention >= self.config.retention_interval_s:
+                    self.enforce_retention()
+                    last_retention = now
+            except Exception:  # a full disk or a locked database: log it, keep sampling
+                log.exception("telemetry: sampling or retention failed")
+
+    def sample(self, interval_s: float, cpu_percent: float) -> SampleRecord:
+        with self._tokens_lock:
+            tokens, self._tokens = self._tokens, 0
+        engine = self._engine
+        return SampleRecord(interval_s=interval_s, rss_mb=rss_bytes() / MB, cpu_percent=cpu_percent,
+                            kv_utilization=engine.kv_utilization() if engine else 0.0,
+                            queue_depth=engine.num_waiting if engine else 0,
+                            running=engine.num_running if engine else 0,
+                            tokens_per_s=tokens / interval_s if interval_s > 0 else 0.0)
+
+    def enforce_retention(self) -> RetentionReport:
+        report = self.store.enforce(self.config.max_age_s, self.config.max_bytes)
+        if report.dropped_undelivered:
+            log.warning("telemetry: dropped %d undelivered records to stay under %d bytes",
+                        report.dropped_undelivered, self.config.max_bytes)
+            if self.link is not None:
+                self.link.notify()
+        return report
+
+
+# ---- the read side: `edge-agent telemetry` -----------------------------------------------------------------
+_WINDOW = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_window(text: str) -> float:
+    """'90s', '30m', '6h', '2d' -> seconds."""
+    m = _WINDOW.match(text.strip())
+    if not m:
+        raise ValueError(f"--since must be a number and a unit (s, m, h or d), e.g. 30m or 6h; got {text!r}")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary(state_dir: Path, since_s: float, now: float | None = None) -> dict:
+    """Speed and latency by model, version and hour, and request counts by finish reason, over a window."""
+    reader = TelemetryReader(Path(state_dir) / DB_NAME)
+    since_ts = (time.time() if now is None else now) - since_s
+    try:
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for row in reader.request_rows(since_ts):
+            groups[(row["model"], row["version"], row["hour"])].append(row)
+        return {"since_s": since_s, "by_hour": [_figures(key, rows) for key, rows in groups.items()],
+                "finish_reasons": reader.finish_reasons(since_ts), "store": reader.counts()}
+    finally:
+        reader.close()
+
+
+def _figures(key: tuple, rows: list[dict]) -> dict:
+    tps = [r["decode_tokens_per_s"] for r in rows]
+    ttft = [r["ttft_ms"] for r in rows]
+    return {"model": key[0], "version": key[1], "hour": key[2], "requests": len(rows),
+            "decode_tokens_per_s_p50": percentile(tps, 50), "decode_tokens_per_s_p95": percentile(tps, 95),
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p95": percentile(ttft, 95)}
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"{'model':<24} {'version':<22} {'hour (UTC)':<18} {'reqs':>5} {'tok/s p50':>10} {'p95':>8} "
+             f"{'TTFT ms p50':>12} {'p95':>8}"]
+    for r in s["by_hour"]:
+        lines.append(f"{r['model']:<24} {r['version']:<22} {r['hour']:<18} {r['requests']:>5} "
+                     f"{r['decode_tokens_per_s_p50']:>10.1f} {r['decode_tokens_per_s_p95']:>8.1f} "
+                     f"{r['ttft_ms_p50']:>12.0f} {r['ttft_ms_p95']:>8.0f}")
+    reasons = ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "none"
+    st = s["store"]
+    lines.append(f"finish reasons: {reasons}")
+    lines.append(f"store: {st['records']} records, {st['unsent']} not yet delivered, "
+                 f"{st['dropped_undelivered']} dropped undelivered (lifetime)")
+    return "\n".join(lines)

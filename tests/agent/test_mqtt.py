@@ -1,0 +1,648 @@
+"""The MQTT link against a real Mosquitto: delivery across outages and crashes, presence, commands, the ACL.
+
+The fleet side here is a plain paho client (tests only; the agent's paho stays in agent/mqtt.py). This
+file is also the publisher subprocess of the crash tests: `python tests/agent/test_mqtt.py child ...`.
+
+Run: .venv/bin/pytest tests/agent/test_mqtt.py -q
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import pwd
+import queue
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import paho.mqtt.client as paho
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from pydantic import ValidationError
+
+from agent.commands import Commands, Device, LiveSettings
+from agent.config import AgentConfig, MqttConfig, TelemetryConfig
+from agent.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
+from agent.store import OutboxRow, TelemetryStore
+from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, EventRecord,
+                        TelemetryBatch, TelemetryRecord, topic)
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 20.0
+
+
+def fast_config(url: str, **kw) -> MqttConfig:
+    return MqttConfig(url=url, backoff_min_s=0.05, backoff_max_s=0.5, outbox_poll_s=0.05, connect_timeout_s=2, **kw)
+
+
+def wait_until(predicate, timeout_s: float = TIMEOUT_S, every_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every_s)
+    return True
+
+
+# ---- the fleet's side ---------------------------------------------------------------------------------------
+class Fleet:
+    """An MQTT v5 client with a persistent session (it gets what was published while the broker was down)
+    that records every message, indexed for the assertions."""
+
+    def __init__(self, broker, subscribe: list[str], client_id: str = "fleet-test", username: str | None = None,
+                 password: str | None = None):
+        self.subscriptions = subscribe
+        self.cond = threading.Condition()
+        self.messages: list[paho.MQTTMessage] = []
+        self.tele_keys: set[tuple[str, int]] = set()
+        self.states: list[DeviceState] = []
+        self.responses: dict[bytes, paho.MQTTMessage] = {}
+        self.subscribed = threading.Event()
+        c = self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+        c.reconnect_delay_set(0.05, 0.5)
+        if username:
+            c.username_pw_set(username, password)
+        c.on_connect, c.on_message, c.on_subscribe = self._on_connect, self._on_message, self._on_subscribe
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 300
+        c.connect("127.0.0.1", broker.port, clean_start=False, properties=props)
+        c.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the broker does (set_tcp_nodelay): no ~40 ms Nagle waits
+        c.loop_start()
+        assert self.subscribed.wait(5), "the fleet client did not subscribe"
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties):
+        client.subscribe([(t, paho.SubscribeOptions(qos=1)) for t in self.subscriptions])
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties):
+        self.subscribed.set()
+
+    def _on_message(self, client, userdata, msg):
+        with self.cond:
+            self.messages.append(msg)
+            try:
+                self._index(msg)
+            except ValidationError:
+                pass  # a test's own raw payload (the ACL test's markers)
+            self.cond.notify_all()
+
+    def _index(self, msg) -> None:
+        if msg.topic.endswith("/tele"):
+            batch = TelemetryBatch.model_validate_json(msg.payload)
+            self.tele_keys.update((r.boot_id, r.seq) for r in batch.records)
+        elif msg.topic.endswith("/state"):
+            self.states.append(DeviceState.model_validate_json(msg.payload))
+        elif "/cmd/res" in msg.topic:
+            self.responses[getattr(msg.properties, "CorrelationData", b"")] = msg
+
+    def wait(self, predicate, timeout_s: float = TIMEOUT_S) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: predicate(self), timeout_s)
+
+    def publish(self, mqtt_topic: str, payload: bytes, retain: bool = False, properties: Properties | None = None):
+        self.client.publish(mqtt_topic, payload, qos=1, retain=retain, properties=properties).wait_for_publish(5)
+
+    def request(self, device: str, name: str, payload: bytes, correlation: bytes | None = None,
+                response_topic: str | None = "default") -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        if response_topic:
+            props.ResponseTopic = topic(device, "cmd", "res") if response_topic == "default" else response_topic
+        if correlation is not None:
+            props.CorrelationData = correlation
+        self.publish(topic(device, "cmd", "req", name), payload, properties=props)
+
+    def call(self, device: str, name: str, args: dict | None = None, timeout_s: float = 5.0) -> CommandResponse:
+        correlation = os.urandom(8)
+        self.request(device, name, json.dumps({"args": args or {}}).encode(), correlation)
+        assert self.wait(lambda f: correlation in f.responses, timeout_s), f"no answer to {name}"
+        return CommandResponse.model_validate_json(self.responses[correlation].payload)
+
+    def last_state(self, device: str) -> DeviceState | None:
+        with self.cond:
+            mine = [s for s in self.states if s.device_id == device]
+            return mine[-1] if mine else None
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def retained_state(broker, device: str, **auth) -> DeviceState:
+    """What a client connecting now is told about the device (the retained state)."""
+    got: queue.Queue = queue.Queue()
+    c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"probe-{os.getpid()}-{time.monotonic_ns()}",
+                    protocol=paho.MQTTv5)
+    if auth:
+        c.username_pw_set(auth["username"], auth["password"])
+    c.on_connect = lambda client, *a: client.subscribe(topic(device, "state"), qos=1)
+    c.on_message = lambda client, u, msg: got.put(msg)
+    c.connect("127.0.0.1", broker.port)
+    c.loop_start()
+    try:
+        msg = got.get(timeout=5)
+        assert msg.retain
+        return DeviceState.model_validate_json(msg.payload)
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+@pytest.fixture
+def links(tmp_path):
+    """make(broker_url, device_id, **config) -> a started MqttLink on its own store; all stopped at the end."""
+    made: list[MqttLink] = []
+
+    def make(url: str, device: str, handler=None, db: Path | None = None, **config) -> MqttLink:
+        store = TelemetryStore(db or tmp_path / f"{device}-{len(made)}.db", device)
+        link = MqttLink(fast_config(url, **config), device, store, handler=handler,
+                        describe=lambda: {"model": "smollm2", "version": "int4-test"})
+        made.append(link)
+        link.start()
+        return link
+
+    yield make
+    for link in made:
+        link.stop()
+        link.store.close()
+
+
+def commands_for(config: MqttConfig, flush=None) -> Commands:
+    return Commands(Device(AgentConfig(telemetry=TelemetryConfig(mqtt=config)), LiveSettings(), flush=flush))
+
+
+# ---- pure pieces ------------------------------------------------------------------------------------------
+def test_backoff_doubles_up_to_the_cap_with_jitter():
+    import random
+
+    rng = random.Random(1)
+    for attempt in range(12):
+        cap = min(8.0, 0.5 * 2 ** attempt)
+        delays = [backoff_delay_s(attempt, 0.5, 8.0, rng) for _ in range(50)]
+        assert all(cap / 2 <= d <= cap for d in delays) and len(set(delays)) > 1
+    assert backoff_delay_s(10_000, 0.5, 8.0, rng) <= 8.0  # no overflow on a long outage
+
+
+def test_a_batch_stays_under_the_payload_limit():
+    body = EventRecord(kind="tick", detail={"x": "y" * 100_000})
+    text = TelemetryRecord(boot_id="b", seq=0, ts=0.0, kind="event", event=body).model_dump_json()
+    rows = [OutboxRow(i, text) for i in range(5)]
+    fitted = fit_batch(rows)
+    assert len(fitted) == 2
+    assert len(TelemetryBatch(device_id="d", records=[r.record for r in fitted]).model_dump_json()) < MAX_PAYLOAD_BYTES
+
+
+# ---- (a) delivery across a broker outage --------------------------------------------------------------------
+def test_every_record_arrives_across_a_broker_outage(broker, links):
+    fleet = Fleet(broker, subscribe=["edge/v1/+/tele"])
+    link = links(broker.url, "dev-a")
+    assert wait_until(lambda: link.is_connected)
+    store = link.store
+    for i in range(1000):
+        store.append(EventRecord(kind="tick", detail={"i": i}))
+        link.notify()
+        if i == 250:
+            broker.stop()  # records keep being committed while the broker is away
+        elif i == 700:
+            time.sleep(0.5)  # several refused attempts, backing off
+            assert link.state in (LinkState.BACKOFF, LinkState.CONNECTING) and store.count_unsent() >= 450
+            broker.start()
+    expected = {(store.boot_id, seq) for seq in range(1000)}
+    assert fleet.wait(lambda f: f.tele_keys >= expected), f"missing {len(expected - fleet.tele_keys)} records"
+    assert wait_until(lambda: store.count_unsent() == 0)
+    assert store.connections >= 3  # refused attempts, then it reconnected by itself
+    fleet.close()
+
+
+# ---- (b) the publisher SIGKILLed while publishing ----------------------------------------------------------------
+class Child:
+    """The publisher subprocess (child_main below), with its stdout read into lines."""
+
+    def __init__(self, db: Path, url: str, device: str, count: int):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, __file__, "child", str(db), url, device, str(count)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def wait_line(self, predicate, timeout_s: float = TIMEOUT_S) -> bool:
+        return wait_until(lambda: any(predicate(line) for line in list(self.lines)), timeout_s)
+
+    def committed(self) -> int:
+        return max((int(line.split()[1]) for line in list(self.lines) if line.startswith("committed ")), default=-1)
+
+
+@pytest.fixture
+def spawn():
+    """spawn(db, url, device, count) -> a running Child; any still alive at the end is killed."""
+    children: list[Child] = []
+
+    def make(*args) -> Child:
+        children.append(Child(*args))
+        return children[-1]
+
+    yield make
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait(10)
+
+
+def child_main(db: str, url: str, device: str, count: int) -> None:
+    """Append `count` records through the store, announcing each commit, while the link publishes; then
+    keep delivering until SIGTERM, and stop cleanly."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    store = TelemetryStore(Path(db), device)
+    link = MqttLink(fast_config(url), device, store)
+    link.start()
+    for i in range(count):
+        store.append(EventRecord(kind="tick", detail={"i": i}))
+        print(f"committed {i}", flush=True)  # after the commit: everything printed must survive a SIGKILL
+    print("appended", flush=True)
+    while not stop.wait(0.1):
+        pass
+    link.stop()
+    print("stopped", flush=True)
+
+
+def db_rows(db: Path) -> list[tuple[str, int, int]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT boot_id, seq, sent FROM records ORDER BY id").fetchall()
+
+
+def test_sigkill_while_publishing_loses_nothing_committed(broker, tmp_path, spawn):
+    fleet = Fleet(broker, subscribe=["edge/v1/+/tele"])
+    db = tmp_path / "telemetry.db"
+    child = spawn(db, broker.url, "dev-k", 1000)
+    assert child.wait_line(lambda line: line == "committed 600")
+    assert fleet.wait(lambda f: len(f.tele_keys) > 0)  # delivery is under way
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait(10)
+    rows = db_rows(db)
+    (boot,) = {b for b, _, _ in rows}
+    assert [seq for _, seq, _ in rows] == list(range(len(rows)))  # contiguous: no committed row lost
+    assert len(rows) > child.committed() >= 600
+    assert any(sent == 0 for *_, sent in rows), "killed after everything was delivered: nothing was tested"
+
+    again = spawn(db, broker.url, "dev-k", 0)  # a new boot of the same device delivers what is left
+    expected = {(boot, seq) for _, seq, _ in rows}
+    assert fleet.wait(lambda f: f.tele_keys >= expected), f"missing {len(expected - fleet.tele_keys)} records"
+    assert wait_until(lambda: all(sent for *_, sent in db_rows(db)))
+    again.proc.terminate()
+    assert again.proc.wait(10) == 0 and again.wait_line(lambda line: line == "stopped", 1)
+    fleet.close()
+
+
+# ---- (c) presence and commands ---------------------------------------------------------------------------
+def test_birth_is_retained_the_will_says_offline_and_a_clean_stop_says_stopped(broker, tmp_path, links, spawn):
+    fleet = Fleet(broker, subscribe=["edge/v1/+/state"])
+    db = tmp_path / "telemetry.db"
+    child = spawn(db, broker.url, "dev-p", 0)
+    assert fleet.wait(lambda f: (s := f.last_state("dev-p")) is not None and s.status == "online")
+    birth = fleet.last_state("dev-p")
+    assert retained_state(broker, "dev-p") == birth
+
+    child.proc.send_signal(signal.SIGKILL)  # the connection dies without a DISCONNECT: the broker sends the Will
+    child.proc.wait(10)
+    assert fleet.wait(lambda f: f.last_state("dev-p").status == "offline")
+    will = retained_state(broker, "dev-p")
+    assert (will.status, will.connection, will.boot_id) == ("offline", birth.connection, birth.boot_id)
+
+    link = links(broker.url, "dev-p", db=db)  # the same device starts again, then stops cleanly
+    assert fleet.wait(lambda f: f.last_state("dev-p").status == "online")
+    assert fleet.last_state("dev-p").connection == birth.connection + 1  # the counter survived the crash
+    link.stop()
+    assert fleet.wait(lambda f: f.last_state("dev-p").status == "stopped")
+    time.sleep(0.3)  # a Will, if the broker were to send one, would come now
+    final = retained_state(broker, "dev-p")
+    assert (final.status, final.connection) == ("stopped", birth.connection + 1)
+    assert fleet.last_state("dev-p").status == "stopped"
+    fleet.close()
+
+
+def test_commands_round_trip_with_correlation_data(broker, links):
+    config = fast_config(broker.url, username="dev-c", password="hunter2")
+    made = []
+    handler = commands_for(config, flush=lambda: made[0].flush(1.0))
+    link = links(broker.url, "dev-c", handler=handler, username="dev-c", password="hunter2")
+    made.append(link)
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-c/cmd/res/#"])
+    assert wait_until(lambda: link.is_connected)
+
+    fleet.request("dev-c", "ping", b"{}", correlation=b"\x00\xffcorr")
+    assert fleet.wait(lambda f: b"\x00\xffcorr" in f.responses)
+    msg = fleet.responses[b"\x00\xffcorr"]
+    assert msg.topic == "edge/v1/dev-c/cmd/res" and msg.properties.MessageExpiryInterval > 0
+    pong = CommandResponse.model_validate_json(msg.payload)
+    assert pong.ok and pong.command == "ping" and pong.result["pong"] is True
+
+    got = fleet.call("dev-c", "get_config")
+    assert got.ok and got.result["config"]["telemetry"]["mqtt"]["password"] == "**********"
+    changed = fleet.call("dev-c", "set_config", {"threads": 3, "sampling": {"temperature": 0.2}})
+    assert not changed.ok and "threads" in changed.result["refused"]
+    assert changed.result["applied"]["sampling"] == {"temperature": 0.2}
+    bad_range = fleet.call("dev-c", "set_config", {"sampling": {"top_p": 0}})
+    assert not bad_range.ok and "top_p" in bad_range.error
+    unknown = fleet.call("dev-c", "reboot")
+    assert not unknown.ok and "unknown command 'reboot'" in unknown.error
+    assert "not available" in fleet.call("dev-c", "rollback").error
+    link.store.append(EventRecord(kind="tick"))
+    flushed = fleet.call("dev-c", "telemetry_flush")
+    assert flushed.ok and flushed.result == {"unsent": 0, "connected": True}
+
+    fleet.request("dev-c", "ping", b"{}", correlation=b"elsewhere", response_topic="edge/v1/dev-x/cmd/res")
+    assert not fleet.wait(lambda f: b"elsewhere" in f.responses, 0.5)  # never answered outside our topics
+
+    link.stop()  # commands sent while the device is away wait in its persistent session
+    fleet.request("dev-c", "ping", b"", correlation=b"queued")
+    links(broker.url, "dev-c", handler=commands_for(config), username="dev-c", password="hunter2", db=link.store.path)
+    assert fleet.wait(lambda f: b"queued" in f.responses)
+    fleet.close()
+
+
+def test_commands_dispatch_without_an_engine():
+    """The handler is pure dispatch over Device: a fake benchmark stands in for the engine."""
+    from agent.commands import BenchmarkArgs
+    from agent.wire import RequestFigures
+
+    seen: list[BenchmarkArgs] = []
+
+    def benchmark(spec: BenchmarkArgs) -> RequestFigures:
+        seen.append(spec)
+        return RequestFigures(prompt_tokens=5, completion_tokens=spec.max_tokens, queue_ms=0, ttft_ms=12.5,
+                              prefill_tokens_per_s=400, decode_tokens_per_s=25, itl_p50_ms=40, itl_p95_ms=45,
+                              e2e_ms=300, kv_bytes=1024, finish_reason="length")
+
+    settings_ = LiveSettings()
+    commands = Commands(Device(AgentConfig(), settings_, benchmark=benchmark))
+    done = commands("benchmark", CommandRequest(args={"max_tokens": 8}))
+    assert done.ok and done.result["figures"]["completion_tokens"] == 8 and seen[0].max_tokens == 8
+    assert "max_tokens" in commands("benchmark", CommandRequest(args={"max_tokens": 0})).error
+    assert "extra" in commands("ping", CommandRequest(args={"x": 1})).error.lower()
+    same = commands("set_config", CommandRequest(args={"threads": None, "memory_budget_mb": 1024}))
+    assert same.ok and same.result["applied"] == {"memory_budget_mb": 1024}  # already so: nothing to refuse
+    assert not commands("set_config", CommandRequest(args={})).ok
+    commands("set_config", CommandRequest(args={"sampling": {"temperature": 0.5}}))
+    commands("set_config", CommandRequest(args={"sampling": {"top_k": 40}}))
+    assert settings_.sampling.given() == {"temperature": 0.5, "top_k": 40}  # updates merge
+    assert "no broker" in commands("telemetry_flush", CommandRequest()).error
+    assert "no model" in Commands(Device(AgentConfig(), LiveSettings()))("benchmark", CommandRequest()).error
+    wired = Commands(Device(AgentConfig(), LiveSettings(), rollback=lambda args: {"to": "int4-old", **args}))
+    assert wired("rollback", CommandRequest(args={"why": "test"})).result == {"to": "int4-old", "why": "test"}
+
+
+def test_telemetry_wiring_records_samples_and_delivers(broker, tmp_path):
+    """What serve wiring does: open, start, bind the engine, record requests, stop."""
+    from agent.telemetry import Telemetry
+    from agent.wire import RequestFigures
+
+    class FakeEngine:
+        num_running, num_waiting = 2, 1
+
+        def kv_utilization(self) -> float:
+            return 0.25
+
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-t/#"])
+    config = AgentConfig(telemetry=TelemetryConfig(state_dir=tmp_path, device_id="dev-t", sample_interval_s=0.1,
+                                                   mqtt=fast_config(broker.url)))
+    telemetry = Telemetry.open(config, describe=lambda: {"model": "smollm2", "version": "int4-x"})
+    telemetry.start()
+    telemetry.bind_engine(FakeEngine())
+    figures = RequestFigures(prompt_tokens=5, completion_tokens=30, queue_ms=0, ttft_ms=12.5, prefill_tokens_per_s=400,
+                             decode_tokens_per_s=25, itl_p50_ms=40, itl_p95_ms=45, e2e_ms=300, kv_bytes=1024,
+                             finish_reason="stop")
+    telemetry.record_request("smollm2", "int4-x", figures)
+    (body,) = telemetry.store.db.execute("SELECT body FROM records WHERE kind = 'request'").fetchone()
+    request = TelemetryRecord.model_validate_json(body)  # committed before record_request returned
+    assert request.kind == "request" and request.request.figures == figures
+
+    def received(f: Fleet) -> dict[int, object]:
+        return {r.seq: r for m in f.messages if m.topic.endswith("/tele")
+                for r in TelemetryBatch.model_validate_json(m.payload).records}
+
+    assert fleet.wait(lambda f: request.seq in received(f) and any(
+        r.kind == "sample" and seq > request.seq for seq, r in received(f).items()))
+    records = received(fleet)
+    assert records[request.seq] == request and records[0].event.kind == "start"
+    sample = next(r.sample for seq, r in sorted(records.items()) if r.kind == "sample" and seq > request.seq)
+    assert (sample.running, sample.queue_depth, sample.kv_utilization) == (2, 1, 0.25) and sample.rss_mb > 10
+    assert sample.tokens_per_s * sample.interval_s == pytest.approx(30)  # the request's tokens, in that interval
+    assert fleet.last_state("dev-t").model == "smollm2"
+    flushed = fleet.call("dev-t", "telemetry_flush")
+    assert flushed.ok and flushed.result["connected"]
+    telemetry.stop()
+    assert fleet.wait(lambda f: f.last_state("dev-t").status == "stopped")
+    fleet.close()
+
+
+def write_tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1: (ca.crt, server.crt, server.key)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def cert(subject: str, key, issuer: str, issuer_key, is_ca: bool) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
+        if not is_ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    paths = directory / "ca.crt", directory / "server.crt", directory / "server.key"
+    paths[0].write_bytes(cert("test-ca", ca_key, "test-ca", ca_key, True).public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert("127.0.0.1", server_key, "test-ca", ca_key, False)
+                         .public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return paths
+
+
+def test_mqtts_verifies_the_broker_against_the_given_ca(tmp_path, links, caplog):
+    from broker import Broker
+
+    ca, crt, key = write_tls_files(tmp_path)
+    b = Broker(tmp_path / "broker", extra_config=(f"certfile {crt}\nkeyfile {key}\nallow_anonymous true\n"
+                                                 )).start()
+    try:
+        url = f"mqtts://127.0.0.1:{b.port}"
+        link = links(url, "dev-tls", ca_file=ca)
+        assert wait_until(lambda: link.is_connected)
+        link.store.append(EventRecord(kind="tick"))
+        assert link.flush(5) == {"unsent": 0, "connected": True}
+        untrusting = links(url, "dev-tls2")  # the system's CAs do not know the test CA: no connection
+        assert wait_until(lambda: "certificate verify failed" in caplog.text, 5)
+        assert not untrusting.is_connected
+    finally:
+        b.stop()
+
+
+# ---- (d) the shipped ACL -------------------------------------------------------------------------------------
+USERS = {"dev-a": "pw-a", "dev-b": "pw-b", "_fleet": "pw-fleet"}
+
+
+@pytest.fixture
+def acl_broker(tmp_path):
+    from broker import Broker
+
+    passwd = tmp_path / "passwd"
+    for i, (user, password) in enumerate(USERS.items()):
+        subprocess.run(["mosquitto_passwd", *(["-c"] if i == 0 else []), "-b", str(passwd), user, password],
+                       check=True, capture_output=True)
+    b = Broker(tmp_path / "broker", extra_config=(
+        f"allow_anonymous false\npassword_file {passwd}\nacl_file {REPO / 'systemd' / 'mosquitto' / 'acl'}\n"
+        "use_username_as_clientid true\n")).start()
+    yield b
+    b.stop()
+
+
+def as_user(broker, user: str, subscribe: list[str]) -> Fleet:
+    return Fleet(broker, subscribe, client_id=user, username=user, password=USERS[user])
+
+
+def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
+    fleet = as_user(acl_broker, "_fleet", ["edge/v1/#"])
+    dev_b = as_user(acl_broker, "dev-b", ["edge/v1/dev-b/cmd/req/#"])
+    dev_a = as_user(acl_broker, "dev-a", ["edge/v1/dev-b/cmd/req/#", "edge/v1/+/cmd/req/#", "edge/v1/#"])
+
+    # A cannot read B's commands: B gets its command, A gets only its own marker published after it
+    fleet.publish("edge/v1/dev-b/cmd/req/ping", b"for-b")
+    fleet.publish("edge/v1/dev-a/cmd/req/ping", b"marker-a")
+    assert dev_b.wait(lambda f: any(m.payload == b"for-b" for m in f.messages))
+    assert dev_a.wait(lambda f: any(m.payload == b"marker-a" for m in f.messages))
+    assert not any(m.payload == b"for-b" for m in dev_a.messages)
+
+    # A cannot publish as B, nor command anyone (itself included); its own telemetry goes through
+    forged = ["edge/v1/dev-b/tele", "edge/v1/dev-b/state", "edge/v1/dev-b/cmd/res", "edge/v1/dev-b/cmd/req/ping",
+              "edge/v1/dev-a/cmd/req/ping", "edge/v1/dev-a/jobs/notify"]
+    for t in forged:
+        dev_a.publish(t, b"forged")
+    dev_a.publish("edge/v1/dev-a/tele", b"marker-tele")
+    assert fleet.wait(lambda f: any(m.payload == b"marker-tele" for m in f.messages))
+    assert not [m.topic for m in fleet.messages if m.payload == b"forged"]
+    dev_a.close()
+
+    # The real link, as A, works under the ACL: birth, telemetry, a command round trip
+    config = fast_config(acl_broker.url, username="dev-a", password="pw-a")
+    link = links(acl_broker.url, "dev-a", handler=commands_for(config), username="dev-a", password="pw-a")
+    assert fleet.wait(lambda f: (s := f.last_state("dev-a")) is not None and s.status == "online")
+    link.store.append(EventRecord(kind="tick"))
+    link.notify()
+    assert fleet.wait(lambda f: (link.store.boot_id, 0) in f.tele_keys)
+    assert fleet.call("dev-a", "ping").ok
+
+    # A link posing as B with A's credentials: the broker refuses its batches, so they stay unsent
+    caplog.set_level(logging.WARNING, logger="agent.mqtt")
+    link.stop()
+    impostor = links(acl_broker.url, "dev-b", username="dev-a", password="pw-a")
+    for _ in range(3):
+        impostor.store.append(EventRecord(kind="tick"))
+    impostor.notify()
+    assert wait_until(lambda: "refused a batch" in caplog.text, 5)
+    assert impostor.store.count_unsent() == 3
+    assert not any(m.topic == "edge/v1/dev-b/tele" for m in fleet.messages)
+    for c in (fleet, dev_b):
+        c.close()
+
+
+# ---- (e) malformed and oversized commands -----------------------------------------------------------------
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def count(self, text: str) -> int:
+        return sum(text in line for line in list(self.lines))
+
+
+def is_valid_request(payload: bytes) -> bool:
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        return False
+    try:
+        CommandRequest.model_validate_json(payload or b"{}")
+        return True
+    except ValidationError:
+        return False
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+_dumps = lambda v: json.dumps(v).encode()  # noqa: E731
+PAYLOADS = st.one_of(
+    st.binary(min_size=1, max_size=300),  # mostly not JSON, often not UTF-8
+    _json.map(_dumps),  # JSON, mostly not an object
+    st.dictionaries(st.text(max_size=10).filter(lambda k: k != "args"), _json, min_size=1, max_size=4).map(_dumps),
+    _json.filter(lambda v: not isinstance(v, dict)).map(lambda v: _dumps({"args": v})),  # args not an object
+    st.integers(MAX_PAYLOAD_BYTES - 16, MAX_PAYLOAD_BYTES + 4096).map(  # over the limit (else well formed)
+        lambda n: b'{"args": {"x": "' + b"a" * n + b'"}}'),
+)
+NAMES = st.one_of(st.sampled_from(COMMANDS), st.text(
+    st.characters(exclude_categories=("Cc", "Cs", "Cn", "Co"), exclude_characters="/+#"), min_size=1, max_size=40))
+
+
+def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving(broker, links):
+    """(e) >= 300 bad requests: each is answered with an error, or (no response topic) dropped with a logged
+    reason; a ping afterwards still works."""
+    config = fast_config(broker.url)
+    link = links(broker.url, "dev-f", handler=commands_for(config))
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-f/cmd/res/#"])
+    assert wait_until(lambda: link.is_connected)
+    logs = LogLines()
+    logging.getLogger("agent.mqtt").addHandler(logs)
+    n = itertools.count()
+
+    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(name=NAMES, payload=PAYLOADS, answer=st.integers(0, 3))
+    def bad_request_is_refused(name, payload, answer):
+        assume(name not in COMMANDS or not is_valid_request(payload))
+        i = next(n)
+        if answer:  # 3 in 4 carry a response topic
+            correlation = f"fuzz-{i}".encode()
+            fleet.request("dev-f", name, payload, correlation)
+            assert fleet.wait(lambda f: correlation in f.responses, 5), (name, payload[:80])
+            response = CommandResponse.model_validate_json(fleet.responses[correlation].payload)
+            assert not response.ok and response.error
+        else:
+            before = logs.count("has no response topic")
+            fleet.request("dev-f", name, payload, response_topic=None)
+            assert wait_until(lambda: logs.count("has no response topic") > before, 5), (name, payload[:80])
+
+    try:
+        bad_request_is_refused()
+    finally:
+        logging.getLogger("agent.mqtt").removeHandler(logs)
+    assert next(n) >= 300
+    assert link.is_connected and fleet.call("dev-f", "ping").ok
+    fleet.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))

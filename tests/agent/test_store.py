@@ -1,0 +1,252 @@
+"""The telemetry store on real SQLite: migrations, durable appends, the outbox flags, retention and the read side.
+
+Run: .venv/bin/pytest tests/agent/test_store.py -q
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from agent import store as store_module
+from agent.cli import cli
+from agent.store import MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, migrate
+from agent.telemetry import DB_NAME, parse_window, percentile, summary
+from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord, TelemetryRecord
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def figures(ttft_ms: float = 100.0, tps: float = 20.0, reason: str = "stop", tokens: int = 16) -> RequestFigures:
+    return RequestFigures(prompt_tokens=8, completion_tokens=tokens, queue_ms=1.0, ttft_ms=ttft_ms,
+                          prefill_tokens_per_s=400.0, decode_tokens_per_s=tps, itl_p50_ms=50.0, itl_p95_ms=60.0,
+                          e2e_ms=ttft_ms + 800, kv_bytes=1 << 20, finish_reason=reason)
+
+
+def request(model="smollm2", version="int4-aaaa", **kw) -> RequestRecord:
+    return RequestRecord(model=model, version=version, figures=figures(**kw))
+
+
+@pytest.fixture
+def db_path(tmp_path) -> Path:
+    return tmp_path / DB_NAME
+
+
+# ---- migrations -------------------------------------------------------------------------------------------
+def test_migrations_run_once_in_order_and_are_recorded(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    names = [r["name"] for r in store.db.query("SELECT name FROM migrations ORDER BY rowid")]
+    assert names == [name for name, _ in store_module.MIGRATIONS]
+    assert migrate(store.db) == []  # nothing left to do
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    store.close()
+    assert migrate(TelemetryStore(db_path, "dev-1").db) == []
+
+
+def test_a_failing_migration_changes_nothing(db_path, monkeypatch):
+    TelemetryStore(db_path, "dev-1").close()
+
+    def broken(db):
+        db.execute("CREATE TABLE half_done (x INTEGER)")
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", [*store_module.MIGRATIONS, ("0099_broken", broken)])
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        TelemetryStore(db_path, "dev-1")
+    conn = sqlite3.connect(db_path)
+    assert not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'half_done'").fetchall()
+    assert not conn.execute("SELECT 1 FROM migrations WHERE name = '0099_broken'").fetchall()
+
+
+# ---- appending and the outbox ------------------------------------------------------------------------------
+def test_append_is_committed_before_it_returns(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    record = store.append(request())
+    assert (record.kind, record.seq, record.boot_id) == ("request", 0, store.boot_id)
+    other = sqlite3.connect(db_path)  # another connection (another process) sees it at once
+    body, sent = other.execute("SELECT body, sent FROM records WHERE seq = 0").fetchone()
+    assert TelemetryRecord.model_validate_json(body) == record and sent == 0
+
+
+def test_seq_counts_from_zero_per_boot_and_boot_seq_is_unique(db_path):
+    first = TelemetryStore(db_path, "dev-1")
+    assert [first.append(EventRecord(kind="tick")).seq for _ in range(3)] == [0, 1, 2]
+    first.close()
+    second = TelemetryStore(db_path, "dev-1")
+    assert second.boot_id != first.boot_id
+    assert second.append(SampleRecord(interval_s=10, rss_mb=100, cpu_percent=5, kv_utilization=0.1, queue_depth=0,
+                                      running=1, tokens_per_s=3)).seq == 0
+    with pytest.raises(sqlite3.IntegrityError):
+        second.db.execute("INSERT INTO records (device_id, boot_id, seq, ts, kind, body) VALUES (?, ?, 0, 0, "
+                          "'event', '{}')", ["dev-1", second.boot_id])
+
+
+def test_unsent_rows_page_by_id_and_only_marked_rows_count_as_sent(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(10):
+        store.append(EventRecord(kind="tick", detail={"i": i}))
+    page = store.unsent(4)
+    assert [r.record.seq for r in page] == [0, 1, 2, 3]
+    assert [r.record.seq for r in store.unsent(4, after=page[-1].row_id)] == [4, 5, 6, 7]
+    store.mark_sent([r.row_id for r in page])
+    assert store.count_unsent() == 6 and store.unsent(1)[0].record.seq == 4
+    assert store.db.execute("SELECT count(*) FROM records WHERE sent = 1 AND sent_at IS NOT NULL").fetchone()[0] == 4
+
+
+def test_connection_counter_persists_across_starts(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    assert [store.next_connection() for _ in range(3)] == [1, 2, 3]
+    store.close()
+    assert TelemetryStore(db_path, "dev-1").next_connection() == 4
+
+
+def test_a_record_too_large_for_one_batch_is_refused(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    with pytest.raises(ValueError, match="exceeds"):
+        store.append(EventRecord(kind="error", detail={"trace": "x" * MAX_RECORD_BYTES}))
+    assert store.count_unsent() == 0 and store.append(EventRecord(kind="tick")).seq == 0  # no seq was used
+
+
+# ---- retention --------------------------------------------------------------------------------------------
+def sizes(store: TelemetryStore) -> list[int]:
+    """Each row's counted bytes, oldest first."""
+    return [n + ROW_OVERHEAD_BYTES for (n,) in store.db.execute(
+        "SELECT length(CAST(body AS BLOB)) FROM records ORDER BY id")]
+
+
+def test_retention_deletes_delivered_rows_first(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(100):
+        store.append(EventRecord(kind="tick", detail={"i": f"{i:04d}"}))
+    size = sizes(store)
+    cap = sum(size[30:])  # exactly the 30 oldest rows too many
+    store.mark_sent([r.row_id for r in store.unsent(40)])  # seq 0..39 delivered
+    report = store.enforce(max_age_s=1e9, max_bytes=cap)
+    assert (report.deleted_delivered, report.dropped_undelivered) == (30, 0)
+    seqs = [r[0] for r in store.db.execute("SELECT seq FROM records ORDER BY id")]
+    assert seqs == list(range(30, 100))  # the oldest delivered went; every undelivered row is still there
+    assert store.dropped_undelivered == 0 and report.stored_bytes == cap
+
+
+def test_retention_drops_undelivered_rows_only_when_over_the_cap_and_reports_it(db_path):
+    """(f) The disk cap is reached with few rows delivered: those go first, then the oldest undelivered ones;
+    the loss is counted in meta and reported as an event that is itself queued for delivery."""
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(100):
+        store.append(EventRecord(kind="tick", detail={"i": f"{i:04d}"}))
+    cap = sum(sizes(store)[60:])  # room for the newest 40 rows only
+    store.mark_sent([r.row_id for r in store.unsent(10, after=store.unsent(1)[0].row_id + 19)])  # seq 20..29
+    report = store.enforce(max_age_s=1e9, max_bytes=cap)
+    assert (report.deleted_delivered, report.dropped_undelivered) == (10, 50)
+    remaining = [json.loads(b) for (b,) in store.db.execute("SELECT body FROM records ORDER BY id")]
+    ticks = [r["seq"] for r in remaining if r["event"]["kind"] == "tick"]
+    assert ticks == list(range(60, 100))  # 0..19 and 30..59 were the oldest undelivered
+    (event,) = [r for r in remaining if r["event"]["kind"] == "dropped_rows"]
+    assert event["event"]["detail"] == {"count": 50, "total": 50} and event["seq"] == 100
+    assert store.dropped_undelivered == 50
+    assert store.unsent(1000)[-1].record.event.kind == "dropped_rows"  # queued for delivery like any record
+    store.close()
+    assert TelemetryStore(db_path, "dev-1").dropped_undelivered == 50  # the count survives a restart
+
+
+def test_age_retention_spares_undelivered_rows(db_path):
+    now = [1_000_000.0]
+    store = TelemetryStore(db_path, "dev-1", clock=lambda: now[0])
+    old = [store.append(EventRecord(kind="tick"), ts=now[0] - 7200) for _ in range(4)]
+    store.append(EventRecord(kind="tick"))
+    store.mark_sent([r.row_id for r in store.unsent(2)])  # two of the old ones delivered
+    report = store.enforce(max_age_s=3600, max_bytes=1 << 30)
+    assert report.deleted_delivered == 2 and report.dropped_undelivered == 0
+    assert [r.record.seq for r in store.unsent(10)] == [old[2].seq, old[3].seq, 4]
+
+
+def test_stored_bytes_counts_body_plus_overhead(db_path):
+    store = TelemetryStore(db_path, "dev-1")
+    record = store.append(request())
+    assert store.stored_bytes() == len(record.model_dump_json().encode()) + ROW_OVERHEAD_BYTES
+
+
+# ---- the read side ---------------------------------------------------------------------------------------
+def fill_requests(db_path: Path, now: float) -> TelemetryStore:
+    store = TelemetryStore(db_path, "dev-1")
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        store.append(request(ttft_ms=float(rng.uniform(50, 500)), tps=float(rng.uniform(5, 30)),
+                             reason="length" if i % 3 else "stop"), ts=now - 60 * i)
+    store.append(request(model="other", version="fp32-bbbb", reason="cancelled"), ts=now - 10)
+    store.append(request(reason="error"), ts=now - 10 * 86400)  # outside a day's window
+    return store
+
+
+def test_summary_gives_percentiles_by_model_version_and_hour_and_finish_reasons(db_path):
+    now = 1_700_000_000.0  # 22:13:20 UTC
+    store = fill_requests(db_path, now)
+    result = summary(db_path.parent, since_s=86400, now=now)
+    assert result["finish_reasons"] == {"length": 40, "stop": 20, "cancelled": 1}
+    by = {(r["model"], r["hour"]): r for r in result["by_hour"]}
+    assert sum(r["requests"] for r in result["by_hour"]) == 61 and by[("other", "2023-11-14T22:00Z")]["requests"] == 1
+    rows = [json.loads(b)["request"]["figures"] for (b,) in store.db.execute(
+        "SELECT body FROM records WHERE json_extract(body, '$.request.model') = 'smollm2' AND "
+        "strftime('%H', ts, 'unixepoch') = '21'")]
+    got = by[("smollm2", "2023-11-14T21:00Z")]
+    assert got["requests"] == len(rows) == 60 - 14  # 22:13 back to 21:00 is 13 rows; the rest in 21:xx
+    assert got["ttft_ms_p95"] == pytest.approx(np.percentile([r["ttft_ms"] for r in rows], 95))
+    assert got["decode_tokens_per_s_p50"] == pytest.approx(np.percentile([r["decode_tokens_per_s"] for r in rows], 50))
+    assert result["store"] == {"records": 62, "unsent": 62, "dropped_undelivered": 0}
+
+
+def test_percentile_matches_numpy():
+    xs = [3.0, 1.0, 7.5, 2.0, 9.0, 4.0, 4.0]
+    for q in (0, 5, 50, 95, 100):
+        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    assert percentile([42.0], 95) == 42.0
+
+
+def test_parse_window():
+    assert [parse_window(w) for w in ("90s", "30m", "6h", "2d", "1.5h")] == [90, 1800, 21600, 172800, 5400]
+    with pytest.raises(ValueError, match="unit"):
+        parse_window("6 hours")
+
+
+def test_cli_telemetry_prints_a_table_and_json(db_path):
+    import time
+
+    fill_requests(db_path, time.time())
+    out = CliRunner().invoke(cli, ["telemetry", "--state-dir", str(db_path.parent), "--since", "2h"])
+    assert out.exit_code == 0, out.output
+    assert "smollm2" in out.output and "finish reasons: length" in out.output
+    out = CliRunner().invoke(cli, ["telemetry", "--state-dir", str(db_path.parent), "--since", "1d", "--json"])
+    assert json.loads(out.output)["finish_reasons"]["stop"] == 20
+    out = CliRunner().invoke(cli, ["telemetry", "--state-dir", str(db_path.parent / "nowhere")])
+    assert out.exit_code == 1 and "no telemetry database" in out.output
+
+
+def test_reader_does_not_write(db_path):
+    TelemetryStore(db_path, "dev-1").append(request())
+    reader = TelemetryReader(db_path)
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        reader.db.execute("DELETE FROM records")
+
+
+def test_the_documented_queries_run(db_path):
+    """Every `sqlite-utils query telemetry.db "..."` line in docs/telemetry.md works on a real store."""
+    import time
+
+    fill_requests(db_path, time.time()).close()
+    lines = [line.strip() for line in (REPO / "docs" / "telemetry.md").read_text().splitlines()
+             if line.strip().startswith("sqlite-utils query telemetry.db")]
+    assert len(lines) >= 4
+    exe = Path(sys.executable).parent / "sqlite-utils"
+    for line in lines:
+        args = shlex.split(line)
+        done = subprocess.run([str(exe), *args[1:]], cwd=db_path.parent, capture_output=True, text=True)
+        assert done.returncode == 0, (line, done.stderr)
+        assert re.match(r"^\[", done.stdout.strip()), line
