@@ -99,6 +99,8 @@ class Backend:
         self.state = ServerState.LOADING
         self._lock = threading.Lock()
         self._on_ready: list[Callable[[Engine], None]] = []
+        # called with (the manifest that served it, Finished) for every request that ends: telemetry
+        self.on_finished: list[Callable[[Manifest, Finished], None]] = []
 
     @property
     def model_ids(self) -> tuple[str, str]:
@@ -124,6 +126,15 @@ class Backend:
             callback(engine)
         if not self._move(ServerState.READY):
             raise RuntimeError(f"cannot become ready from {self.state.value}")
+
+    def swap(self, engine: Engine) -> Engine | None:
+        """Serve new requests from `engine` (a model update); returns the old engine, which finishes what it
+        already holds. Attribute assignment is atomic, so a request sees one engine or the other."""
+        old, self.engine = self.engine, engine
+        self.manifest = engine.bundle.manifest
+        for callback in self._on_ready:
+            callback(engine)
+        return old
 
     def mark_failed(self) -> None:
         self._move(ServerState.FAILED)
@@ -399,13 +410,17 @@ class OpenAIServer:
         except om.FieldError as e:
             raise invalid_request(str(e), e.param) from None
         handle = self.submit(engine, prompt_ids, req, kind)
-        events = EventBridge(handle, self._observe(handle))
+        events = EventBridge(handle, self._observe(handle, engine.bundle.manifest))
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
         return await self.relay(request, events, kind, reply, req.stream)
 
-    def _observe(self, handle: RequestHandle) -> Callable[[Finished], None]:
-        return lambda fin: self.metrics.observe_finished(fin.figures, fin.token_times)
+    def _observe(self, handle: RequestHandle, manifest: Manifest) -> Callable[[Finished], None]:
+        def observe(fin: Finished) -> None:
+            self.metrics.observe_finished(fin.figures, fin.token_times)
+            for hook in self.backend.on_finished:
+                hook(manifest, fin)
+        return observe
 
     async def relay(self, request: Request, events: EventBridge, kind: Kind, reply: Reply, stream: bool) -> Response:
         """Wait for the first event (or the whole answer) while watching for the client going away."""

@@ -109,7 +109,13 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
 @click.option("--threads", type=int, default=None)
 @click.option("--memory-budget-mb", type=int, default=None)
 @click.option("--tcp", default=None, help="Also listen on HOST:PORT (loopback unless the config sets tcp_any_host).")
-def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp):
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Models, telemetry.db and the update journal (default: /var/lib/edge-agent as root).")
+@click.option("--mqtt", default=None, help="Fleet broker, mqtt://HOST:PORT or mqtts://... (TLS settings: config).")
+@click.option("--device-id", default=None, help="This device's id on the fleet (default: the host name).")
+@click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Public key whose signed model updates are accepted (repeatable).")
+def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state_dir, mqtt, device_id, trusted_keys):
     """Serve the OpenAI-compatible API on a Unix socket, in the foreground, until SIGTERM or Ctrl-C.
 
     Example: edge-agent serve --model bundles/smollm2-int4 --socket /tmp/edge.sock --tcp 127.0.0.1:8080
@@ -119,7 +125,8 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp):
 
     try:
         config = load_agent_config(config_path, model=model, socket=socket_path, threads=threads,
-                                   memory_budget_mb=memory_budget_mb, tcp=tcp)
+                                   memory_budget_mb=memory_budget_mb, tcp=tcp, state_dir=state_dir, mqtt=mqtt,
+                                   device_id=device_id, trusted_keys=list(trusted_keys))
         serve_forever(config, announce=lambda line: click.echo(line, err=True),
                       notifier=Notifier.from_environment(dict(os.environ)))  # systemd's protocol is env-based
     except (ValidationError, ServeError, *USER_ERRORS) as e:

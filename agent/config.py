@@ -144,12 +144,23 @@ class MqttConfig(BaseModel):
         return urlsplit(self.url).port or (8883 if self.uses_tls else 1883)
 
 
+def default_state_dir() -> Path:
+    """systemd's StateDirectory= ($STATE_DIRECTORY), else /var/lib/edge-agent for root, else the user's data dir."""
+    import os
+
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    if os.geteuid() == 0:
+        return Path("/var/lib/edge-agent")
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "edge-agent"
+
+
 class TelemetryConfig(BaseModel):
     """The on-device telemetry store (agent.store), its sampler and retention (agent.telemetry)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    state_dir: Path = Field(Path("/var/lib/edge-agent"), description="holds telemetry.db")
+    state_dir: Path = Field(default_factory=lambda: default_state_dir(), description="holds telemetry.db and models/")
     device_id: str | None = Field(None, pattern=DEVICE_ID_PATTERN, description="None: this host's name")
     sample_interval_s: float = Field(10.0, gt=0, description="a SampleRecord every this many seconds")
     retention_interval_s: float = Field(300.0, gt=0, description="how often retention runs")
@@ -159,6 +170,16 @@ class TelemetryConfig(BaseModel):
     mqtt: MqttConfig | None = None
 
 
+class UpdatesConfig(BaseModel):
+    """Signed model updates from the fleet (agent/updates.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    trusted_keys: list[Path] = Field([], description="Ed25519 public keys (PEM) whose signatures are accepted; "
+                                                     "two or more during a key rotation")
+    health_check_tokens: int = Field(16, ge=1, le=64, description="golden tokens that must match after an update")
+
+
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -166,6 +187,7 @@ class AgentConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     api: ApiConfig = ApiConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    updates: UpdatesConfig = UpdatesConfig()
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:

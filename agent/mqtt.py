@@ -100,7 +100,8 @@ class MqttLink:
 
     def __init__(self, config: MqttConfig, device_id: str, store: TelemetryStore,
                  describe: Callable[[], dict] = dict, handler: CommandHandler | None = None,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.time):
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.time,
+                 on_job: Callable[[bytes], None] | None = None):
         self.config, self.device_id, self.store = config, device_id, store
         self.describe, self.clock = describe, clock
         self.rng = rng or random.Random()
@@ -110,6 +111,9 @@ class MqttLink:
         self._conn: _Connection | None = None
         self.outbox = _Outbox(store, device_id, config, self._stop)
         self.commands = _CommandDesk(device_id, handler or _no_handler, config.response_expiry_s, self._stop)
+        self.on_job = on_job  # model-update job documents (jobs/notify), handed over raw
+        self._job_status: dict[str, str] = {}  # job id -> latest JobStatusUpdate JSON, re-sent on reconnect
+        self._job_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     # ---- state machine ----
@@ -204,13 +208,38 @@ class MqttLink:
     def _on_connected(self, conn: _Connection) -> bool:
         req = topic(self.device_id, "cmd", "req", "+")
         conn.client.subscribe(req, options=SubscribeOptions(qos=1))
+        if self.on_job is not None:
+            conn.client.subscribe(topic(self.device_id, "jobs", "notify"), options=SubscribeOptions(qos=1))
         conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,
                             retain=True)
         if not self._move(LinkState.CONNECTED):
             return False  # stop() began meanwhile; it says goodbye on this connection
         log.info("mqtt: connected to %s (connection %d)", self.config.url, conn.number)
         self.outbox.attach(conn)
+        with self._job_lock:
+            for payload in self._job_status.values():  # statuses reported while the broker was away
+                conn.client.publish(topic(self.device_id, "jobs", "update"), payload, qos=1, retain=True)
         return True
+
+    def publish_job_status(self, update_json: str, job_id: str) -> None:
+        """Report a job's state (QoS 1, retained: the fleet sees the latest even after its own restart).
+        Kept and re-sent after a reconnect, so a status reported while offline is not lost."""
+        with self._job_lock:
+            self._job_status[job_id] = update_json
+            conn = self._conn if self.is_connected else None
+        if conn is not None:
+            conn.client.publish(topic(self.device_id, "jobs", "update"), update_json, qos=1, retain=True)
+
+    def _route(self, client, conn: _Connection, msg) -> None:
+        """paho's on_message: job documents to the updater, everything else is a command."""
+        if msg.topic.endswith("/jobs/notify"):
+            if self.on_job is not None and len(msg.payload) <= MAX_PAYLOAD_BYTES:
+                try:
+                    self.on_job(msg.payload)
+                except Exception:  # the updater validates and reports; nothing it raises may stop the link
+                    log.exception("mqtt: the job document on %s was not accepted", msg.topic)
+            return
+        self.commands.offer(client, conn, msg)
 
     def _watch(self, conn: _Connection) -> None:
         while not conn.closed.wait(0.2):
@@ -238,7 +267,7 @@ class MqttLink:
         client.user_data_set(conn)
         client.connect_timeout = self.config.connect_timeout_s
         client.on_connect, client.on_disconnect, client.on_subscribe = _on_connect, _on_disconnect, _on_subscribe
-        client.on_publish, client.on_message = self.outbox.on_ack, self.commands.offer
+        client.on_publish, client.on_message = self.outbox.on_ack, self._route
         client.will_set(topic(self.device_id, "state"), self._state_json("offline", number), qos=1, retain=True)
         if self.config.username is not None:
             password = self.config.password.get_secret_value() if self.config.password else None

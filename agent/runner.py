@@ -2,12 +2,14 @@
 
 One InferenceSession per model. Every step runs through IOBinding so that inputs, logits and the KV
 cache are not copied: the cache's numpy buffers are bound as both `past_*` and `present_*`, and
-GroupQueryAttention writes the new tokens' keys and values into them in place.
+GroupQueryAttention writes the new tokens' keys and values into them in place. Each cache keeps its
+binding, so a step rebinds only the five small inputs and the logits, not the 4 x layers cache tensors.
 """
 from __future__ import annotations
 
+import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,21 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    """A zero-filled array that becomes resident 4 KB page by page, as it is first written.
+
+    numpy asks for transparent huge pages on arrays of 4 MB or more (madvise MADV_HUGEPAGE), so the
+    first write into a KV buffer made a whole 2 MB page resident, and khugepaged later filled in more
+    in the background: a 1,024-token sequence cost ~36 MB more RSS than the 47 MB its keys and values
+    need. An anonymous mapping marked MADV_NOHUGEPAGE costs exactly the pages written.
+    """
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere there are no transparent huge pages to refuse
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype, count).reshape(shape)  # the array keeps the mapping alive
+
+
 @dataclass
 class KVCache:
     """Per-layer key/value buffers [batch, kv_heads, capacity, head_dim], updated in place by the graph."""
@@ -36,6 +53,8 @@ class KVCache:
     values: list[np.ndarray]
     keys_ort: list[ort.OrtValue]
     values_ort: list[ort.OrtValue]
+    # one IOBinding per session that has run on this cache, with the cache tensors already bound
+    bindings: dict[int, tuple[ort.InferenceSession, ort.IOBinding]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def wrap(cls, keys: list[np.ndarray], values: list[np.ndarray]) -> "KVCache":
@@ -57,21 +76,17 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model_path: Path, num_layers: int, kv_heads: int, head_dim: int, threads: int | None = None):
+    def __init__(self, model_path: Path, num_layers: int, kv_heads: int, head_dim: int, threads: int | None = None,
+                 spin_wait: bool = False):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = threads or usable_cores()
-        opts.inter_op_num_threads = 1
-        # Spin-waiting halved decode speed with 2 threads on a loaded machine; sleeping threads restore it.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(model_path), session_options(threads or usable_cores(), spin_wait),
+                                            providers=["CPUExecutionProvider"])
         self.vocab_size = next(o.shape[2] for o in self.session.get_outputs() if o.name == wire.LOGITS)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
-        keys = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
-        values = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
+        keys = [lazy_zeros(shape) for _ in range(self.num_layers)]
+        values = [lazy_zeros(shape) for _ in range(self.num_layers)]
         return KVCache.wrap(keys, values)
 
     def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, query_seqlens: np.ndarray,
@@ -83,25 +98,54 @@ class ModelRunner:
         graph's) to preallocated arrays that receive them.
         """
         seq = input_ids.shape[1]
-        total = max(int(seqlens_k.max()) + 1, seq)
-        binding = self.session.io_binding()
         feeds = {
             wire.INPUT_IDS: np.ascontiguousarray(input_ids, np.int64),
             wire.SEQLENS_K: np.ascontiguousarray(seqlens_k, np.int32),
-            wire.TOTAL_SEQUENCE_LENGTH: np.array(total, np.int32),
+            wire.TOTAL_SEQUENCE_LENGTH: np.array(max(int(seqlens_k.max()) + 1, seq), np.int32),
             wire.QUERY_SEQLENS: np.ascontiguousarray(query_seqlens, np.int32),
             wire.LOGITS_INDICES: np.ascontiguousarray(logits_indices, np.int64),
         }
+        # a capture binds outputs a later plain step must not write into: it gets a binding of its own
+        binding = self._bind_cache(self.session.io_binding(), cache) if capture else self._binding(cache)
         for name, arr in feeds.items():
-            binding.bind_cpu_input(name, arr)
-        for i in range(self.num_layers):
-            binding.bind_ortvalue_input(wire.past_key(i), cache.keys_ort[i])
-            binding.bind_ortvalue_input(wire.past_value(i), cache.values_ort[i])
-            binding.bind_ortvalue_output(wire.present_key(i), cache.keys_ort[i])
-            binding.bind_ortvalue_output(wire.present_value(i), cache.values_ort[i])
+            binding.bind_cpu_input(name, arr)  # references arr's memory; arr lives until run returns
         logits = np.empty((input_ids.shape[0], logits_indices.shape[1], self.vocab_size), np.float32)
         binding.bind_ortvalue_output(wire.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
         for name, array in (capture or {}).items():
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
         self.session.run_with_iobinding(binding)
         return logits
+
+    def _binding(self, cache: KVCache) -> ort.IOBinding:
+        """This session's binding for cache, made (and its 4 x layers cache tensors bound) on first use."""
+        held = cache.bindings.get(id(self.session))
+        if held is None or held[0] is not self.session:
+            held = cache.bindings[id(self.session)] = (self.session, self._bind_cache(self.session.io_binding(), cache))
+        return held[1]
+
+    def _bind_cache(self, binding: ort.IOBinding, cache: KVCache) -> ort.IOBinding:
+        for i in range(self.num_layers):
+            binding.bind_ortvalue_input(wire.past_key(i), cache.keys_ort[i])
+            binding.bind_ortvalue_input(wire.past_value(i), cache.values_ort[i])
+            binding.bind_ortvalue_output(wire.present_key(i), cache.keys_ort[i])
+            binding.bind_ortvalue_output(wire.present_value(i), cache.values_ort[i])
+        return binding
+
+
+def session_options(threads: int, spin_wait: bool = False) -> ort.SessionOptions:
+    """CPU session options. spin_wait: worker threads spin between kernels instead of sleeping.
+
+    A decode step is ~300 small kernels and a sleeping worker is woken for each one: on an idle 2-core
+    machine spinning made decode ~1.25x faster. But when other processes want the cores, a spinner
+    waits on a partner the scheduler has descheduled, and decode was ~1.6x slower than sleeping
+    (bench/tps.py, docs/benchmarks.md). Spinning stops when Run() returns (force_spinning_stop), so
+    between steps the engine thread and the rest of the service get the cores.
+    """
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    spin = spin_wait and threads <= usable_cores()  # more threads than cores: spinners starve each other
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    opts.add_session_config_entry("session.force_spinning_stop", "1")
+    return opts

@@ -31,7 +31,13 @@ from agent.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig
 from agent.engine import Engine
 from agent.metrics import Metrics
-from agent.wire import Manifest
+from agent.memory import MemoryBudgetError
+from agent.telemetry import Telemetry
+from agent.trust import load_trusted_keys
+from agent.updates import ModelStore, UpdateContext, UpdateService
+from agent.wire import JobDocument, Manifest
+
+AGENT_VERSION = "0.1.0"
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,9 +58,19 @@ class ServeError(RuntimeError):
 def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
     """The TOML config file (if any) with command-line flags laid over it (flags win), validated once.
 
-    flags: model, socket, tcp (top level / [api]) and threads, memory_budget_mb ([engine]); None = not given.
+    flags: model, socket, tcp (top level / [api]), threads, memory_budget_mb ([engine]), state_dir,
+    device_id, mqtt ([telemetry]), trusted_keys ([updates]); None = not given.
     """
     data = tomllib.loads(Path(path).read_text()) if path else {}
+    tele = {k: flags.pop(k) for k in ("state_dir", "device_id") if flags.get(k) is not None}
+    if flags.get("mqtt") is not None:
+        tele["mqtt"] = {**data.get("telemetry", {}).get("mqtt", {}), "url": flags.pop("mqtt")}
+    flags.pop("mqtt", None)
+    if tele:
+        data["telemetry"] = {**data.get("telemetry", {}), **tele}
+    if flags.get("trusted_keys"):
+        data["updates"] = {**data.get("updates", {}), "trusted_keys": [str(p) for p in flags.pop("trusted_keys")]}
+    flags.pop("trusted_keys", None)
     engine_flags = {k: flags.pop(k) for k in ("threads", "memory_budget_mb") if flags.get(k) is not None}
     api_flags = {k: flags.pop(k) for k in ("socket", "tcp") if flags.get(k) is not None}
     if flags.get("model") is not None:
@@ -234,10 +250,15 @@ def load_engine(model: Path, config: EngineConfig, notifier: Notifier | None = N
 
 def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.info,
                   notifier: Notifier | None = None) -> None:
-    """Serve config.model on the configured socket(s) until SIGTERM / SIGINT, then drain and stop."""
-    if config.model is None:
-        raise ServeError("no model: pass --model or set `model` in the config file")
-    manifest = Manifest.read(config.model)  # identity for /health and /v1/models while the bundle loads
+    """Serve the current model on the configured socket(s) until SIGTERM / SIGINT, then drain and stop.
+
+    Wiring, in order: the model store picks a verified model; the sockets bind; telemetry (SQLite, and
+    MQTT when configured) and the updater start; the engine loads in the background (READY after it);
+    at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
+    """
+    store = ModelStore(config.telemetry.state_dir)
+    model_dir = boot_model(store, config.model)
+    manifest = Manifest.read(model_dir)  # identity for /health and /v1/models while the bundle loads
     api = config.api
     sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
     try:
@@ -247,16 +268,110 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
         sockets[0].close()
         _unlink_if_socket(Path(api.socket))
         raise
+    server = ApiServer(Backend(manifest), sockets, api)
+    server.uvicorn.notifier = notifier
+    telemetry, updates = _start_services(config, store, server, notifier)
     try:
-        server = ApiServer(Backend(manifest), sockets, api)
-        server.uvicorn.notifier = notifier
-        server.load_in_background(lambda: load_engine(config.model, config.engine, notifier))
+        server.load_in_background(lambda: load_engine(store.bootable().path, config.engine, notifier))
         announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"
                  + (f" and http://{api.tcp}" if api.tcp else "") + " (loading the model)")
         server.run()
     finally:
         _unlink_if_socket(Path(api.socket))
-    if server.backend.engine is not None:
-        server.backend.engine.stop()
+        if server.backend.engine is not None:
+            server.backend.engine.stop()
+        if updates is not None:
+            updates.stop()
+        telemetry.stop()  # every finished request is already in SQLite; MQTT publishes "stopped" and leaves
     if server.load_error is not None:
         raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error
+
+
+def boot_model(store: ModelStore, model: Path | None) -> Path:
+    """The bundle to serve: the store's verified `current` (it survives updates and restarts); a --model
+    given on the first start seeds the store (linked, not copied)."""
+    if store.link("current") is None:
+        if model is None:
+            raise ServeError("no model: pass --model or set `model` in the config file")
+        bundle = open_bundle(model)
+        seeded = store.models / f"{bundle.manifest.name}@{bundle.manifest.version}"
+        if not seeded.exists():
+            seeded.symlink_to(Path(model).resolve(), target_is_directory=True)
+        store.activate(seeded)
+    return store.bootable().path
+
+
+def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, notifier: Notifier | None):
+    """Telemetry for every finished request, and the updater when a broker is configured."""
+    backend = server.backend
+    updates: UpdateService | None = None
+
+    def rollback(args: dict) -> dict:
+        if updates is None:
+            return {"queued": False, "reason": "updates need a broker connection"}
+        job_id = f"rollback-{int(time.time())}"
+        updates.offer(JobDocument(job_id=job_id, operation="rollback").model_dump_json().encode())
+        return {"queued": True, "job_id": job_id}
+
+    telemetry = Telemetry.open(config, describe=lambda: describe_device(backend), rollback=rollback)
+    backend.on_finished.append(lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures))
+    backend.on_ready(telemetry.bind_engine)
+    if telemetry.link is not None:
+        ctx = UpdateContext(
+            device_id=telemetry.link.device_id, store=store,
+            trusted_keys=load_trusted_keys(list(config.updates.trusted_keys)),
+            memory_budget_mb=config.engine.memory_budget_mb,
+            current=lambda: backend.engine.bundle if backend.engine else store.bootable(),
+            report=lambda u: _report_job(telemetry, u),
+            swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads)
+        updates = UpdateService(ctx)
+        telemetry.link.on_job = updates.offer
+    telemetry.start()
+    if updates is not None:
+        updates.start()
+    return telemetry, updates
+
+
+def _report_job(telemetry: Telemetry, update) -> None:
+    telemetry.link.publish_job_status(update.model_dump_json(), update.job_id)
+    if update.state.value in ("SUCCEEDED", "FAILED", "REJECTED"):
+        telemetry.record_event("model_change" if update.state.value == "SUCCEEDED" else "error",
+                               {"job_id": update.job_id, "state": update.state.value, "reason": update.reason})
+
+
+def describe_device(backend: Backend) -> dict:
+    """DeviceState's optional fields: what this device runs and on what."""
+    import platform
+
+    from agent.runner import usable_cores
+
+    m = backend.manifest
+    mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:")), 0)
+    return {"model": m.name, "version": m.version, "precision": m.precision, "agent_version": AGENT_VERSION,
+            "hardware": {"cpu": platform.processor() or platform.machine(), "cores": usable_cores(),
+                         "memory_mb": mem_kb // 1024, "arch": platform.machine()}}
+
+
+def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifier | None) -> None:
+    """Activate a new model: load it beside the old one, switch new requests to it, let the old finish.
+    If the budget cannot hold both, the old engine drains and stops first (requests wait meanwhile)."""
+    try:
+        new = load_engine(bundle.path, config, notifier)
+    except MemoryBudgetError:
+        log.warning("the memory budget cannot hold both models: draining the old one before switching")
+        old = backend.engine
+        _drain(old, timeout_s=60)
+        old.stop()
+        new = load_engine(bundle.path, config, notifier)
+        backend.swap(new)
+        return
+    old = backend.swap(new)
+    if old is not None:
+        threading.Thread(target=lambda: (_drain(old, 300), old.stop()), name="retire-engine", daemon=True).start()
+
+
+def _drain(engine: Engine, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (engine.num_running or engine.num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)

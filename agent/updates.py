@@ -19,6 +19,8 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import threading
 import shutil
 import time
 import urllib.error
@@ -329,3 +331,64 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None, "target": None})
     ctx.report(update)
     return update
+
+
+class UpdateService:
+    """Takes job documents from the MQTT link and runs them one at a time, in order, on its own thread."""
+
+    def __init__(self, ctx: UpdateContext):
+        self.ctx = ctx
+        self._queue: "queue.Queue[JobDocument | None]" = queue.Queue(maxsize=16)
+        self._thread = threading.Thread(target=self._run, name="updates", daemon=True)
+        self.done: dict[str, JobState] = {}
+
+    def start(self) -> None:
+        recover(self.ctx)
+        entry = self.ctx.store.read_journal()
+        if entry and entry.get("state") in {s.value for s in wire.TERMINAL_JOB_STATES}:
+            self.done[entry["job_id"]] = JobState(entry["state"])
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def offer(self, payload: bytes) -> None:
+        """A raw job document: validated here; a malformed one is logged and dropped (or REJECTED if it
+        names a job id), a repeated one (QoS 1 redelivery) has its final state re-reported."""
+        try:
+            doc = JobDocument.model_validate_json(payload)
+        except ValueError as e:
+            job_id = _job_id_of(payload)
+            log.warning("malformed job document%s: %s", f" for {job_id}" if job_id else "", str(e).splitlines()[0])
+            if job_id:
+                self.ctx.report(wire.JobStatusUpdate(job_id=job_id, device_id=self.ctx.device_id,
+                                                     state=JobState.REJECTED, reason="malformed job document",
+                                                     ts=time.time()))
+            return
+        if doc.job_id in self.done:
+            self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
+                                                 state=self.done[doc.job_id], ts=time.time()))
+            return
+        try:
+            self._queue.put_nowait(doc)
+        except queue.Full:
+            self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
+                                                 state=JobState.REJECTED, reason="too many queued jobs", ts=time.time()))
+
+    def _run(self) -> None:
+        while (doc := self._queue.get()) is not None:
+            try:
+                self.done[doc.job_id] = UpdateJob(self.ctx, doc).run()
+            except Exception:  # a bug must not end updates for good; the old model keeps serving
+                log.exception("update job %s crashed", doc.job_id)
+                self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
+                                                     state=JobState.FAILED, reason="internal error", ts=time.time()))
+
+
+def _job_id_of(payload: bytes) -> str | None:
+    try:
+        job_id = json.loads(payload).get("job_id")
+    except (ValueError, AttributeError):
+        return None
+    return job_id if isinstance(job_id, str) and 0 < len(job_id) <= 64 else None

@@ -136,7 +136,8 @@ def test_serve_speaks_sd_notify_ready_then_stopping_and_exits_0_on_sigterm(tiny_
     sock = tmp_path / "agent.sock"
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "400000", "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([str(VENV_BIN / "edge-agent"), "serve", "--model", str(tiny_bundle.path),
-                             "--socket", str(sock), "--memory-budget-mb", "4000"], env=env,
+                             "--socket", str(sock), "--memory-budget-mb", "4000", "--state-dir", str(tmp_path / "state")],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
