@@ -25,9 +25,9 @@ class Bundle:
     manifest: wire.Manifest
     config: wire.ModelConfig
 
-    def runner(self, threads: int | None = None) -> ModelRunner:
+    def runner(self, threads: int | None = None, spin_wait: bool = False) -> ModelRunner:
         c = self.config
-        return ModelRunner(self.path / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads)
+        return ModelRunner(self.path / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
     def tokenizer_json(self) -> str:
         return (self.path / wire.TOKENIZER).read_text()

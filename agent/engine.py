@@ -91,7 +91,7 @@ class Engine:
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
         self.eos_ids = set(c.eos_token_ids)
         reset_peak_rss()
-        self.runner = bundle.runner(config.threads)
+        self.runner = bundle.runner(config.threads, config.spin_wait)
         self.draft = self._load_draft(draft)
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
@@ -285,7 +285,7 @@ class Engine:
         for row, owner in enumerate(pool.owners):
             s = decoding.get(owner)
             if s is not None:
-                run = [s.all_ids[s.num_computed]] + drafts[owner]
+                run = [s.output_ids[-1]] + drafts[owner]  # a decoding sequence's one uncomputed token
                 ids[row, :len(run)], seqlens[row], q[row] = run, s.num_computed + len(run) - 1, len(run)
             else:  # a slot still prefilling: idle row, cache untouched
                 seqlens[row] = max(pool.lengths[owner] - 1, 0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.memory import SizeClass
-from agent.runner import KVCache
+from agent.runner import KVCache, lazy_zeros
 
 
 @dataclass
@@ -78,9 +78,10 @@ class KVPool:
     @staticmethod
     def _make(c: SizeClass, layers: int, kv_heads: int, head_dim: int) -> SlotPool:
         shape = (c.num_slots, kv_heads, c.capacity_tokens, head_dim)
-        # np.zeros maps untouched pages lazily: RSS grows with the tokens actually held
-        return SlotPool(c.capacity_tokens, c.num_slots, [np.zeros(shape, np.float32) for _ in range(layers)],
-                        [np.zeros(shape, np.float32) for _ in range(layers)])
+        # lazy_zeros: pages become resident 4 KB at a time as tokens are written (no transparent huge pages),
+        # so RSS grows with the tokens actually held, not with the slots reserved
+        return SlotPool(c.capacity_tokens, c.num_slots, [lazy_zeros(shape) for _ in range(layers)],
+                        [lazy_zeros(shape) for _ in range(layers)])
 
     @property
     def max_capacity(self) -> int:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 import numpy as np
 
 from agent.kv_cache import SlotPool
+from agent.runner import lazy_zeros
 
 
 class PrefixCache:
@@ -21,8 +22,8 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
         shape = (num_blocks, kv_heads, block_tokens, head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+        self.keys = [lazy_zeros(shape) for _ in range(num_layers)]
+        self.values = [lazy_zeros(shape) for _ in range(num_layers)]
         # chain key -> (block index, the block's tokens); most recently used last
         self.index: OrderedDict[tuple, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.free = list(range(num_blocks - 1, -1, -1))

@@ -114,6 +114,9 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     Two levels: the masses of blocks of _DRAW_BLOCK entries, then a cumulative sum inside the chosen block
     only. One float64 cumsum over a 49k vocabulary costs ~0.5 ms; a float32 one drifts by ~1e-3.
     """
+    if not np.isfinite(probs).all() or not (probs > 0).any():
+        # nothing left to weigh (every candidate filtered to 0, or NaN logits): the most probable, not a crash
+        return int(np.nanargmax(np.where(np.isfinite(probs), probs, -np.inf))) if np.isfinite(probs).any() else 0
     starts = np.arange(0, len(probs), _DRAW_BLOCK)
     # float32 block sums (256 terms: relative error ~1e-5); a float64 copy of probs would cost more than the draw
     block_mass = np.add.reduceat(probs, starts)

@@ -288,16 +288,18 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
 
 
 def boot_model(store: ModelStore, model: Path | None) -> Path:
-    """The bundle to serve: the store's verified `current` (it survives updates and restarts); a --model
-    given on the first start seeds the store (linked, not copied)."""
-    if store.link("current") is None:
-        if model is None:
-            raise ServeError("no model: pass --model or set `model` in the config file")
-        bundle = open_bundle(model)
-        seeded = store.models / f"{bundle.manifest.name}@{bundle.manifest.version}"
-        if not seeded.exists():
-            seeded.symlink_to(Path(model).resolve(), target_is_directory=True)
-        store.activate(seeded)
+    """The bundle to serve. A model named on the command line or in the config becomes `current` (linked
+    into the store, not copied); without one, the store's verified `current` (what updates installed)."""
+    if model is not None:
+        bundle = open_bundle(model)  # verified before anything points at it
+        if store.link("current") != Path(model).resolve():
+            seeded = store.models / f"{bundle.manifest.name}@{bundle.manifest.version}"
+            if not seeded.exists():
+                seeded.symlink_to(Path(model).resolve(), target_is_directory=True)
+            if seeded.resolve() != store.link("current"):
+                store.activate(seeded)
+    elif store.link("current") is None:
+        raise ServeError("no model: pass --model or set `model` in the config file")
     return store.bootable().path
 
 

@@ -404,7 +404,8 @@ def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle)
     config = folder / "agent.toml"
     config.write_text("[engine]\nmin_context = 64\n[api]\nsocket_mode = 0o600\n")
     cmd = [sys.executable, "-m", "agent.cli", "serve", "--model", str(tiny_bundle.path), "--socket", str(path),
-           "--config", str(config), "--memory-budget-mb", "2048", "--threads", "1", "--tcp", f"127.0.0.1:{port}"]
+           "--config", str(config), "--memory-budget-mb", "2048", "--threads", "1", "--tcp", f"127.0.0.1:{port}",
+               "--state-dir", str(folder / "state")]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
     try:
         wait_for(path.exists, timeout_s=20)

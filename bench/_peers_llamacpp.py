@@ -1,0 +1,71 @@
+"""llama.cpp side of bench/quality.py: quantize a GGUF, or dump a GGUF's logits over given token ids.
+
+Runs only in the peer venv (.venv-peers, built by bench/setup_peers) so that the product venv never
+imports llama_cpp; bench/quality.py calls it as a subprocess and reads back the files it writes. It
+imports nothing from the product, only llama_cpp and numpy.
+
+Run: .venv-peers/bin/python bench/_peers_llamacpp.py quantize F32.gguf OUT.gguf Q4_K_M [--threads 2]
+     .venv-peers/bin/python bench/_peers_llamacpp.py logits MODEL.gguf IDS.npy OUT.npy [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+
+import llama_cpp
+import numpy as np
+
+# n_batch / n_ubatch: llama.cpp evaluates the ids in chunks of this many tokens, one KV cache across
+# chunks, like quantize.evaluate.CHUNK_TOKENS (256) does for the ONNX graphs.
+CHUNK_TOKENS = 256
+
+
+def quantize(src: str, dst: str, ftype_name: str, threads: int) -> dict:
+    """llama_model_quantize src -> dst with llama.cpp's default mix for ftype_name (e.g. "Q4_K_M")."""
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}", None)
+    if ftype is None:
+        raise SystemExit(f"unknown llama.cpp ftype {ftype_name!r} (no llama_cpp.LLAMA_FTYPE_MOSTLY_{ftype_name})")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize({src}, {ftype_name}) failed with code {rc}")
+    return {"size_bytes": os.path.getsize(dst)}
+
+
+def logits(model: str, ids_path: str, out: str, threads: int) -> dict:
+    """Full-vocabulary logits float32 [T, V] of `model` at every position of the ids, saved to out."""
+    ids = np.load(ids_path).astype(np.int64).tolist()
+    n_ctx = -(-len(ids) // CHUNK_TOKENS) * CHUNK_TOKENS  # a whole number of chunks, >= len(ids)
+    llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_batch=CHUNK_TOKENS, n_ubatch=CHUNK_TOKENS, logits_all=True,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
+    if llm.n_vocab() != llm.scores.shape[1]:
+        raise SystemExit(f"{model}: vocab {llm.n_vocab()} but scores have {llm.scores.shape[1]} columns")
+    llm.eval(ids)
+    np.save(out, np.ascontiguousarray(llm.scores[:len(ids)], dtype=np.float32))
+    return {"tokens": len(ids), "vocab": llm.n_vocab(), "llama_cpp": llama_cpp.__version__}
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize")
+    q.add_argument("src"), q.add_argument("dst"), q.add_argument("ftype")
+    lg = sub.add_parser("logits")
+    lg.add_argument("model"), lg.add_argument("ids"), lg.add_argument("out")
+    for s in (q, lg):
+        s.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.command == "quantize":
+        result = quantize(a.src, a.dst, a.ftype, a.threads)
+    else:
+        result = logits(a.model, a.ids, a.out, a.threads)
+    print(json.dumps(result))  # the last stdout line is the result bench/quality.py reads
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,364 @@
+"""What each quantization costs in quality, ours against llama.cpp's, from the same fp32 weights.
+
+The bundled SmolLM2-135M-Instruct GGUF is read into a Checkpoint; its dequantized weights are "the fp32
+weights". Our side builds an ONNX bundle per entry of CONFIGS; llama.cpp's side gets an F32 GGUF of the
+same weights (written here with gguf's GGUFWriter) and quantizes it with llama_model_quantize to each of
+LLAMACPP_FTYPES. Every model then runs over the evaluation text (the same token ids, 256-token chunks
+through one KV cache) and is scored against our fp32 graph's logits with quantize.evaluate's
+definitions: mean and p99 of KL(fp32 || model) per position, top-1 agreement, and perplexity. The F32
+GGUF row is the floor: how far llama.cpp and our fp32 graph differ with no quantization at all.
+
+llama.cpp runs in the peer venv (bench/setup_peers) through bench/_peers_llamacpp.py, so this process
+never imports llama_cpp; logits come back as .npy files. Keeping the GGUF's own Q4_1 blocks (ours and
+llama.cpp's) is reported apart: it is not quantization from fp32, and the fp32 weights are those blocks.
+
+Run: .venv/bin/python bench/quality.py [--text FILE] [--threads 2] [--write-docs]   # ~3 min on 2 cores
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import inspect
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
+
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
+
+from quantize.bundled import bundled_gguf_path  # noqa: E402
+from quantize.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
+from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa: E402
+from quantize.gguf_reader import GLOBAL_NAMES, LAYER_NAMES, unpermute_rows  # noqa: E402
+from quantize.package import build_bundle, encode  # noqa: E402
+from quantize.precision import QuantSpec  # noqa: E402
+
+DATA = REPO / "quantize" / "data"
+DOCS = REPO / "docs" / "benchmarks.md"
+DOCS_SECTION = "## Quality (bench/quality.py)"
+PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+PEER_SCRIPT = Path(__file__).resolve().parent / "_peers_llamacpp.py"
+
+FROM_FP32 = "from fp32"
+FROM_SOURCE = "kept source quant"
+
+
+@dataclass(frozen=True)
+class OnnxConfig:
+    label: str
+    spec: QuantSpec
+    calibrated: bool = False  # pass calib_en.txt to build_bundle(calibration_text=...)
+    group: str = FROM_FP32
+
+
+# Our bundles, in table order; the fp32 bundle is always built first (it is the reference).
+CONFIGS = [
+    OnnxConfig("int8", QuantSpec(precision="int8", method="search"), calibrated=True),
+    # RTN as the peers do it: symmetric blocks of 32 everywhere
+    OnnxConfig("int4 RTN (sym, block 32)", QuantSpec(precision="int4", method="rtn", symmetric=True, block_size=32,
+                                                    block_sizes={})),
+    OnnxConfig("int4 search + importance (sym, b64)", QuantSpec(precision="int4", method="search", symmetric=True,
+                                                                block_sizes={}), calibrated=True),
+    OnnxConfig("int4 GPTQ (sym, b64)", QuantSpec(precision="int4", symmetric=True, block_sizes={}), calibrated=True),
+    OnnxConfig("int4 default: GPTQ (asym b64, down b128)", QuantSpec(precision="int4"), calibrated=True),
+    OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),
+]
+# llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
+LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]
+
+
+@dataclass(frozen=True)
+class Figures:
+    mean_kl: float
+    p99_kl: float
+    top1: float  # fraction of positions whose argmax equals the fp32 graph's
+    perplexity: float
+
+
+@dataclass(frozen=True)
+class Row:
+    engine: str  # "ORT" or "llama.cpp"
+    label: str
+    group: str
+    size_bytes: int
+    figures: Figures
+    note: str = ""
+
+
+def figures(chunks, ref_lp: np.ndarray, ids: list[int]) -> Figures:
+    """The same definitions as quantize.evaluate.compare, for log-probs [n, V] per chunk against ref_lp [T, V]."""
+    kls, agree, nll = [], 0, 0.0
+    for start, lp in chunks:
+        ref = ref_lp[start:start + len(lp)]
+        kls.append((np.exp(ref) * (ref - lp)).sum(-1))  # KL(fp32 || model), per position
+        agree += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+        nxt = np.array(ids[start + 1:start + 1 + len(lp)])  # the last position has no next token
+        nll -= lp[np.arange(len(nxt)), nxt].sum()
+    kl = np.concatenate(kls)
+    assert len(kl) == len(ids), (len(kl), len(ids))
+    perplexity = float(np.exp(nll / (len(ids) - 1)))
+    return Figures(float(kl.mean()), float(np.percentile(kl, 99)), agree / len(ids), perplexity)
+
+
+def logit_chunks(logits: np.ndarray):
+    """(start, log-probs) per CHUNK_TOKENS rows of a [T, V] logits array, as chunked_logits yields them."""
+    for start in range(0, len(logits), CHUNK_TOKENS):
+        yield start, log_softmax(np.asarray(logits[start:start + CHUNK_TOKENS]))
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# ---- our bundles -------------------------------------------------------------------------------------
+
+def build_kwargs(cfg: OnnxConfig, calib_text: str) -> tuple[dict, str]:
+    """Extra build_bundle arguments for cfg, and a note when the calibration text cannot be passed."""
+    if not cfg.calibrated:
+        return {}, ""
+    if "calibration_text" in inspect.signature(build_bundle).parameters:
+        return {"calibration_text": calib_text}, ""
+    return {}, "built WITHOUT calibration: build_bundle has no calibration_text parameter yet"
+
+
+def build(ckpt: Checkpoint, cfg: OnnxConfig, work: Path, calib_text: str, threads: int):
+    kwargs, note = build_kwargs(cfg, calib_text)
+    if note:
+        print(f"  note: {cfg.label}: {note}")
+    out = work / "bundles" / cfg.label.replace(" ", "_").replace("+", "")
+    bundle = build_bundle(ckpt, cfg.spec, out, name="smollm2-bench", threads=threads,
+                          progress=lambda s: print(f"  [{cfg.label}] {s}", flush=True), **kwargs)
+    return bundle, note
+
+
+def onnx_rows(ckpt: Checkpoint, ids: list[int], calib_text: str, work: Path, threads: int):
+    """The fp32 row and its log-probs [T, V] (the reference for every row), then one row per CONFIGS entry."""
+    fp32, _ = build(ckpt, OnnxConfig("fp32", QuantSpec()), work, calib_text, threads)
+    ref_lp = np.concatenate([lp for _, lp in chunked_logits(fp32.runner(threads), ids)])
+    own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
+    rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
+    for cfg in CONFIGS:
+        t0 = time.monotonic()
+        bundle, note = build(ckpt, cfg, work, calib_text, threads)
+        fig = figures(chunked_logits(bundle.runner(threads), ids), ref_lp, ids)
+        rows.append(Row("ORT", cfg.label, cfg.group, dir_bytes(bundle.path), fig, note))
+        print(f"  {cfg.label}: mean KL {fig.mean_kl:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return rows, ref_lp
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------------------
+
+def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation (HF half-split rotary rows -> interleaved pairs); inverse of
+    quantize.gguf_reader.unpermute_rows, as tests/tiny.py writes it."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(ckpt: Checkpoint):
+    """(GGUF name, float32 array in GGUF row order) for every checkpoint weight."""
+    g = ckpt.geometry
+    to_gguf = {hf: gg for gg, hf in GLOBAL_NAMES.items()}
+    for i in range(g.num_layers):
+        to_gguf |= {f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for gg, hf in LAYER_NAMES.items()}
+    for hf, w in ckpt.weights.items():
+        name = to_gguf[hf]
+        heads = {"attn_q.weight": g.num_heads, "attn_k.weight": g.num_kv_heads}.get(name.split(".", 2)[-1])
+        if heads:
+            w = permute_rows(w, heads)
+            assert np.array_equal(unpermute_rows(w, heads), ckpt.weights[hf])
+        yield name, np.ascontiguousarray(w, dtype=np.float32)
+
+
+def copy_tokenizer_fields(reader: GGUFReader, writer: GGUFWriter) -> None:
+    """Every tokenizer.* key of the source GGUF (tokens, merges, types, pre, bos/eos, chat template) as is."""
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, f.contents(), f.types[0], sub)
+
+
+def write_f32_gguf(ckpt: Checkpoint, source: Path, path: Path) -> Path:
+    g = ckpt.geometry
+    writer = GGUFWriter(str(path.with_suffix(".partial")), "llama")
+    writer.add_name("SmolLM2-135M-Instruct F32 (dequantized from the bundled Q4_1)")
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_block_count(g.num_layers)
+    writer.add_context_length(g.context_length)
+    writer.add_embedding_length(g.hidden_size)
+    writer.add_feed_forward_length(g.intermediate_size)
+    writer.add_head_count(g.num_heads)
+    writer.add_head_count_kv(g.num_kv_heads)
+    writer.add_rope_freq_base(g.rope_theta)
+    writer.add_layer_norm_rms_eps(g.rms_norm_eps)
+    writer.add_vocab_size(g.vocab_size)
+    writer.add_rope_dimension_count(g.head_dim)
+    copy_tokenizer_fields(GGUFReader(source), writer)
+    for name, w in gguf_tensors(ckpt):
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.with_suffix(".partial").rename(path)
+    return path
+
+
+def tensor_types(path: Path) -> str:
+    """The GGML types of a GGUF's 2-D tensors with their counts, most common first: "Q4_0 x210, Q8_0 x1"."""
+    counts = Counter(GGMLQuantizationType(t.tensor_type).name for t in GGUFReader(path).tensors if len(t.shape) == 2)
+    return ", ".join(f"{k} x{n}" for k, n in counts.most_common())
+
+
+def peer(*args: str, threads: int) -> dict:
+    """Run bench/_peers_llamacpp.py in the peer venv; its last stdout line is a JSON result."""
+    cmd = [str(PEER_PYTHON), str(PEER_SCRIPT), *args, "--threads", str(threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"peer command failed ({p.returncode}): {shlex.join(cmd)}\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def llamacpp_figures(model: Path, ids_path: Path, ids: list[int], ref_lp: np.ndarray,
+                     threads: int) -> tuple[Figures, dict]:
+    """Figures of a GGUF run by llama.cpp in the peer venv, and the peer's info (llama_cpp version)."""
+    out = model.with_suffix(".logits.npy")
+    info = peer("logits", str(model), str(ids_path), str(out), threads=threads)
+    logits = np.load(out, mmap_mode="r")  # float32 [T, V]
+    assert logits.shape == ref_lp.shape, (logits.shape, ref_lp.shape)
+    fig = figures(logit_chunks(logits), ref_lp, ids)
+    del logits
+    out.unlink()  # ~350 MB each
+    return fig, info
+
+
+def llamacpp_rows(ckpt: Checkpoint, source: Path, ids: list[int], ref_lp: np.ndarray, work: Path, threads: int):
+    ids_path = work / "ids.npy"
+    np.save(ids_path, np.array(ids, dtype=np.int32))
+    f32 = write_f32_gguf(ckpt, source, work / "f32.gguf")
+    models = [("F32 GGUF (no quantization)", f32, FROM_FP32)]
+    for ftype in LLAMACPP_FTYPES:
+        dst = work / f"{ftype}.gguf"
+        peer("quantize", str(f32), str(dst), ftype, threads=threads)
+        models.append((ftype, dst, FROM_FP32))
+    models.append(("Q4_1 (source file)", source, FROM_SOURCE))
+    rows, version = [], ""
+    for label, path, group in models:
+        t0 = time.monotonic()
+        fig, info = llamacpp_figures(path, ids_path, ids, ref_lp, threads)
+        version = info["llama_cpp"]
+        rows.append(Row("llama.cpp", label, group, path.stat().st_size, fig, "tensor types " + tensor_types(path)))
+        print(f"  llama.cpp {label}: mean KL {fig.mean_kl:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return rows, version
+
+
+# ---- report ------------------------------------------------------------------------------------------
+
+def table(rows: list[Row]) -> str:
+    lines = ["| config | size MB | mean KL | p99 KL | top-1 % | perplexity |", "|---|--:|--:|--:|--:|--:|"]
+    for group in (FROM_FP32, FROM_SOURCE):
+        lines.append(f"| **{group}** | | | | | |")
+        for r in (r for r in rows if r.group == group):
+            f = r.figures
+            lines.append(f"| {r.engine} {r.label} | {r.size_bytes / 1e6:.1f} | {f.mean_kl:.4f} | {f.p99_kl:.4f} | "
+                         f"{100 * f.top1:.1f} | {f.perplexity:.3f} |")
+    return "\n".join(lines)
+
+
+def notes(rows: list[Row]) -> str:
+    lines = [f"- {r.engine} {r.label}: {r.note}" for r in rows if r.note]
+    return "\n".join(["Notes:", *lines]) if lines else ""
+
+
+def machine_note(threads: int, llama_cpp_version: str) -> str:
+    import onnxruntime
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{cpu}, {threads} threads, shared machine; Python {platform.python_version()}, onnxruntime "
+            f"{onnxruntime.__version__}, llama-cpp-python {llama_cpp_version} (built by bench/setup_peers)")
+
+
+def docs_section(report: str, command: str, when: str, machine: str, minutes: float, n_tokens: int, text: str) -> str:
+    return f"""{DOCS_SECTION}
+
+Quality of each quantization against our fp32 graph of the same weights (the bundled
+SmolLM2-135M-Instruct Q4_1 GGUF, dequantized), over `{text}` ({n_tokens} tokens, 256-token chunks
+through the KV cache). KL is KL(fp32 || model) per position in nats; top-1 is agreement with the fp32
+graph's argmax; perplexity is of the text itself. llama.cpp's rows quantize an F32 GGUF of the same
+weights with `llama_model_quantize` (its default tensor mixes); its F32 row is the noise floor between
+the two runtimes. Both quantize activations too: our int rows run MatMulNBits with the spec's
+accuracy_level (4 by default: int8 per block), llama.cpp's quantized types take Q8 activations.
+"Kept source quant" rows keep the GGUF's own Q4_1 blocks, whose dequantized values *are* the fp32
+weights here, so they are not comparable with quantizing from fp32.
+
+Command: `{command}`
+Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
+
+{report}
+"""
+
+
+def write_docs(section: str) -> None:
+    """Replace the quality section of docs/benchmarks.md (or add it), leaving every other section as it is."""
+    if not DOCS.exists():
+        DOCS.parent.mkdir(parents=True, exist_ok=True)
+        DOCS.write_text("# Benchmarks\n\nFigures measured by the scripts in `bench/`; each section says how it "
+                        "was run and on what machine.\n\n")
+    text = DOCS.read_text()
+    start = text.find(DOCS_SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(DOCS_SECTION))
+        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
+    tmp = DOCS.with_suffix(".md.partial")
+    tmp.write_text(text)
+    tmp.rename(DOCS)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", type=Path, default=DATA / "eval_en.txt",
+                   help="Evaluation text (not the calibration text).")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--write-docs", action="store_true", help=f"Write the table into {DOCS.relative_to(REPO)}.")
+    a = p.parse_args(argv)
+    t0 = time.monotonic()
+    text, calib_text = a.text.read_text(), (DATA / "calib_en.txt").read_text()
+    if text.strip() == calib_text.strip():
+        raise SystemExit(f"{a.text} is the calibration text: evaluate on text the quantizer has not seen")
+    if not PEER_PYTHON.exists():
+        raise SystemExit(f"{PEER_PYTHON} is missing: run `bash bench/setup_peers` first")
+    source = bundled_gguf_path()
+    ckpt = load_checkpoint(source)
+    ids = encode(ckpt.tokenizer.tokenizer_json, text)
+    print(f"{source.name}: {len(ids)} tokens of {a.text.name}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
+        rows, ref_lp = onnx_rows(ckpt, ids, calib_text, Path(tmp), a.threads)
+        peer_rows, version = llamacpp_rows(ckpt, source, ids, ref_lp, Path(tmp), a.threads)
+    rows += peer_rows
+    report = (table(rows) + "\n\n" + notes(rows)).rstrip("\n")
+    minutes = (time.monotonic() - t0) / 60
+    print("\n" + report + f"\n\ntook {minutes:.1f} min")
+    if a.write_docs:
+        command = ".venv/bin/python bench/quality.py " + shlex.join(argv)
+        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        shown = a.text.resolve().relative_to(REPO) if a.text.resolve().is_relative_to(REPO) else a.text
+        machine = machine_note(a.threads, version)
+        write_docs(docs_section(report, command.strip(), when, machine, minutes, len(ids), str(shown)))
+        print(f"wrote {DOCS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

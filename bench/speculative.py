@@ -1,0 +1,142 @@
+"""Speculative decoding benchmark: batch-1 decode tokens/s with and without prompt lookup and a draft
+model, on a repeat-heavy and an open workload, on the bundled SmolLM2; llama.cpp's prompt-lookup
+decoding on the same prompts (peer venv) where it is installed.
+
+Run: .venv/bin/python bench/speculative.py [--runs 5] [--tokens 128] [--write-docs]
+Bundles are built (or reused) under ~/.cache/edge-llm/bench by bench/tps.py's builders.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tps import CACHE, build_artifacts  # noqa: E402
+
+from agent.bundle import open_bundle  # noqa: E402
+from agent.config import EngineConfig  # noqa: E402
+from agent.engine import Engine  # noqa: E402
+from agent.sampling_params import SamplingParams  # noqa: E402
+from quantize.bundled import bundled_gguf_path  # noqa: E402
+
+PEER_PYTHON = Path(__file__).parent.parent / ".venv-peers" / "bin" / "python"
+
+
+def workloads(engine: Engine) -> dict[str, list[int]]:
+    text = resources.files("quantize").joinpath("data/eval_en.txt").read_text()
+    passage = " ".join(text.split()[:380])  # ~500 tokens
+    tok = engine.tokenizer
+    repeat = tok.render_chat([{"role": "user", "content": passage + "\n\nQuote the first three sentences of the "
+                                                                    "passage above exactly, then summarize it."}])
+    open_ = tok.render_chat([{"role": "user", "content": "Write a short story about a dragon who learns to bake."}])
+    return {"repeat-heavy": tok.encode(repeat), "open": tok.encode(open_)}
+
+
+def run(engine: Engine, ids: list[int], mode: str, tokens: int) -> dict:
+    fin = engine.generate(ids, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, speculative=mode))
+    f = fin.figures
+    return {"tps": f.decode_tokens_per_s, "drafted": f.drafted_tokens, "accepted": f.accepted_tokens}
+
+
+def measure(engine: Engine, ids: list[int], mode: str, tokens: int, runs: int) -> dict:
+    run(engine, ids, mode, 16)  # warm-up
+    rs = [run(engine, ids, mode, tokens) for _ in range(runs)]
+    drafted = sum(r["drafted"] for r in rs)
+    return {"tps": statistics.median(r["tps"] for r in rs),
+            "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else None}
+
+
+LLAMA_WORKER = """
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+model, ids, tokens, runs, lookup = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+llm = Llama(model_path=model, n_ctx=2048, n_threads=2, n_batch=512, verbose=False,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None)
+out = []
+for _ in range(runs + 1):
+    llm.reset()
+    t_first = None
+    n = 0
+    for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        now = time.perf_counter()
+        if t_first is None:
+            t_first = now
+        n += 1
+        if n >= tokens:
+            break
+    out.append((n - 1) / (now - t_first))
+print(json.dumps(sorted(out[1:])[len(out[1:]) // 2]))
+"""
+
+
+def llamacpp(model: Path, ids: list[int], tokens: int, runs: int, lookup: bool) -> float | None:
+    if not PEER_PYTHON.exists():
+        return None
+    r = subprocess.run([str(PEER_PYTHON), "-c", LLAMA_WORKER, str(model), json.dumps(ids), str(tokens), str(runs),
+                        "1" if lookup else "0"], capture_output=True, text=True, timeout=1200)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--write-docs", action="store_true")
+    args = ap.parse_args()
+    paths = build_artifacts(bundled_gguf_path(), 2, rebuild=False)
+    cfg = EngineConfig(threads=2, memory_budget_mb=4096, max_context=2048, speculative_max_batch=1)
+    rows = []
+    for target, draft in (("ours-int4", None), ("ours-int8", "ours-int4")):
+        engine = Engine(open_bundle(paths[target]), cfg, draft=open_bundle(paths[draft]) if draft else None)
+        for name, ids in workloads(engine).items():
+            base = measure(engine, ids, "off", args.tokens, args.runs)
+            rows.append((target, name, "plain", base["tps"], 1.0, None))
+            modes = ["ngram"] + (["draft"] if draft else [])
+            for mode in modes:
+                m = measure(engine, ids, mode, args.tokens, args.runs)
+                label = f"draft ({draft})" if mode == "draft" else "prompt lookup"
+                rows.append((target, name, label, m["tps"], m["tps"] / base["tps"], m["acceptance"]))
+            if target == "ours-int4":
+                plain = llamacpp(paths["q4_0.gguf"], ids, args.tokens, args.runs, lookup=False)
+                lookup = llamacpp(paths["q4_0.gguf"], ids, args.tokens, args.runs, lookup=True)
+                if plain and lookup:
+                    rows.append(("llama.cpp Q4_0", name, "plain", plain, 1.0, None))
+                    rows.append(("llama.cpp Q4_0", name, "prompt lookup", lookup, lookup / plain, None))
+        del engine
+    header = "| model | workload | decoding | decode tok/s | x plain | acceptance |\n|---|---|---|--:|--:|--:|"
+    lines = [f"| {t} | {w} | {m} | {tps:.1f} | {x:.2f} | {'' if a is None else f'{a:.0%}'} |"
+             for t, w, m, tps, x, a in rows]
+    report = "\n".join([header, *lines])
+    print(report)
+    if args.write_docs:
+        write_docs(report, args)
+    return 0
+
+
+def write_docs(report: str, args) -> None:
+    docs = Path(__file__).parent.parent / "docs" / "benchmarks.md"
+    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    title = "## Speculative decoding (bench/speculative.py)"
+    section = (f"{title}\n\nCommand: `.venv/bin/python bench/speculative.py --runs {args.runs} --tokens {args.tokens} "
+               f"--write-docs`, {time.strftime('%Y-%m-%d')}, 2 threads, greedy, batch 1, {args.tokens} tokens, "
+               f"median of {args.runs} runs. Goal: >= 1.6x on repeat-heavy with prompt lookup, >= 0.95x on open.\n\n"
+               f"{report}\n")
+    if title in text:
+        before, _, rest = text.partition(title)
+        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        text = before + section + after
+    else:
+        text = text.rstrip() + "\n\n" + section
+    docs.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,465 @@
+"""Decode speed, time to first token and peak memory: our engine against ONNX Runtime GenAI and llama.cpp.
+
+All engines run the bundled SmolLM2-135M-Instruct, greedy, with the same token ids (the start of
+quantize/data/eval_en.txt) and the same thread count, side by side in one run:
+- ours: bundles built by `edge-quantize build GGUF --precision ... --out DIR`, run through agent.engine;
+- ONNX Runtime GenAI: its own model builder (`-p int4 -e cpu`) from the HF folder quantize.hf.save_hf writes;
+- llama.cpp (llama-cpp-python): the source Q4_1 GGUF, and Q4_0 quantized from an F32 GGUF of the same weights.
+Every measurement is a fresh subprocess (so peak RSS is one engine's) that warms up with a short request,
+then measures one of: TTFT and decode speed for 128 tokens after a 128-token prompt; TTFT of a 512-token
+prompt; peak RSS (VmHWM, reset after imports) after an 896-token prompt plus 128 tokens (a 1,024-token
+context). Every engine gets a 1,024-token context. Runs are interleaved across engines so that the
+machine's noise falls on all of them alike; each figure is the median over runs. The floor is how fast
+decode could go if every weight byte were read once per token at this machine's memory bandwidth
+(numpy copy of a 512 MB array, STREAM convention: bytes read + written per second).
+
+Peer engines run in the peer venv (bench/setup_peers) by this same file in worker mode, which imports only
+the standard library, numpy and the peer package. Built artifacts are cached in ~/.cache/edge-llm/bench.
+
+Run: .venv/bin/python bench/tps.py [--runs 5] [--threads 2] [--write-docs] [--rebuild]   # ~5 min on 2 cores, plus ~3 min to build the artifacts once
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path.home() / ".cache" / "edge-llm" / "bench"
+DOCS = REPO / "docs" / "benchmarks.md"
+DOCS_SECTION = "## Decode speed (bench/tps.py)"
+PRODUCT_PYTHON = REPO / ".venv" / "bin" / "python"
+PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+PEER_QUANTIZE = Path(__file__).resolve().parent / "_peers_llamacpp.py"
+MB = 1 << 20
+
+CONTEXT_TOKENS = 1024  # every engine's context; the RSS measurement fills it
+DECODE_PROMPT_TOKENS, DECODE_TOKENS = 128, 128
+LONG_PROMPT_TOKENS = 512
+RSS_PROMPT_TOKENS = CONTEXT_TOKENS - DECODE_TOKENS
+WARMUP_PROMPT_TOKENS, WARMUP_TOKENS = 8, 4
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+MEASUREMENTS = [Measurement("decode", DECODE_PROMPT_TOKENS, DECODE_TOKENS),
+                Measurement("ttft512", LONG_PROMPT_TOKENS, 1),
+                Measurement("rss", RSS_PROMPT_TOKENS, DECODE_TOKENS)]
+
+
+@dataclass(frozen=True)
+class Engine:
+    label: str
+    kind: str  # worker kind: a key of WORKERS
+    artifact: str  # cache entry name (see build_artifacts)
+    is_reference: bool = False  # the row every ratio is taken against: ours INT4
+
+
+ENGINES = [
+    Engine("ours INT4 (GPTQ, asym b64)", "ours", "ours-int4", is_reference=True),
+    Engine("ours INT4, runner spin_wait=True", "ours-spin", "ours-int4"),
+    Engine("ours INT8", "ours", "ours-int8"),
+    Engine("ours Q4_1 kept (--keep-source-quant)", "ours", "ours-q4_1-src"),
+    Engine("ORT GenAI int4 (its builder)", "genai", "genai-int4"),
+    Engine("llama.cpp Q4_1 (source GGUF)", "llamacpp", "source.gguf"),
+    Engine("llama.cpp Q4_0", "llamacpp", "q4_0.gguf"),
+]
+GOAL_PEERS = {"decode": "ORT GenAI int4 (its builder)", "ttft512": "llama.cpp Q4_0"}
+
+
+# ---- workers: one measurement in this process, result as the last stdout line --------------------------
+
+def status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def timed_tokens(token_times: list[float], t0: float) -> dict:
+    """TTFT from t0; decode tokens/s over the tokens after the first, and their median inter-token latency
+    (which a burst of load from other processes moves less than it moves the mean)."""
+    n = len(token_times)
+    decode_s = token_times[-1] - token_times[0]
+    return {"ttft_ms": (token_times[0] - t0) * 1e3,
+            "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            "itl_p50_ms": float(np.median(np.diff(token_times))) * 1e3 if n > 1 else 0.0}
+
+
+def run_ours(model: str, ids: list[int], max_tokens: int, threads: int, spin_wait: bool = False) -> dict:
+    sys.path.insert(0, str(REPO))
+    from agent import wire
+    from agent.bundle import Bundle, open_bundle
+    from agent.config import EngineConfig
+    from agent.engine import Engine as OurEngine
+    from agent.runner import ModelRunner
+    from agent.sampling_params import SamplingParams
+
+    class SpinWaitBundle(Bundle):  # EngineConfig has no spin-wait switch (yet): the runner gets it here
+        def runner(self, threads: int | None = None) -> ModelRunner:
+            c = self.config
+            return ModelRunner(self.path / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait=True)
+
+    reset_peak_rss()
+    bundle = open_bundle(Path(model))
+    if spin_wait:
+        bundle = SpinWaitBundle(bundle.path, bundle.manifest, bundle.config)
+    engine = OurEngine(bundle, EngineConfig(threads=threads, max_context=CONTEXT_TOKENS))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    engine.generate(list(range(100, 100 + WARMUP_PROMPT_TOKENS)), SamplingParams(max_tokens=WARMUP_TOKENS, **greedy))
+    f = engine.generate(ids, SamplingParams(max_tokens=max_tokens, **greedy)).figures
+    assert f.completion_tokens == max_tokens, f
+    return {"ttft_ms": f.ttft_ms, "decode_tokens_per_s": f.decode_tokens_per_s, "itl_p50_ms": f.itl_p50_ms}
+
+
+def run_genai(model: str, ids: list[int], max_tokens: int, threads: int) -> dict:
+    import onnxruntime_genai as og
+
+    reset_peak_rss()
+    config = og.Config(model)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    m = og.Model(config)
+
+    def generate(prompt: list[int], n: int) -> dict:
+        params = og.GeneratorParams(m)
+        params.set_search_options(max_length=CONTEXT_TOKENS, do_sample=False)
+        gen = og.Generator(m, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)
+        times = []
+        for _ in range(n):
+            gen.generate_next_token()
+            gen.get_next_tokens()
+            times.append(time.perf_counter())
+        return timed_tokens(times, t0)
+
+    generate(list(range(100, 100 + WARMUP_PROMPT_TOKENS)), WARMUP_TOKENS)
+    return generate(ids, max_tokens)
+
+
+def run_llamacpp(model: str, ids: list[int], max_tokens: int, threads: int) -> dict:
+    import llama_cpp
+
+    reset_peak_rss()
+    llm = llama_cpp.Llama(model, n_ctx=CONTEXT_TOKENS, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def generate(prompt: list[int], n: int) -> dict:
+        llm.reset()  # no prefix reuse from the warm-up
+        t0 = time.perf_counter()
+        times = []
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; never stops on EOS
+            times.append(time.perf_counter())
+            if len(times) == n:
+                break
+        return timed_tokens(times, t0)
+
+    generate(list(range(100, 100 + WARMUP_PROMPT_TOKENS)), WARMUP_TOKENS)
+    return generate(ids, max_tokens)
+
+
+WORKERS = {"ours": run_ours, "ours-spin": lambda *a: run_ours(*a, spin_wait=True), "genai": run_genai,
+           "llamacpp": run_llamacpp}
+
+
+def worker(kind: str, model: str, ids_path: str, prompt_tokens: int, max_tokens: int, threads: int) -> None:
+    ids = np.load(ids_path)[:prompt_tokens].tolist()
+    assert len(ids) == prompt_tokens, f"{ids_path} has only {len(ids)} ids"
+    result = WORKERS[kind](model, ids, max_tokens, threads)
+    result["peak_rss_mb"] = status_kb("VmHWM") / 1024
+    print(json.dumps(result))
+
+
+# ---- artifacts (cached) ---------------------------------------------------------------------------------
+
+def run_logged(cmd: list[str], log: Path) -> None:
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
+        raise SystemExit(f"failed ({p.returncode}): {shlex.join(cmd)}\n{log.read_text()[-3000:]}")
+
+
+def build_ours(source: Path, out: Path, *flags: str) -> None:
+    cmd = [str(PRODUCT_PYTHON), "-m", "quantize.cli", "build", str(source), "--out", str(out), "--no-eval", *flags]
+    run_logged(cmd, out.with_name(out.name + ".log"))
+
+
+def build_genai(source: Path, out: Path) -> None:
+    """save_hf's folder -> onnxruntime_genai.models.builder int4 cpu (in the peer venv)."""
+    from quantize.checkpoint import load_checkpoint
+    from quantize.hf import save_hf
+
+    hf = save_hf(load_checkpoint(source), CACHE / "hf-f32")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    run_logged([str(PEER_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
+                "-p", "int4", "-e", "cpu", "-c", str(CACHE / "genai-cache")], out.with_name(out.name + ".log"))
+    tmp.rename(out)
+    shutil.rmtree(hf)
+    shutil.rmtree(CACHE / "genai-cache", ignore_errors=True)
+
+
+def build_q4_0(source: Path, out: Path, threads: int) -> None:
+    """An F32 GGUF of the same weights (bench/quality.py's writer) quantized by llama_model_quantize."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quality import write_f32_gguf
+    from quantize.checkpoint import load_checkpoint
+
+    f32 = write_f32_gguf(load_checkpoint(source), source, CACHE / "f32.gguf")
+    run_logged([str(PEER_PYTHON), str(PEER_QUANTIZE), "quantize", str(f32), str(out), "Q4_0", "--threads", str(threads)],
+               out.with_name(out.name + ".log"))
+    f32.unlink()
+
+
+def build_artifacts(source: Path, threads: int, rebuild: bool) -> dict[str, Path]:
+    builders = {
+        "ours-int4": lambda p: build_ours(source, p, "--precision", "int4"),
+        "ours-int8": lambda p: build_ours(source, p, "--precision", "int8"),
+        "ours-q4_1-src": lambda p: build_ours(source, p, "--precision", "int4", "--keep-source-quant"),
+        "genai-int4": lambda p: build_genai(source, p),
+        "q4_0.gguf": lambda p: build_q4_0(source, p, threads),
+    }
+    CACHE.mkdir(parents=True, exist_ok=True)
+    paths = {"source.gguf": source}
+    for name, build in builders.items():
+        path = CACHE / name
+        if rebuild and path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if not path.exists():
+            t0 = time.monotonic()
+            print(f"building {name} ...", flush=True)
+            build(path)
+            print(f"  {name}: {time.monotonic() - t0:.0f} s", flush=True)
+        paths[name] = path
+    return paths
+
+
+def prompt_ids_file(source: Path) -> Path:
+    from quantize.checkpoint import load_checkpoint
+    from quantize.package import encode
+
+    path = CACHE / "prompt_ids.npy"
+    if not path.exists():
+        text = (REPO / "quantize" / "data" / "eval_en.txt").read_text()
+        ids = encode(load_checkpoint(source).tokenizer.tokenizer_json, text)
+        np.save(path, np.array(ids, np.int32))
+    n = len(np.load(path))
+    if n < max(m.prompt_tokens for m in MEASUREMENTS):
+        raise SystemExit(f"eval_en.txt has {n} tokens; the benchmark needs {RSS_PROMPT_TOKENS}")
+    return path
+
+
+# ---- weights read per decode token, memory bandwidth -----------------------------------------------------
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of weights a decode step reads: every weight once (the tied embedding/lm_head is one tensor
+    that the lm_head reads whole; the embedding lookup's single row is negligible)."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+
+def memory_bandwidth_bytes_per_s(threads: int, size_bytes: int = 512 * MB, repeats: int = 5) -> float:
+    """Best of `repeats` copies of a large float64 array, split over `threads` threads (numpy releases the
+    GIL while copying); bytes read + written per second."""
+    src = np.ones(size_bytes // 8)
+    dst = np.empty_like(src)
+    step = len(src) // threads
+    best = float("inf")
+    for _ in range(repeats):
+        parts = [threading.Thread(target=np.copyto, args=(dst[i * step:(i + 1) * step], src[i * step:(i + 1) * step]))
+                 for i in range(threads)]
+        t0 = time.perf_counter()
+        for t in parts:
+            t.start()
+        for t in parts:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * step * threads * 8 / best
+
+
+# ---- orchestration ---------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    engine: Engine
+    weight_bytes: int
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # measurement name -> worker results
+
+    def median(self, measurement: str, key: str) -> float:
+        return statistics.median(r[key] for r in self.samples[measurement])
+
+
+def measure(engine: Engine, path: Path, m: Measurement, ids_path: Path, threads: int) -> dict:
+    python = PRODUCT_PYTHON if engine.kind.startswith("ours") else PEER_PYTHON
+    cmd = [str(python), str(Path(__file__).resolve()), "--worker", engine.kind, "--model", str(path),
+           "--ids", str(ids_path), "--prompt-tokens", str(m.prompt_tokens), "--max-tokens", str(m.max_tokens),
+           "--threads", str(threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"worker failed ({p.returncode}): {shlex.join(cmd)}\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_all(rows: list[Row], paths: dict[str, Path], ids_path: Path, runs: int, threads: int) -> None:
+    for run in range(runs):
+        t0 = time.monotonic()
+        for m in MEASUREMENTS:
+            for row in rows:
+                result = measure(row.engine, paths[row.engine.artifact], m, ids_path, threads)
+                row.samples.setdefault(m.name, []).append(result)
+        print(f"run {run + 1}/{runs}: {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def table(rows: list[Row], bandwidth: float) -> str:
+    ref = next(r for r in rows if r.engine.is_reference)
+    lines = ["| engine | weights MB | decode tok/s | 1000 / ITL p50 | floor tok/s | % of floor | TTFT-128 ms | "
+             "TTFT-512 ms | peak RSS MB @1024 |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        decode = r.median("decode", "decode_tokens_per_s")
+        floor = bandwidth / r.weight_bytes
+        lines.append(f"| {r.engine.label} | {r.weight_bytes / 1e6:.1f} | {decode:.1f} | "
+                     f"{1000 / r.median('decode', 'itl_p50_ms'):.1f} | {floor:.0f} | "
+                     f"{100 * decode / floor:.0f} | {r.median('decode', 'ttft_ms'):.1f} | "
+                     f"{r.median('ttft512', 'ttft_ms'):.1f} | {r.median('rss', 'peak_rss_mb'):.0f} |")
+    lines += ["", f"Ratios, {ref.engine.label} / peer (decode: higher is better; TTFT and RSS: lower is better):", "",
+              "| peer | decode | 1000 / ITL p50 | TTFT-128 | TTFT-512 | peak RSS |", "|---|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        if r.engine.kind.startswith("ours"):
+            continue
+        ratio = lambda m, k: ref.median(m, k) / r.median(m, k)  # noqa: E731
+        lines.append(f"| {r.engine.label} | {ratio('decode', 'decode_tokens_per_s'):.2f} | "
+                     f"{r.median('decode', 'itl_p50_ms') / ref.median('decode', 'itl_p50_ms'):.2f} | "
+                     f"{ratio('decode', 'ttft_ms'):.2f} | {ratio('ttft512', 'ttft_ms'):.2f} | "
+                     f"{ratio('rss', 'peak_rss_mb'):.2f} |")
+    return "\n".join(lines)
+
+
+def goals(rows: list[Row]) -> str:
+    """The issue's goals, each with its measured ratio and whether it is met."""
+    ref = next(r for r in rows if r.engine.is_reference)
+    by_label = {r.engine.label: r for r in rows}
+    genai, q4_0 = by_label[GOAL_PEERS["decode"]], by_label[GOAL_PEERS["ttft512"]]
+    llama_rss = min(r.median("rss", "peak_rss_mb") for r in rows if r.engine.kind == "llamacpp")
+    checks = [
+        ("INT4 decode >= 1.2x GenAI int4", ref.median("decode", "decode_tokens_per_s")
+         / genai.median("decode", "decode_tokens_per_s"), lambda x: x >= 1.2),
+        ("INT4 TTFT-512 <= llama.cpp Q4_0", ref.median("ttft512", "ttft_ms") / q4_0.median("ttft512", "ttft_ms"),
+         lambda x: x <= 1.0),
+        ("INT4 peak RSS @1024 <= llama.cpp (smaller of its rows)", ref.median("rss", "peak_rss_mb") / llama_rss,
+         lambda x: x <= 1.0),
+    ]
+    return "\n".join(f"- {name}: {x:.2f} ({'met' if ok(x) else 'NOT met'})" for name, x, ok in checks)
+
+
+def versions() -> str:
+    peer = subprocess.run([str(PEER_PYTHON), "-c", "import importlib.metadata as m; print(m.version('llama-cpp-python'), "
+                           "m.version('onnxruntime-genai'))"], capture_output=True, text=True).stdout.split()
+    import onnxruntime
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{cpu}, {os.cpu_count()} cores, shared machine; Python {platform.python_version()}, onnxruntime "
+            f"{onnxruntime.__version__}, llama-cpp-python {peer[0]}, onnxruntime-genai {peer[1]}")
+
+
+def docs_section(report: str, command: str, when: str, machine: str, runs: int, threads: int, minutes: float) -> str:
+    return f"""{DOCS_SECTION}
+
+The bundled SmolLM2-135M-Instruct, greedy, {threads} threads, every engine with a {CONTEXT_TOKENS}-token context
+and the same token ids. Decode is tokens/s over {DECODE_TOKENS} tokens after a {DECODE_PROMPT_TOKENS}-token prompt
+(after the first token); TTFT-n is prompt submission to first token for an n-token prompt; peak RSS is
+VmHWM (reset after imports) after a {RSS_PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} tokens. Each
+measurement is a fresh process, each figure the median of {runs} runs interleaved across engines. The floor
+is memory bandwidth (numpy copy, bytes read + written per second) divided by the weight bytes one decode
+token reads. Ours run through agent.engine (scheduler, sampler, detokenizer included); GenAI through its
+Generator; llama.cpp through llama-cpp-python's `Llama.generate`.
+
+Command: `{command}`
+Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
+
+{report}
+"""
+
+
+def write_docs(section: str) -> None:
+    """Replace this section of docs/benchmarks.md (or add it), leaving every other section as it is."""
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    start = text.find(DOCS_SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(DOCS_SECTION))
+        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
+    tmp = DOCS.with_suffix(".md.partial")
+    tmp.write_text(text)
+    tmp.rename(DOCS)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--write-docs", action="store_true", help=f"Write the table into {DOCS.relative_to(REPO)}.")
+    p.add_argument("--rebuild", action="store_true", help=f"Rebuild the cached artifacts in {CACHE}.")
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    for name in ("--model", "--ids"):
+        p.add_argument(name, help=argparse.SUPPRESS)
+    for name in ("--prompt-tokens", "--max-tokens"):
+        p.add_argument(name, type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return worker(a.worker, a.model, a.ids, a.prompt_tokens, a.max_tokens, a.threads)
+    if not PEER_PYTHON.exists():
+        raise SystemExit(f"{PEER_PYTHON} is missing: run `bash bench/setup_peers` first")
+    sys.path.insert(0, str(REPO))
+    from quantize.bundled import bundled_gguf_path
+
+    t0 = time.monotonic()
+    source = bundled_gguf_path()
+    paths = build_artifacts(source, a.threads, a.rebuild)
+    ids_path = prompt_ids_file(source)
+    rows = [Row(e, weight_bytes(paths[e.artifact])) for e in ENGINES]
+    bandwidth = memory_bandwidth_bytes_per_s(a.threads)
+    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s (numpy copy, {a.threads} threads)", flush=True)
+    run_all(rows, paths, ids_path, a.runs, a.threads)
+    raw = {r.engine.label: r.samples for r in rows}
+    (CACHE / "last_run.json").write_text(json.dumps(raw, indent=1))  # every worker's result, to look into noise
+    bandwidth = max(bandwidth, memory_bandwidth_bytes_per_s(a.threads))  # again after the runs: noise only lowers it
+    report = (table(rows, bandwidth) + "\n\nGoals:\n" + goals(rows)
+              + f"\n\nMemory bandwidth: {bandwidth / 1e9:.1f} GB/s (best numpy copy of 512 MB, {a.threads} threads).")
+    minutes = (time.monotonic() - t0) / 60
+    print("\n" + report + f"\n\ntook {minutes:.1f} min")
+    if a.write_docs:
+        command = (".venv/bin/python bench/tps.py " + shlex.join(argv)).strip()
+        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        write_docs(docs_section(report, command, when, versions(), a.runs, a.threads, minutes))
+        print(f"wrote {DOCS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
