@@ -64,7 +64,8 @@ class OnnxConfig:
 
 # Our bundles, in table order; the fp32 bundle is always built first (it is the reference).
 CONFIGS = [
-    OnnxConfig("int8", QuantSpec(precision="int8", method="search"), calibrated=True),
+    OnnxConfig("int8 (search, b32)", QuantSpec(precision="int8", method="search", block_size=32, block_sizes={})),
+    OnnxConfig("int8 (rtn, b16)", QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={})),
     # RTN as the peers do it: symmetric blocks of 32 everywhere
     OnnxConfig("int4 RTN (sym, block 32)", QuantSpec(precision="int4", method="rtn", symmetric=True, block_size=32,
                                                     block_sizes={})),

@@ -42,13 +42,14 @@ def cli() -> None:
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Bundle directory to write.")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="int4", show_default=True)
-@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="64", show_default=True)
-@click.option("--down-block-size", type=click.Choice(["16", "32", "64", "128"]), default="128", show_default=True,
-              help="Block size of the MLP down projection.")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
+              help="Quantization block size [default: 64 for int4, 32 for int8].")
+@click.option("--down-block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
+              help="Block size of the MLP down projection [default: 128 for int4, the block size for int8].")
 @click.option("--symmetric/--asymmetric", default=False, show_default=True, help="Per-block zero points or not.")
-@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
+@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default=None,
               help="rtn: round to nearest; search: per-block error-minimizing scales, importance-weighted; "
-                   "gptq: search plus GPTQ error compensation.")
+                   "gptq: search plus GPTQ error compensation [default: gptq for int4, search for int8].")
 @click.option("--calib-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Calibration text for importance and GPTQ (default: the bundled one; never the eval text).")
 @click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
@@ -75,8 +76,11 @@ def build(source, out, precision, block_size, down_block_size, symmetric, method
     try:
         if out.exists() and not force:
             raise PackageError(f"{out} already exists (use --force to replace it)")
-        spec = QuantSpec(precision=precision, block_size=int(block_size), block_sizes={"down": int(down_block_size)},
-                         symmetric=symmetric, method=method,
+        # measured defaults (docs/benchmarks.md): int4 GPTQ asym b64 with down b128 at Q4_0's size; int8 b32
+        block = int(block_size or (64 if precision == "int4" else 32))
+        down = int(down_block_size or (128 if precision == "int4" else block))
+        spec = QuantSpec(precision=precision, block_size=block, block_sizes={"down": down}, symmetric=symmetric,
+                         method=method or ("gptq" if precision == "int4" else "search"),
                          accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
                          keep_source_quant=keep_source_quant)
         click.echo(f"reading {source}")

@@ -85,7 +85,9 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     tmp.mkdir(parents=True)
     try:
         calib = None
-        if calibration_text and spec.precision != "fp32" and spec.method != "rtn":
+        # INT4 only: for INT8 the importance weighting measured worse (mean KL 0.0059 vs 0.0040 without),
+        # its error being dominated by the int8 activations rather than by the weights
+        if calibration_text and spec.precision == "int4" and spec.method != "rtn":
             progress("measuring activation statistics over the calibration text")
             calib = calibrate(ckpt, encode(ckpt.tokenizer.tokenizer_json, calibration_text),
                               with_hessians=spec.method == "gptq", threads=threads)
