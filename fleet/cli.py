@@ -1,0 +1,300 @@
+"""edge-fleet: run the telemetry consumer, ask the fleet database questions, send devices commands.
+
+Run: edge-fleet serve --mqtt mqtt://HOST:PORT --db fleet.db [--client-id ID] [--shared-group G]
+     edge-fleet devices | tps --since 24h --by model | events DEVICE | compare --model A --model B
+     edge-fleet report --out report.html
+     edge-fleet cmd DEVICE ping --mqtt mqtt://HOST:PORT     (or: cmd --all ping, cmd --group 'store-*' ping)
+Query commands take --db PATH and --json (a list of row objects instead of a table).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from fleet import queries
+from fleet.commands import CommandError
+from fleet.mqtt import LinkError
+from fleet.queries import QueryError
+
+USER_ERRORS = (QueryError, CommandError, LinkError, OSError, sqlite3.Error)
+DEFAULT_DB = "fleet.db"
+
+
+def user_errors(command):
+    """Turn the errors a user can cause into one line and a non-zero exit."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as e:
+            raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+    return wrapper
+
+
+def db_option(command):
+    return click.option("--db", "db_path", type=click.Path(path_type=Path), default=DEFAULT_DB, show_default=True,
+                        help="Fleet database (SQLite).")(command)
+
+
+def json_option(command):
+    return click.option("--json", "as_json", is_flag=True, help="Print a JSON list of row objects.")(command)
+
+
+def broker_options(command):
+    """--mqtt and the credentials for it (the shipped broker config wants TLS, a user and a password)."""
+    options = [
+        click.option("--mqtt", "url", required=True, help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]."),
+        click.option("--username", default=None, help="Broker user (with use_username_as_clientid it is also "
+                                                       "the client id: one user per concurrent connection)."),
+        click.option("--password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                     help="File holding the broker password."),
+        click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                     help="mqtts: CA certificate of the broker (default: the system's trust store)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def credentials(username, password_file, ca_file):
+    from fleet.mqtt import Credentials
+
+    return Credentials.from_files(username, password_file, ca_file)
+
+
+def since_option(default: str):
+    return click.option("--since", default=default, show_default=True, help="Window: 30m, 24h, 7d, ...")
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.1f}"
+    if isinstance(v, (dict, list)):
+        text = json.dumps(v, separators=(",", ":"))
+        return text if len(text) <= 60 else text[:57] + "..."
+    return str(v)
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    numeric = [all(r.get(c) is None or isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
+                   for r in rows) for c in columns]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(row) for row in cells)])
+
+
+def echo_rows(rows: list[dict], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    elif rows:
+        click.echo(format_table(rows))
+    else:
+        click.echo("(no rows)")
+
+
+# ---- commands ---------------------------------------------------------------------------------------------
+@click.group()
+def cli() -> None:
+    """Fleet server: device telemetry over MQTT into SQLite, queries, reports and remote commands."""
+
+
+@cli.command()
+@broker_options
+@db_option
+@click.option("--client-id", default="edge-fleet", show_default=True,
+              help="MQTT client id; the broker keeps this id's session (and queues for it) between runs. "
+                   "Every replica needs its own.")
+@click.option("--shared-group", default=None, help="Split telemetry with the other replicas of this group "
+                                                   "($share/GROUP/...); state still reaches every replica.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@user_errors
+def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, verbose):
+    """Consume device state and telemetry into the database until SIGINT/SIGTERM.
+
+    Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
+    """
+    from fleet.consumer import serve as run
+    from fleet.mqtt import parse_url
+
+    parse_url(url)
+    auth = credentials(username, password_file, ca_file)
+    for label, value in (("client id", client_id), ("shared group", shared_group)):
+        if value is not None and (not value or any(c in value for c in "/+#")):
+            raise click.BadParameter(f"{label} {value!r} must be non-empty without '/', '+' or '#'")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    started = time.monotonic()
+    stats = run(db_path, url, client_id, shared_group, stop, auth)
+    click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
+               f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")
+
+
+@cli.command()
+@db_option
+@json_option
+@user_errors
+def devices(db_path, as_json):
+    """Every known device: online, last seen, model@version, precision, median decode tokens/s over the last hour.
+
+    Example: edge-fleet devices --db fleet.db
+    """
+    echo_rows(queries.devices(queries.open_readonly(db_path)), as_json)
+
+
+@cli.command()
+@since_option("24h")
+@click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True)
+@db_option
+@json_option
+@user_errors
+def tps(since, by, db_path, as_json):
+    """Requests, TTFT and decode tokens/s percentiles and tokens served, grouped.
+
+    Example: edge-fleet tps --since 24h --by device
+    """
+    echo_rows(queries.tps(queries.open_readonly(db_path), queries.parse_duration_s(since), by), as_json)
+
+
+@cli.command()
+@click.argument("device")
+@since_option("7d")
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+@db_option
+@json_option
+@user_errors
+def events(device, since, limit, db_path, as_json):
+    """A device's events, newest first.
+
+    Example: edge-fleet events dev-0042 --since 24h
+    """
+    db = queries.open_readonly(db_path)
+    echo_rows(queries.events(db, device, queries.parse_duration_s(since), limit), as_json)
+
+
+@cli.command()
+@click.option("--model", "models", multiple=True, required=True, help="NAME or NAME@VERSION; give two or more.")
+@since_option("7d")
+@db_option
+@json_option
+@user_errors
+def compare(models, since, db_path, as_json):
+    """Median decode tokens/s and TTFT of models side by side on the devices that ran them all.
+
+    Example: edge-fleet compare --model smollm2@int4-a1 --model smollm2@int8-b2
+    """
+    db = queries.open_readonly(db_path)
+    echo_rows(queries.compare(db, list(models), queries.parse_duration_s(since)), as_json)
+
+
+@cli.command()
+@db_option
+@json_option
+@user_errors
+def rejected(db_path, as_json):
+    """Messages the consumer dropped, by device and reason.
+
+    Example: edge-fleet rejected --db fleet.db
+    """
+    echo_rows(queries.rejected(queries.open_readonly(db_path)), as_json)
+
+
+@cli.command()
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="HTML file to write.")
+@since_option("24h")
+@db_option
+@user_errors
+def report(out, since, db_path):
+    """A self-contained HTML report with charts of tokens/s and TTFT over time per model and device.
+
+    Example: edge-fleet report --out report.html --since 24h
+    """
+    from fleet.report import render_report
+
+    db, since_s = queries.open_readonly(db_path), queries.parse_duration_s(since)
+    series = queries.timeseries(db, since_s)
+    html = render_report(queries.tps(db, since_s, "version"), series, title=f"Fleet report, last {since}")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(html)
+    os.replace(tmp, out)  # a reader never sees half a report
+    models, device_ids = {r["model"] for r in series}, {r["device"] for r in series}
+    click.echo(f"wrote {out} ({len(models)} models, {len(device_ids)} devices)")
+
+
+@cli.command()
+@click.argument("words", nargs=-1, required=True)
+@broker_options
+@click.option("--all", "to_all", is_flag=True, help="Every online device in the registry (needs --db).")
+@click.option("--group", default=None, help="Online devices whose id matches this glob, e.g. 'store-12-*'.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds to wait for answers.")
+@db_option
+@json_option
+@user_errors
+def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, db_path, as_json):
+    """Send DEVICE a command (ping, get-config, set-config KEY=VALUE..., benchmark) and print its answer.
+
+    With --all or --group, leave out DEVICE: the command goes to many devices and the answers are tabulated.
+
+    Example: edge-fleet cmd dev-0042 set-config max_batch=8 --mqtt mqtt://127.0.0.1:1883
+    """
+    from fleet.commands import command_name, parse_assignments, run_command, select_targets
+
+    fan_out = to_all or group is not None
+    if len(words) < (1 if fan_out else 2):
+        raise click.UsageError("give DEVICE COMMAND [KEY=VALUE...], or --all/--group with COMMAND [KEY=VALUE...]")
+    targets, skipped = ([], [])
+    if fan_out:
+        targets, skipped = select_targets(queries.devices(queries.open_readonly(db_path)), group)
+    else:
+        targets, words = [words[0]], words[1:]
+    name, args = command_name(words[0]), parse_assignments(list(words[1:]))
+    auth = credentials(username, password_file, ca_file)
+    outcomes = run_command(url, targets, name, args, timeout_s, auth) if targets else []
+    rows = [o.row() for o in outcomes] + [{"device": d, "ok": False, "error": "offline (not sent)"} for d in skipped]
+    _print_outcomes(rows, fan_out, as_json)
+    if not all(r["ok"] for r in rows):
+        sys.exit(1)
+
+
+def _print_outcomes(rows: list[dict], fan_out: bool, as_json: bool) -> None:
+    if as_json or fan_out:
+        echo_rows(rows, as_json)
+    elif rows[0]["ok"]:
+        click.echo(json.dumps(rows[0]["result"], indent=2))
+    else:
+        click.echo(f"Error: {rows[0]['device']}: {rows[0]['error']}", err=True)
+
+
+def main() -> None:
+    try:
+        cli(prog_name="edge-fleet")
+    except Exception as e:  # a bug of ours: one line for the user, not a traceback
+        click.echo(f"Error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

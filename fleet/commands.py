@@ -1,0 +1,133 @@
+"""Remote commands: one request per device on cmd/req/{name}, answers matched on cmd/res by correlation data.
+
+MQTT v5 request/response (4.10): each request carries a Response Topic (the device's own cmd/res, which the
+broker ACL lets it publish to) and unique Correlation Data that the device copies into its answer. A
+Message Expiry Interval equal to the timeout means a device that was offline does not run a command
+nobody is waiting for any more.
+
+    outcomes = run_command("mqtt://broker:1883", ["dev-1", "dev-2"], "ping", {}, timeout_s=5)
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from agent.wire import COMMANDS, CommandRequest, CommandResponse, device_of, topic
+from fleet.mqtt import Credentials, Inbound, Link, Session
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class CommandError(ValueError):
+    """A command that cannot be sent as asked (a user error)."""
+
+
+def command_name(cli_name: str) -> str:
+    """CLI spelling (get-config) -> wire name (get_config), checked against agent.wire.COMMANDS."""
+    name = cli_name.replace("-", "_")
+    if name not in COMMANDS:
+        raise CommandError(f"unknown command {cli_name!r}: choose one of "
+                           f"{', '.join(c.replace('_', '-') for c in COMMANDS)}")
+    return name
+
+
+def parse_assignments(pairs: list[str]) -> dict:
+    """['max_batch=8', 'name=x'] -> {'max_batch': 8, 'name': 'x'}: values are JSON when they parse as JSON."""
+    args = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CommandError(f"bad argument {pair!r}: expected KEY=VALUE")
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return args
+
+
+def select_targets(devices: list[dict], group: str | None) -> tuple[list[str], list[str]]:
+    """Registry rows (fleet.queries.devices) -> (online ids to ask, offline ids skipped); `group` is a glob
+    over device ids (e.g. 'store-12-*'), None for all devices."""
+    chosen = [d for d in devices if group is None or fnmatch.fnmatchcase(d["id"], group)]
+    if not chosen:
+        raise CommandError(f"no known device matches {group!r}" if group else "no devices in the registry")
+    return [d["id"] for d in chosen if d["online"]], [d["id"] for d in chosen if not d["online"]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    device: str
+    ok: bool
+    latency_ms: float | None = None
+    response: CommandResponse | None = None
+    error: str | None = None  # ours (timeout, offline, malformed answer) or the device's
+
+    def row(self) -> dict:
+        result = self.response.result if self.response else None
+        return {"device": self.device, "ok": self.ok, "latency_ms": self.latency_ms, "result": result,
+                "error": self.error}
+
+
+class _Waiter:
+    """Pending requests by correlation data; filled from the network thread."""
+
+    def __init__(self, sent_at: float):
+        self.sent_at = sent_at
+        self.pending: dict[bytes, str] = {}  # correlation data -> device id
+        self.outcomes: dict[str, Outcome] = {}
+        self.done = threading.Condition()
+
+    def on_message(self, msg: Inbound) -> None:
+        device_id = self.pending.get(msg.correlation_data or b"")
+        if device_id is None or device_of(msg.topic) != device_id:
+            return  # someone else's answer, or one on the wrong device's topic
+        outcome = self._outcome(device_id, msg.payload)
+        with self.done:
+            self.outcomes.setdefault(device_id, outcome)
+            self.done.notify_all()
+
+    def _outcome(self, device_id: str, payload: bytes) -> Outcome:
+        latency_ms = round((time.monotonic() - self.sent_at) * 1000, 1)
+        try:
+            response = CommandResponse.model_validate_json(payload)
+        except ValidationError as e:
+            return Outcome(device_id, False, latency_ms, error=f"malformed response: {e.errors()[0]['msg']}")
+        return Outcome(device_id, response.ok, latency_ms, response, response.error)
+
+    def wait(self, count: int, deadline: float) -> None:
+        with self.done:
+            while len(self.outcomes) < count and time.monotonic() < deadline:
+                self.done.wait(deadline - time.monotonic())
+
+
+def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: float,
+                credentials: Credentials = Credentials()) -> list[Outcome]:
+    """Send `name` to every device at once and wait up to timeout_s for all answers. Answers come back on
+    cmd/res/{this run's id}, so concurrent runs never see each other's."""
+    run_id = f"edge-fleet-cmd-{uuid.uuid4().hex[:12]}"
+    request = CommandRequest(args=args).model_dump_json().encode()
+    waiter = _Waiter(time.monotonic())
+    link = Link(url, Session(run_id, persistent=False, manual_ack=False),
+                [(topic(d, "cmd", "res", run_id), 1) for d in devices], waiter.on_message, credentials).start()
+    try:
+        if not link.wait_ready(CONNECT_TIMEOUT_S):
+            raise CommandError(f"cannot reach the MQTT broker at {url}")
+        waiter.sent_at = time.monotonic()
+        for device_id in devices:
+            correlation = uuid.uuid4().bytes
+            waiter.pending[correlation] = device_id
+            link.publish(topic(device_id, "cmd", "req", name), request, qos=1,
+                         response_topic=topic(device_id, "cmd", "res", run_id), correlation_data=correlation,
+                         expiry_s=math.ceil(timeout_s))
+        waiter.wait(len(devices), waiter.sent_at + timeout_s)
+    finally:
+        link.stop()
+    return [waiter.outcomes.get(d) or Outcome(d, False, error=f"no response within {timeout_s:g} s")
+            for d in devices]

@@ -1,0 +1,259 @@
+"""Telemetry consumer: MQTT messages in, validated rows committed, acknowledgements out, in that order.
+
+Data flow (one owner per step):
+
+    paho network thread --Inbound--> queue --> writer thread: gather <= WINDOW_S of messages
+        -> parse each (size cap, wire schema, device id in payload == device id in topic)
+        -> FleetStore.commit(one transaction) -> PUBACK every message of the batch
+
+A message is acknowledged to the broker only after the transaction holding it has committed (manual
+acks), so a crash or a lost connection before then means the broker sends it again; the store drops the
+copy. Bad messages are counted per device and reason in `rejected`, logged, acknowledged (so the broker
+does not resend them forever) and never stop ingestion.
+
+Run: edge-fleet serve --mqtt mqtt://HOST:PORT --db fleet.db [--client-id ID] [--shared-group G]
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
+from fleet.mqtt import Credentials, Inbound, Link, Session
+from fleet.store import Committed, FleetStore, Ingest
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 0.05  # gather messages this long before one commit: ~20 commits/s whatever the message rate
+MAX_BATCH_MESSAGES = 1000  # ...or this many messages, to bound a commit while draining a backlog
+RETRY_CAP_S = 5.0  # a failing commit (disk full, database locked) is retried with backoff up to this delay
+LOG_EVERY_S = 10.0  # ingest-rate summary period
+REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
+
+# rejection reasons, as stored in rejected.reason
+TOO_LARGE = "too_large"  # payload over MAX_PAYLOAD_BYTES
+INVALID_JSON = "invalid_json"
+SCHEMA = "schema"  # valid JSON that is not the wire message for this topic
+DEVICE_MISMATCH = "device_mismatch"  # payload device_id differs from the topic's
+EVENT_MISMATCH = "event_mismatch"  # evt/{kind} carrying records that are not `kind` events
+BAD_TOPIC = "bad_topic"  # a topic this consumer does not handle
+
+
+class Rejected(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def subscriptions(shared_group: str | None = None) -> list[tuple[str, int]]:
+    """State is a normal subscription on every replica (each keeps the whole registry); telemetry and events
+    go to one member of the shared group (MQTT v5 4.8.2) when replicas split the load."""
+    share = f"$share/{shared_group}/" if shared_group else ""
+    return [(topic("+", "state"), 1), (share + topic("+", "tele"), 1), (share + topic("+", "evt", "+"), 1)]
+
+
+# ---- parsing (pure) -----------------------------------------------------------------------------------------
+def _validate(model, payload: bytes):
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as e:
+        first = e.errors()[0]
+        reason = INVALID_JSON if first["type"] == "json_invalid" else SCHEMA
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise Rejected(reason, f"{where}: {first['msg']} ({e.error_count()} errors)") from None
+
+
+def _check_record(record: TelemetryRecord) -> None:
+    bodies = {"request": record.request, "sample": record.sample, "event": record.event}
+    if bodies[record.kind] is None or any(v is not None for k, v in bodies.items() if k != record.kind):
+        raise Rejected(SCHEMA, f"record seq {record.seq}: kind {record.kind!r} must carry exactly its own body")
+
+
+def _check_device(device_id: str, topic_device: str) -> None:
+    if device_id != topic_device:
+        raise Rejected(DEVICE_MISMATCH, f"payload says {device_id!r}, topic says {topic_device!r}")
+
+
+def parse_state(msg: Inbound, topic_device: str) -> DeviceState:
+    state = _validate(DeviceState, msg.payload)
+    _check_device(state.device_id, topic_device)
+    return state
+
+
+def parse_telemetry(msg: Inbound, topic_device: str, event_kind: str | None = None) -> TelemetryBatch:
+    batch = _validate(TelemetryBatch, msg.payload)
+    _check_device(batch.device_id, topic_device)
+    for record in batch.records:
+        _check_record(record)
+        if event_kind is not None and (record.kind != "event" or record.event.kind != event_kind):
+            raise Rejected(EVENT_MISMATCH, f"record seq {record.seq} is not a {event_kind!r} event")
+    return batch
+
+
+def add_message(ingest: Ingest, msg: Inbound, topic_device: str, received_at: float) -> None:
+    """Parse one message into `ingest`; raises Rejected. Contact time: when we received a live message
+    from the device itself; a retained state or a Will (offline) only tells us the state's own ts."""
+    if len(msg.payload) > MAX_PAYLOAD_BYTES:
+        raise Rejected(TOO_LARGE, f"{len(msg.payload)} bytes > {MAX_PAYLOAD_BYTES}")
+    kind = msg.topic.split("/")[3:]
+    if kind == ["state"]:
+        state = parse_state(msg, topic_device)
+        live = not msg.retain and state.status != "offline"
+        ingest.add_state(state, received_at if live else state.ts)
+    elif kind == ["tele"]:
+        ingest.add_records(topic_device, parse_telemetry(msg, topic_device).records, received_at)
+    elif len(kind) == 2 and kind[0] == "evt":
+        ingest.add_records(topic_device, parse_telemetry(msg, topic_device, kind[1]).records, received_at)
+    else:
+        raise Rejected(BAD_TOPIC, msg.topic)
+
+
+# ---- the consumer -----------------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    messages: int = 0
+    inserted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    commits: int = 0
+    acks_deferred: int = 0  # messages whose connection dropped before their commit: the broker resends them
+
+    def add(self, messages: int, committed: Committed, acks_deferred: int) -> None:
+        self.messages += messages
+        self.inserted += committed.inserted
+        self.duplicates += committed.duplicates
+        self.rejected += committed.rejected
+        self.commits += 1
+        self.acks_deferred += acks_deferred
+
+
+class Consumer:
+    def __init__(self, store: FleetStore, url: str, client_id: str = "edge-fleet", shared_group: str | None = None,
+                 window_s: float = WINDOW_S, credentials: Credentials = Credentials()):
+        self.store = store
+        self.window_s = window_s
+        self.stats = Stats()
+        self._inbox: queue.Queue[Inbound] = queue.Queue()
+        self._stopping = threading.Event()
+        self._rejection_logged: dict[tuple[str, str], float] = {}
+        self.link = Link(url, Session(client_id), subscriptions(shared_group), self._inbox.put, credentials)
+        self._writer = threading.Thread(target=self._write_loop, name="fleet-writer", daemon=True)
+
+    def start(self) -> "Consumer":
+        self._writer.start()
+        self.link.start()
+        return self
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self.link.wait_ready(timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Commit and acknowledge what has arrived, then disconnect (the session stays with the broker).
+        The wait covers a commit queued behind another replica's lock (store.BUSY_TIMEOUT_S)."""
+        self._stopping.set()
+        self._writer.join(timeout_s)
+        self.link.stop()
+
+    # ---- writer thread -------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        last_log = (time.monotonic(), 0)
+        while not self._stopping.is_set():
+            batch = self._gather()
+            if batch:
+                self._handle(batch)
+            last_log = self._maybe_log_rate(last_log)
+        self._flush()
+
+    def _flush(self) -> None:
+        """On stop: commit what has arrived so far; anything later is not acked and comes again next time."""
+        batch = []
+        while True:
+            try:
+                batch.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        if batch:
+            self._handle(batch)
+
+    def _gather(self) -> list[Inbound]:
+        try:
+            batch = [self._inbox.get(timeout=0.2)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < MAX_BATCH_MESSAGES:
+            remaining_s = deadline - time.monotonic()
+            try:
+                batch.append(self._inbox.get(timeout=remaining_s) if remaining_s > 0 else self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _handle(self, batch: list[Inbound]) -> None:
+        ingest = Ingest()
+        received_at = time.time()
+        for msg in batch:
+            self._add(ingest, msg, received_at)
+        committed = self._commit(ingest)
+        if committed is None:
+            return  # stopping while the database is failing: nothing acked, the broker resends it all
+        deferred = sum(not self.link.ack(msg) for msg in batch)
+        self.stats.add(len(batch), committed, deferred)
+
+    def _add(self, ingest: Ingest, msg: Inbound, received_at: float) -> None:
+        device_id = device_of(msg.topic) or ""
+        try:
+            add_message(ingest, msg, device_id, received_at)
+        except Rejected as e:
+            ingest.reject(device_id, e.reason)
+            self._log_rejection(device_id, e)
+
+    def _commit(self, ingest: Ingest) -> Committed | None:
+        attempt = 0
+        while True:
+            try:
+                return self.store.commit(ingest)
+            except sqlite3.Error as e:
+                attempt += 1
+                log.error("commit of %d records failed (attempt %d), retrying: %s", ingest.num_records, attempt, e)
+                if self._stopping.wait(min(RETRY_CAP_S, 0.1 * 2 ** attempt)):
+                    return None
+
+    def _log_rejection(self, device_id: str, e: Rejected) -> None:
+        now = time.monotonic()
+        if now - self._rejection_logged.get((device_id, e.reason), -REJECTION_LOG_EVERY_S) >= REJECTION_LOG_EVERY_S:
+            self._rejection_logged[(device_id, e.reason)] = now
+            log.warning("rejected a message from device %r: %s: %s", device_id, e.reason, e.detail)
+
+    def _maybe_log_rate(self, last: tuple[float, int]) -> tuple[float, int]:
+        now, (then, inserted_then) = time.monotonic(), last
+        if now - then < LOG_EVERY_S:
+            return last
+        if self.stats.inserted != inserted_then:
+            log.info("ingested %.0f records/s (%d stored, %d duplicates, %d rejected in total)",
+                     (self.stats.inserted - inserted_then) / (now - then), self.stats.inserted,
+                     self.stats.duplicates, self.stats.rejected)
+        return now, self.stats.inserted
+
+
+def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
+          credentials: Credentials = Credentials()) -> Stats:
+    """Run a consumer until `stop` is set; returns its totals."""
+    store = FleetStore(db_path)
+    consumer = Consumer(store, url, client_id, shared_group, credentials=credentials).start()
+    started = time.monotonic()
+    try:
+        stop.wait()
+    finally:
+        consumer.stop()
+        store.close()
+    log.info("stopped after %.0f s", time.monotonic() - started)
+    return consumer.stats

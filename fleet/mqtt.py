@@ -1,0 +1,294 @@
+"""The fleet's MQTT link: the only module in fleet/ that imports paho.
+
+A `Link` is one MQTT v5 client with its own reconnect loop (capped exponential backoff with jitter, reset
+after a successful CONNACK), its subscriptions renewed on every connect, and messages handed to a callback
+as plain `Inbound` values. The consumer uses it with a persistent session and manual acknowledgement; the
+`cmd` CLI uses it with a clean session for request/response. Nothing here knows the message formats.
+
+    link = Link("mqtt://127.0.0.1:1883", Session("edge-fleet"), [("edge/v1/+/tele", 1)], on_message)
+    link.start(); link.wait_ready(5); ...; link.ack(msg); ...; link.stop()
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlsplit
+
+import paho.mqtt.client as paho
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x this without traffic
+BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
+BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
+
+
+class LinkError(ValueError):
+    """A bad broker URL or link setting (a user error)."""
+
+
+class LinkState(enum.Enum):
+    IDLE = "idle"  # not started
+    CONNECTING = "connecting"  # TCP connect sent, waiting for CONNACK
+    CONNECTED = "connected"  # CONNACK accepted; subscriptions (re)sent
+    BACKOFF = "backoff"  # waiting before the next attempt
+    STOPPED = "stopped"  # stop() was called; never leaves this state
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    tls: bool = False
+
+
+def parse_url(url: str) -> Endpoint:
+    """mqtt://HOST[:PORT] (1883) or mqtts://HOST[:PORT] (TLS, 8883) -> Endpoint."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname or parts.path or parts.query:
+        raise LinkError(f"bad broker URL {url!r}: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
+    tls = parts.scheme == "mqtts"
+    try:
+        port = parts.port or (8883 if tls else 1883)
+    except ValueError as e:
+        raise LinkError(f"bad broker URL {url!r}: {e}") from e
+    return Endpoint(parts.hostname, port, tls)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who we are to the broker. The shipped broker config (systemd/mosquitto) makes the user name the client
+    id, so every concurrent fleet connection needs its own user."""
+
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_file: Path | None = None  # mqtts: the CA that signed the broker's certificate; None: the system's
+
+    @classmethod
+    def from_files(cls, username: str | None, password_file: Path | None, ca_file: Path | None) -> "Credentials":
+        """The password comes from a file, never the command line (where `ps` would show it)."""
+        if password_file is not None and username is None:
+            raise LinkError("a password file needs a user name")
+        password = password_file.read_text().rstrip("\n") if password_file is not None else None
+        return cls(username, password, ca_file)
+
+
+def backoff_s(attempt: int, rng: random.Random, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> float:
+    """Delay before reconnect attempt `attempt` (0-based): "equal jitter", so replicas spread out but never
+    retry immediately."""
+    ceiling_s = min(cap_s, base_s * 2 ** min(attempt, 30))
+    return ceiling_s / 2 + rng.uniform(0, ceiling_s / 2)
+
+
+@dataclass(frozen=True)
+class Session:
+    """How the link presents itself to the broker.
+
+    persistent: MQTT v5 Clean Start = 0 with a Session Expiry Interval (MQTT v5 3.1.2.4, 3.1.2.11.2), so
+    QoS 1 messages published while we are away are queued by the broker and unacknowledged ones are resent
+    on reconnect. receive_maximum bounds how many QoS 1 messages the broker sends us before we acknowledge
+    (MQTT v5 3.1.2.11.3, 4.9): with acks sent only after a commit it is the ingest pipeline's depth.
+    """
+
+    client_id: str
+    persistent: bool = True
+    session_expiry_s: int = 24 * 3600  # how long the broker queues telemetry while the fleet is down
+    receive_maximum: int = 2000  # unacked messages in flight; with ~20 commits/s, the ceiling is ~40k messages/s
+    manual_ack: bool = True
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A received message. `generation` counts connections: an ack is only valid on the connection that
+    delivered the message."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int
+    retain: bool
+    generation: int
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+
+
+OnMessage = Callable[[Inbound], None]
+
+
+class Link:
+    """One MQTT v5 client that keeps itself connected until stop(). Thread-safe: ack() and publish() may
+    be called from any thread; callbacks run on paho's network thread."""
+
+    def __init__(self, url: str, session: Session, subscriptions: list[tuple[str, int]], on_message: OnMessage,
+                 credentials: Credentials = Credentials(), seed: int | None = None):
+        self.endpoint = parse_url(url)
+        if credentials.ca_file is not None and not self.endpoint.tls:
+            raise LinkError("a CA file needs an mqtts:// broker URL")
+        self.session = session
+        self.credentials = credentials
+        self.subscriptions = list(subscriptions)
+        self._on_message = on_message
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._state = LinkState.IDLE
+        self._generation = 0
+        self._dropped = threading.Event()
+        self._ready = threading.Event()  # connected and SUBACK received on the current connection
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._accepted = False  # the current connection got a successful CONNACK
+        self._client = self._make_client()
+
+    # ---- public ---------------------------------------------------------------------------------------
+    @property
+    def state(self) -> LinkState:
+        return self._state
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def start(self) -> "Link":
+        assert self._state is LinkState.IDLE, "a Link starts once"
+        self._thread = threading.Thread(target=self._supervise, name=f"mqtt-{self.session.client_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._set_state(LinkState.STOPPED)
+        self._stop.set()
+        self._ready.clear()
+        self._client.disconnect()  # a clean DISCONNECT: no Will, the session stays for session_expiry_s
+        self._dropped.set()
+        if self._thread:
+            self._thread.join(timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def ack(self, msg: Inbound) -> bool:
+        """PUBACK a QoS 1 message now that it is safely handled. A message from an earlier connection is not
+        acked here: the broker resends it on the new connection with its original packet id (MQTT v5 4.4),
+        and that copy gets its own ack (the store drops it as a duplicate)."""
+        if msg.qos == 0 or not self.session.manual_ack:
+            return True
+        with self._lock:
+            if msg.generation != self._generation or self._state is not LinkState.CONNECTED:
+                return False
+            return self._client.ack(msg.mid, msg.qos) == paho.MQTT_ERR_SUCCESS
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                response_topic: str | None = None, correlation_data: bytes | None = None,
+                expiry_s: int | None = None) -> bool:
+        """Queue a message; False if we are not connected. Response topic, correlation data and message
+        expiry are MQTT v5 PUBLISH properties (3.3.2.3.3, 3.3.2.3.5, 3.3.2.3.6)."""
+        props = Properties(PacketTypes.PUBLISH)
+        if response_topic is not None:
+            props.ResponseTopic = response_topic
+        if correlation_data is not None:
+            props.CorrelationData = correlation_data
+        if expiry_s is not None:
+            props.MessageExpiryInterval = max(1, int(expiry_s))
+        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        return info.rc == paho.MQTT_ERR_SUCCESS
+
+    # ---- connection loop ------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            attempt = 0 if self._connect_once() else attempt + 1
+            if self._stop.is_set():
+                break
+            self._set_state(LinkState.BACKOFF)
+            self._stop.wait(backoff_s(attempt, self._rng))
+        self._client.disconnect()  # in case stop() raced with a connect in progress
+        self._client.loop_stop()
+
+    def _connect_once(self) -> bool:
+        """One connection: connect, run paho's network thread until the connection drops. True if the broker
+        accepted it (the backoff then starts again from the bottom)."""
+        self._dropped.clear()
+        self._accepted = False
+        self._set_state(LinkState.CONNECTING)
+        try:
+            self._client.connect(self.endpoint.host, self.endpoint.port, keepalive=KEEPALIVE_S,
+                                 clean_start=not self.session.persistent, properties=self._connect_properties())
+        except OSError as e:
+            log.warning("cannot reach MQTT broker %s:%d: %s", self.endpoint.host, self.endpoint.port, e)
+            return False
+        self._client.loop_start()
+        self._dropped.wait()
+        self._client.loop_stop()
+        return self._accepted
+
+    def _connect_properties(self) -> Properties:
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.session.session_expiry_s if self.session.persistent else 0
+        props.ReceiveMaximum = self.session.receive_maximum
+        return props
+
+    def _set_state(self, state: LinkState) -> None:
+        with self._lock:
+            if self._state is not LinkState.STOPPED:
+                self._state = state
+
+    # ---- paho callbacks (paho's network thread; they must not raise) ------------------------------------
+    def _make_client(self) -> paho.Client:
+        client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.session.client_id,
+                             protocol=paho.MQTTv5, reconnect_on_failure=False, manual_ack=self.session.manual_ack)
+        if self.credentials.username is not None:
+            client.username_pw_set(self.credentials.username, self.credentials.password)
+        if self.endpoint.tls:  # verifies the broker's certificate and host name
+            client.tls_set(ca_certs=str(self.credentials.ca_file) if self.credentials.ca_file else None)
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        client.on_subscribe = self._handle_subscribe
+        client.on_message = self._handle_message
+        return client
+
+    def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("MQTT broker refused %s: %s", self.session.client_id, reason_code)
+            self._dropped.set()
+            return
+        with self._lock:
+            self._generation += 1
+            if self._state is not LinkState.STOPPED:
+                self._state = LinkState.CONNECTED
+        self._accepted = True
+        log.info("connected to %s:%d as %s (session present: %s)", self.endpoint.host, self.endpoint.port,
+                 self.session.client_id, flags.session_present)
+        if self.subscriptions:
+            client.subscribe(self.subscriptions)
+        else:
+            self._ready.set()
+
+    def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        refused = [(t, str(rc)) for (t, _), rc in zip(self.subscriptions, reason_codes) if rc.is_failure]
+        if refused:
+            log.error("broker refused subscriptions: %s", refused)
+        self._ready.set()
+
+    def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._ready.clear()
+        if not self._stop.is_set():
+            log.warning("disconnected from MQTT broker: %s", reason_code)
+        self._dropped.set()
+
+    def _handle_message(self, client, userdata, message) -> None:
+        props = getattr(message, "properties", None)
+        msg = Inbound(topic=message.topic, payload=bytes(message.payload), qos=message.qos, mid=message.mid,
+                      retain=bool(message.retain), generation=self._generation,
+                      response_topic=getattr(props, "ResponseTopic", None),
+                      correlation_data=getattr(props, "CorrelationData", None))
+        try:
+            self._on_message(msg)
+        except Exception:  # a bug in the handler must not kill the network thread
+            log.exception("message handler failed on %s", message.topic)

@@ -1,0 +1,189 @@
+"""Read-only questions about the fleet database; every function returns a list of plain row dicts.
+
+The database is opened read-only (SQLite `mode=ro`), so a query can never change what the consumer wrote.
+Percentiles are computed here, over the raw per-request figures, with linear interpolation between ranks.
+Decode speed percentiles leave out requests with fewer than 2 completion tokens (their
+decode_tokens_per_s is 0 by definition, see agent.wire.RequestFigures). Times are the devices' clocks.
+
+    db = open_readonly("fleet.db"); rows = tps(db, since_s=24 * 3600, by="model")
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sqlite3
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import sqlite_utils
+
+GROUPINGS = ("device", "model", "version", "hour")
+_GROUP_SQL = {  # the SQL expression each --by groups on
+    "device": "device_id",
+    "model": "model",
+    "version": "model || '@' || version",
+    "hour": "strftime('%Y-%m-%dT%H:00Z', ts, 'unixepoch')",
+}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class QueryError(ValueError):
+    """A question the database cannot answer as asked (a user error)."""
+
+
+def open_readonly(path: Path | str) -> sqlite_utils.Database:
+    path = Path(path)
+    if not path.is_file():
+        raise QueryError(f"no fleet database at {path} (start `edge-fleet serve --db {path}` first)")
+    return sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
+
+
+def parse_duration_s(text: str) -> float:
+    """'90s', '30m', '24h', '7d', '2w' -> seconds."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise QueryError(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 24h)")
+    return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """The p-th percentile (0-100) of `values`, interpolating linearly between closest ranks."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * p / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _decode_speeds(rows: list[dict]) -> list[float]:
+    return [r["decode_tokens_per_s"] for r in rows if r["completion_tokens"] >= 2]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Request figures -> count, TTFT and decode percentiles, tokens served (completion tokens)."""
+    ttfts, speeds = [r["ttft_ms"] for r in rows], _decode_speeds(rows)
+    return {
+        "requests": len(rows),
+        "ttft_p50_ms": _round(percentile(ttfts, 50)), "ttft_p95_ms": _round(percentile(ttfts, 95)),
+        "decode_tps_p50": _round(percentile(speeds, 50)), "decode_tps_p95": _round(percentile(speeds, 95)),
+        "tokens_served": sum(r["completion_tokens"] for r in rows),
+    }
+
+
+def _requests_since(db: sqlite_utils.Database, since_ts: float, key_sql: str = "device_id", where: str = "",
+                    params: tuple = ()) -> dict[str, list[dict]]:
+    sql = (f"select {key_sql} as key, ttft_ms, decode_tokens_per_s, completion_tokens from requests "
+           f"where ts >= ? {where} order by key")
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in db.query(sql, (since_ts, *params)):
+        groups[row["key"]].append(row)
+    return groups
+
+
+# ---- the questions ----------------------------------------------------------------------------------------
+def devices(db: sqlite_utils.Database, now: float | None = None) -> list[dict]:
+    """Every known device: status, last contact, what it runs and its median decode speed over the last hour."""
+    now = time.time() if now is None else now
+    last_hour = _requests_since(db, now - 3600)
+    rows = []
+    for d in db.query("select * from devices order by id"):
+        speeds = _decode_speeds(last_hour.get(d["id"], []))
+        rows.append({
+            "id": d["id"], "online": d["status"] == "online", "status": d["status"] or "unknown",
+            "last_seen": iso(d["last_seen"]),
+            "model": f"{d['model']}@{d['version']}" if d["model"] else None, "precision": d["precision"],
+            "decode_tps_p50_1h": _round(percentile(speeds, 50)), "requests_1h": len(last_hour.get(d["id"], [])),
+        })
+    return rows
+
+
+def tps(db: sqlite_utils.Database, since_s: float, by: str = "model", now: float | None = None) -> list[dict]:
+    """Throughput and latency per device, model, model@version or UTC hour, over the last `since_s`."""
+    if by not in GROUPINGS:
+        raise QueryError(f"cannot group by {by!r}: choose one of {', '.join(GROUPINGS)}")
+    now = time.time() if now is None else now
+    groups = _requests_since(db, now - since_s, _GROUP_SQL[by])
+    return [{by: key, **summarize(rows)} for key, rows in sorted(groups.items())]
+
+
+def events(db: sqlite_utils.Database, device_id: str, since_s: float | None = None, limit: int = 100,
+           now: float | None = None) -> list[dict]:
+    """A device's events, newest first."""
+    if not db["devices"].count_where("id = ?", [device_id]):
+        raise QueryError(f"unknown device {device_id!r} (see `edge-fleet devices`)")
+    since_ts = 0.0 if since_s is None else (time.time() if now is None else now) - since_s
+    rows = db.query("select ts, boot_id, seq, kind, detail from events where device_id = ? and ts >= ? "
+                    "order by ts desc, seq desc limit ?", [device_id, since_ts, limit])
+    return [{"ts": iso(r["ts"]), "boot_id": r["boot_id"], "seq": r["seq"], "kind": r["kind"],
+             "detail": json.loads(r["detail"])} for r in rows]
+
+
+def _model_filter(spec: str) -> tuple[str, tuple]:
+    """'name' or 'name@version' -> an SQL condition on requests."""
+    name, _, version = spec.partition("@")
+    return ("and model = ? and version = ?", (name, version)) if version else ("and model = ?", (name,))
+
+
+def compare(db: sqlite_utils.Database, models: list[str], since_s: float, now: float | None = None) -> list[dict]:
+    """Median decode speed and TTFT of two or more models side by side, on each device that ran all of them."""
+    if len(models) < 2:
+        raise QueryError("compare needs at least two --model (name or name@version)")
+    now = time.time() if now is None else now
+    per_model = {m: _requests_since(db, now - since_s, "device_id", *_model_filter(m)) for m in models}
+    missing = [m for m, groups in per_model.items() if not groups]
+    if missing:
+        known = [r["m"] for r in db.query("select distinct model || '@' || version as m from requests order by m")]
+        raise QueryError(f"no requests for {', '.join(missing)} in that window; known: {', '.join(known) or 'none'}")
+    common = sorted(set.intersection(*(set(groups) for groups in per_model.values())))
+    return [_compare_row(device, {m: per_model[m][device] for m in models}) for device in common]
+
+
+def _compare_row(device_id: str, by_model: dict[str, list[dict]]) -> dict:
+    summaries = {m: summarize(rows) for m, rows in by_model.items()}
+    row: dict = {"device": device_id}
+    for m, s in summaries.items():
+        row |= {f"{m} requests": s["requests"], f"{m} decode_tps_p50": s["decode_tps_p50"],
+                f"{m} ttft_p50_ms": s["ttft_p50_ms"]}
+    models = list(summaries)
+    first, last = summaries[models[0]]["decode_tps_p50"], summaries[models[-1]]["decode_tps_p50"]
+    row["decode_ratio"] = _round(last / first, 3) if first and last else None  # last model / first model
+    return row
+
+
+def timeseries(db: sqlite_utils.Database, since_s: float, buckets: int = 60, now: float | None = None) -> list[dict]:
+    """Median decode speed and TTFT per (model@version, device, time bucket), for charts; t is the bucket's
+    start in seconds since the epoch."""
+    now = time.time() if now is None else now
+    bucket_s = max(60, math.ceil(since_s / buckets / 60) * 60)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in db.query("select model || '@' || version as model, device_id, cast(ts / ? as integer) as bucket, "
+                      "ttft_ms, decode_tokens_per_s, completion_tokens from requests where ts >= ?",
+                      [bucket_s, now - since_s]):
+        groups[(r["model"], r["device_id"], r["bucket"] * bucket_s)].append(r)
+    return [{"model": model, "device": device_id, "t": t, **_series_point(rows)}
+            for (model, device_id, t), rows in sorted(groups.items())]
+
+
+def _series_point(rows: list[dict]) -> dict:
+    s = summarize(rows)
+    return {"requests": s["requests"], "decode_tps_p50": s["decode_tps_p50"], "ttft_p50_ms": s["ttft_p50_ms"]}
+
+
+def rejected(db: sqlite_utils.Database) -> list[dict]:
+    """Bad messages per device and reason."""
+    return [{"device": r["device_id"], "reason": r["reason"], "count": r["count"], "first": iso(r["first_ts"]),
+             "last": iso(r["last_ts"])}
+            for r in db.query("select * from rejected order by count desc, device_id, reason")]

@@ -1,0 +1,257 @@
+"""The fleet database: device registry, telemetry and rejected-message counts in one SQLite file.
+
+Schema changes only through the ordered, named MIGRATIONS below (never edit one that has shipped). Writes
+come in `Ingest` batches, each committed in one IMMEDIATE transaction; telemetry rows are keyed by
+(device_id, boot_id, seq) and inserted with INSERT OR IGNORE, so a batch the broker or a device sends
+twice is stored once. WAL mode lets `edge-fleet` queries read while the consumer writes, and lets several
+consumer replicas share the file (writers queue on the busy timeout).
+
+Read it with docs/fleet.md's schema: `sqlite-utils query fleet.db "select ..."`.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import sqlite_utils
+
+from agent.wire import DeviceState, TelemetryRecord
+
+BUSY_TIMEOUT_S = 30.0  # replicas sharing one file wait this long for the write lock before failing a commit
+
+# ---- migrations -------------------------------------------------------------------------------------------
+KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
+PRIMARY_KEY = ("device_id", "boot_id", "seq")
+
+# RequestFigures fields stored as request columns (tests check that every field of the wire model is here)
+REQUEST_FIGURES_COLUMNS = {
+    "prompt_tokens": int, "completion_tokens": int, "cached_prompt_tokens": int, "queue_ms": float,
+    "ttft_ms": float, "prefill_tokens_per_s": float, "decode_tokens_per_s": float, "itl_p50_ms": float,
+    "itl_p95_ms": float, "e2e_ms": float, "kv_bytes": int, "finish_reason": str, "preemptions": int,
+    "drafted_tokens": int, "accepted_tokens": int,
+}
+SAMPLE_COLUMNS = {
+    "interval_s": float, "rss_mb": float, "cpu_percent": float, "kv_utilization": float, "queue_depth": int,
+    "running": int, "tokens_per_s": float,
+}
+
+
+def _create_devices(db: sqlite_utils.Database) -> None:
+    db["devices"].create({
+        "id": str, "status": str, "connection": int, "state_ts": float, "first_seen": float, "last_seen": float,
+        "boot_id": str, "model": str, "version": str, "precision": str, "hardware": str, "agent_version": str,
+    }, pk="id")
+
+
+def _create_telemetry(db: sqlite_utils.Database) -> None:
+    db["requests"].create({**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS}, pk=PRIMARY_KEY)
+    db["requests"].create_index(["ts"])
+    db["requests"].create_index(["model", "version", "ts"])
+    db["requests"].create_index(["device_id", "ts"])
+    db["samples"].create({**KEY, **SAMPLE_COLUMNS}, pk=PRIMARY_KEY)
+    db["samples"].create_index(["device_id", "ts"])
+    db["events"].create({**KEY, "kind": str, "detail": str}, pk=PRIMARY_KEY)
+    db["events"].create_index(["device_id", "ts"])
+
+
+def _create_rejected(db: sqlite_utils.Database) -> None:
+    db["rejected"].create({"device_id": str, "reason": str, "count": int, "first_ts": float, "last_ts": float},
+                          pk=("device_id", "reason"))
+
+
+MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
+    ("0001_devices", _create_devices),
+    ("0002_telemetry", _create_telemetry),
+    ("0003_rejected", _create_rejected),
+)
+
+
+# ---- what one commit writes --------------------------------------------------------------------------------
+@dataclass
+class Ingest:
+    """Everything gathered from up to ~50 ms of messages, written by one `FleetStore.commit`."""
+
+    records: list[tuple[str, TelemetryRecord]] = field(default_factory=list)  # (device_id, record)
+    states: list[DeviceState] = field(default_factory=list)
+    seen: dict[str, float] = field(default_factory=dict)  # device -> latest contact, s since the epoch
+    rejected: Counter = field(default_factory=Counter)  # (device_id, reason) -> messages
+
+    def add_records(self, device_id: str, records: list[TelemetryRecord], seen_at: float) -> None:
+        self.records.extend((device_id, r) for r in records)
+        self.mark_seen(device_id, seen_at)
+
+    def add_state(self, state: DeviceState, seen_at: float) -> None:
+        self.states.append(state)
+        self.mark_seen(state.device_id, seen_at)
+
+    def mark_seen(self, device_id: str, seen_at: float) -> None:
+        self.seen[device_id] = max(seen_at, self.seen.get(device_id, 0.0))
+
+    def reject(self, device_id: str, reason: str) -> None:
+        self.rejected[(device_id, reason)] += 1
+
+    @property
+    def num_records(self) -> int:
+        return len(self.records)
+
+
+@dataclass(frozen=True)
+class Committed:
+    inserted: int  # telemetry rows new to the database
+    duplicates: int  # telemetry rows already there (replays), dropped
+    rejected: int  # bad messages counted
+    states_applied: int  # device states that changed the registry (late Wills are not)
+
+
+ENDED = ("offline", "stopped")  # a connection ends with its Will (offline) or a clean stop
+
+
+def is_newer_state(current: dict | None, state: DeviceState) -> bool:
+    """Whether `state` should replace the registry's row (`current`: its status, connection, boot_id and
+    state_ts). The connection counter grows on every connect, so a Will the broker publishes late for an
+    older connection (smaller counter) is ignored. A smaller counter from another boot that is also newer
+    by the clock means the device lost its counter (re-imaged), so it wins. Within one connection, once it
+    has ended no replayed birth reopens it (two replicas may apply the same messages in either order)."""
+    if current is None or current["connection"] is None:
+        return True
+    if state.connection > current["connection"]:
+        return True
+    if state.connection < current["connection"]:
+        return state.boot_id != current["boot_id"] and state.ts > (current["state_ts"] or 0.0)
+    return not (current["status"] in ENDED and state.status == "online")
+
+
+# ---- rows ---------------------------------------------------------------------------------------------------
+def _key(device_id: str, r: TelemetryRecord) -> tuple:
+    return device_id, r.boot_id, r.seq, r.ts
+
+
+def request_row(device_id: str, r: TelemetryRecord) -> tuple:
+    figures = r.request.figures
+    return (*_key(device_id, r), r.request.model, r.request.version,
+            *(getattr(figures, c) for c in REQUEST_FIGURES_COLUMNS))
+
+
+def sample_row(device_id: str, r: TelemetryRecord) -> tuple:
+    return (*_key(device_id, r), *(getattr(r.sample, c) for c in SAMPLE_COLUMNS))
+
+
+def event_row(device_id: str, r: TelemetryRecord) -> tuple:
+    return (*_key(device_id, r), r.event.kind, json.dumps(r.event.detail, sort_keys=True))
+
+
+def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
+    # INSERT OR IGNORE: a (device_id, boot_id, seq) already stored is a replay and is dropped
+    return f"insert or ignore into {table} ({', '.join(columns)}) values ({', '.join('?' * len(columns))})"
+
+
+# record kind -> (insert statement, row builder). The hot path uses executemany with these fixed statements:
+# sqlite-utils' insert_all inspects every value of every row, which made it 5x slower than validation.
+ROW_WRITERS = {
+    "request": (_insert_sql("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)), request_row),
+    "sample": (_insert_sql("samples", (*KEY, *SAMPLE_COLUMNS)), sample_row),
+    "event": (_insert_sql("events", (*KEY, "kind", "detail")), event_row),
+}
+
+
+def state_row(state: DeviceState) -> dict:
+    return {"id": state.device_id, "status": state.status, "connection": state.connection, "state_ts": state.ts,
+            "boot_id": state.boot_id, "model": state.model, "version": state.version, "precision": state.precision,
+            "hardware": state.hardware.model_dump_json() if state.hardware else None,
+            "agent_version": state.agent_version}
+
+
+# ---- the store ---------------------------------------------------------------------------------------------
+def connect(path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite_utils.Database:
+    conn = sqlite3.connect(str(path), timeout=busy_timeout_s, check_same_thread=False)
+    return sqlite_utils.Database(conn)
+
+
+class FleetStore:
+    """Owned by one thread at a time (the consumer's writer)."""
+
+    def __init__(self, path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S):
+        self.path = Path(path)
+        self.db = connect(self.path, busy_timeout_s)
+        self.db.enable_wal()
+        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        self.migrate()
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE takes the write lock up front, so two replicas never deadlock upgrading a read."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.rollback()
+            raise
+        self.db.execute("COMMIT")
+
+    def migrate(self) -> list[str]:
+        """Apply the migrations this file has not seen, in order, each in its own transaction."""
+        applied = []
+        for name, step in MIGRATIONS:
+            with self._transaction():
+                self.db["_migrations"].create({"name": str, "applied_at": float}, pk="name", if_not_exists=True)
+                if self.db["_migrations"].count_where("name = ?", [name]):
+                    continue
+                step(self.db)
+                self.db["_migrations"].insert({"name": name, "applied_at": time.time()})
+                applied.append(name)
+        return applied
+
+    def applied_migrations(self) -> list[str]:
+        return [r["name"] for r in self.db.query("select name from _migrations order by name")]
+
+    def commit(self, ingest: Ingest) -> Committed:
+        """Write one batch in one transaction: telemetry (replays dropped), device states, last-seen times
+        and rejected counts."""
+        with self._transaction():
+            before = self.db.conn.total_changes
+            self._insert_records(ingest.records)
+            inserted = self.db.conn.total_changes - before
+            states_applied = sum(self._apply_state(s) for s in ingest.states)
+            self._mark_seen(ingest.seen)
+            self._count_rejected(ingest.rejected)
+        return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
+                         rejected=sum(ingest.rejected.values()), states_applied=states_applied)
+
+    def _insert_records(self, records: list[tuple[str, TelemetryRecord]]) -> None:
+        rows: dict[str, list[tuple]] = {kind: [] for kind in ROW_WRITERS}
+        for device_id, record in records:
+            rows[record.kind].append(ROW_WRITERS[record.kind][1](device_id, record))
+        for kind, kind_rows in rows.items():
+            if kind_rows:
+                self.db.conn.executemany(ROW_WRITERS[kind][0], kind_rows)
+
+    def _apply_state(self, state: DeviceState) -> bool:
+        current = next(self.db.query("select status, connection, boot_id, state_ts from devices where id = ?",
+                                     [state.device_id]), None)
+        if not is_newer_state(current, state):
+            return False
+        self.db["devices"].upsert(state_row(state), pk="id")
+        return True
+
+    def _mark_seen(self, seen: dict[str, float]) -> None:
+        self.db.conn.executemany(
+            "insert into devices (id, first_seen, last_seen) values (?, ?, ?) on conflict(id) do update set "
+            "last_seen = max(coalesce(last_seen, 0), excluded.last_seen), "
+            "first_seen = coalesce(first_seen, excluded.first_seen)",
+            [(device_id, ts, ts) for device_id, ts in seen.items()])
+
+    def _count_rejected(self, rejected: Counter) -> None:
+        now = time.time()
+        self.db.conn.executemany(
+            "insert into rejected (device_id, reason, count, first_ts, last_ts) values (?, ?, ?, ?, ?) "
+            "on conflict(device_id, reason) do update set count = count + excluded.count, last_ts = excluded.last_ts",
+            [(device_id, reason, n, now, now) for (device_id, reason), n in rejected.items()])

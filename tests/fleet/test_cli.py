@@ -1,0 +1,140 @@
+"""edge-fleet commands: tables and --json, one-line user errors, the HTML report in headless Chromium, and
+command round trips with simulated devices."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from agent.wire import DeviceState
+from fleet_support import REPO, wait_until
+from fleet.cli import cli
+from fleet.store import FleetStore, Ingest, connect
+from simdevice import event_record, request_record
+
+
+@pytest.fixture
+def filled_db(tmp_path):
+    """Four devices over the last 6 hours: two ran both smollm2 versions, one ran one, one is offline."""
+    path = tmp_path / "fleet.db"
+    store = FleetStore(path)
+    rng, now = random.Random(7), time.time()
+    ingest = Ingest()
+    for n, device_id in enumerate(["dev-1", "dev-2", "dev-3", "dev-4"]):
+        versions = ["int4-a1", "int8-b2"] if n < 2 else ["int4-a1"]
+        records = [request_record("boot", seq, now - 6 * 3600 + seq * 60, rng, "smollm2", versions[seq % len(versions)])
+                   for seq in range(1, 360)]
+        records.append(event_record("boot", 1000, now - 60, "model_change", to="int8-b2"))
+        ingest.add_records(device_id, records, now)
+        ingest.add_state(DeviceState(device_id=device_id, status="offline" if n == 3 else "online", connection=1,
+                                     boot_id="boot", ts=now, model="smollm2", version=versions[-1],
+                                     precision="int4"), now)
+    ingest.reject("dev-9", "schema")
+    store.commit(ingest)
+    store.close()
+    return path
+
+
+def run(*args, ok: bool = True):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert (result.exit_code == 0) is ok, result.output
+    return result
+
+
+def run_main(*args) -> subprocess.CompletedProcess:
+    """The real entry point, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "fleet.cli", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_devices_table_and_json(filled_db):
+    table = run("devices", "--db", filled_db).output
+    assert re.search(r"dev-1\s+yes\s+online", table) and re.search(r"dev-4\s+no\s+offline", table)
+    rows = json.loads(run("devices", "--db", filled_db, "--json").output)
+    assert [r["id"] for r in rows] == ["dev-1", "dev-2", "dev-3", "dev-4"]
+    assert rows[0]["model"] == "smollm2@int8-b2" and rows[0]["decode_tps_p50_1h"] > 0
+
+
+def test_tps_compare_events_rejected(filled_db):
+    by_version = json.loads(run("tps", "--since", "24h", "--by", "version", "--db", filled_db, "--json").output)
+    assert {r["version"] for r in by_version} == {"smollm2@int4-a1", "smollm2@int8-b2"}
+    assert sum(r["requests"] for r in by_version) == 4 * 359
+    assert "ttft_p95_ms" in run("tps", "--by", "hour", "--db", filled_db).output
+    compared = json.loads(run("compare", "--model", "smollm2@int4-a1", "--model", "smollm2@int8-b2",
+                              "--db", filled_db, "--json").output)
+    assert [r["device"] for r in compared] == ["dev-1", "dev-2"]
+    assert "smollm2@int8-b2 decode_tps_p50" in compared[0]
+    events = json.loads(run("events", "dev-1", "--db", filled_db, "--json").output)
+    assert events[0]["kind"] == "model_change" and events[0]["detail"] == {"to": "int8-b2"}
+    assert "dev-9" in run("rejected", "--db", filled_db).output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["devices", "--db", "missing.db"], "no fleet database at missing.db"),
+    (["tps", "--since", "1y"], "bad duration '1y'"),
+    (["events", "dev-404"], "unknown device 'dev-404'"),
+    (["compare", "--model", "smollm2"], "at least two"),
+    (["serve", "--mqtt", "http://localhost"], "bad broker URL"),
+    (["cmd", "dev-1", "reboot", "--mqtt", "mqtt://127.0.0.1:1"], "unknown command 'reboot'"),
+])
+def test_user_errors_are_one_line(filled_db, args, message):
+    if "--db" not in args and args[0] != "serve":
+        args = [*args, "--db", filled_db]
+    result = run_main(*args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_report_renders_in_headless_chromium(filled_db, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is not installed (apt-get install chromium)"
+    out = tmp_path / "report.html"
+    assert "2 models, 4 devices" in run("report", "--out", out, "--since", "24h", "--db", filled_db).output
+    html = out.read_text()
+    assert not re.search(r"(src|href)\s*=", html), "the report must not load anything"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'chromium'}"]
+    dom = subprocess.run([chromium, *flags, "--dump-dom", out.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert dom.count("<svg") == 4  # tokens/s and TTFT for each of the two versions
+    # int4-a1: dev-1..dev-4 and the all-devices median on each chart; int8-b2: dev-1, dev-2 and the median
+    assert dom.count("<polyline") == 2 * 5 + 2 * 3
+    assert "smollm2@int8-b2: Decode tokens/s (median)" in dom and "Time to first token" in dom
+    screenshot = tmp_path / "report.png"
+    subprocess.run([chromium, *flags, f"--screenshot={screenshot}", "--window-size=1000,1400", out.as_uri()],
+                   capture_output=True, timeout=120)
+    assert screenshot.stat().st_size > 20_000  # rendered charts, not a blank page
+
+
+def test_cmd_round_trips(broker, consumers, devices, fleet_db):
+    consumers()
+    answering = devices("dev-a")
+    devices("dev-mute", answer_commands=False)
+    gone = devices("dev-gone")
+    gone.stop()
+    wait_until(lambda: connect(fleet_db).execute("select count(*) from devices where status is not null")
+               .fetchone()[0] == 3 and connect(fleet_db)["devices"].get("dev-gone")["status"] == "stopped")
+    mqtt = ["--mqtt", broker.url]
+
+    pong = json.loads(run("cmd", "dev-a", "ping", *mqtt).output)
+    assert pong == {"pong": True, "boot_id": answering.boot_id}
+    assert json.loads(run("cmd", "dev-a", "set-config", "max_batch=8", "label=lab", *mqtt).output)["max_batch"] == 8
+    assert json.loads(run("cmd", "dev-a", "get-config", *mqtt).output) == {"max_batch": 8, "label": "lab"}
+    assert answering.config == {"max_batch": 8, "label": "lab"}
+
+    fan_out = run("cmd", "--all", "ping", "--timeout", "1", "--db", fleet_db, "--json", *mqtt, ok=False)
+    rows = {r["device"]: r for r in json.loads(fan_out.output)}
+    assert rows["dev-a"]["ok"] and rows["dev-a"]["latency_ms"] < 1000
+    assert rows["dev-mute"]["error"] == "no response within 1 s"
+    assert rows["dev-gone"]["error"] == "offline (not sent)"
+    table = run("cmd", "--group", "dev-a*", "ping", "--db", fleet_db, *mqtt).output
+    assert re.search(r"dev-a\s+yes", table) and "dev-mute" not in table
+    failed = run("cmd", "dev-a", "benchmark", *mqtt, ok=False)  # the simulator does not implement it
+    assert "unknown command 'benchmark'" in failed.output

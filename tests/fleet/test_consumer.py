@@ -1,0 +1,196 @@
+"""The consumer against a real Mosquitto and simulated devices: exactly-once storage through a broker restart,
+acknowledgement only after commit, garbage counted and dropped, the device registry from state and Wills,
+replicas on a shared subscription."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import paho.mqtt.client as paho
+
+from agent.wire import MAX_PAYLOAD_BYTES, TelemetryBatch, topic
+from fleet_support import wait_until
+from fleet.store import FleetStore, connect
+from simdevice import event_record, request_record
+
+
+def stored_keys(db_path) -> set[tuple]:
+    db = connect(db_path)
+    return {tuple(r) for t in ("requests", "samples", "events")
+            for r in db.execute(f"select device_id, boot_id, seq from {t}").fetchall()}
+
+
+def stored_count(db_path) -> int:
+    db = connect(db_path)
+    return sum(db.execute(f"select count(*) from {t}").fetchone()[0] for t in ("requests", "samples", "events"))
+
+
+def produced_keys(*devices) -> set[tuple]:
+    return {(d.device_id, r.boot_id, r.seq) for d in devices for r in d.produced}
+
+
+def raw_client(broker) -> paho.Client:
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    return client
+
+
+def publish(client, topic_, payload, retain=False):
+    client.publish(topic_, payload, qos=1, retain=retain).wait_for_publish(5)
+
+
+def test_two_devices_through_a_broker_restart_store_exactly_their_records(broker, consumers, devices, fleet_db):
+    consumer = consumers()
+    a, b = devices("dev-a", seed=1), devices("dev-b", seed=2)
+    for _ in range(20):
+        a.emit(5)
+        b.emit(3)
+        time.sleep(0.01)
+    acked_before_restart = a.produced[-5:]
+    broker.restart(down_s=1.0)
+    for device in (a, b):
+        wait_until(lambda: device.connects >= 2, message=f"{device.device_id} to reconnect")
+    a.send(acked_before_restart)  # a replay, as after a device crash between PUBACK and marking them sent
+    for _ in range(20):
+        a.emit(5)
+        b.emit(3)
+        time.sleep(0.01)
+    wait_until(lambda: a.unacked == 0 and b.unacked == 0, message="devices' outboxes to drain")
+    expected = produced_keys(a, b)
+    assert len(expected) == 20 * 8 * 2
+    wait_until(lambda: stored_keys(fleet_db) == expected, message="every record stored")
+    assert stored_count(fleet_db) == len(expected)
+    wait_until(lambda: consumer.stats.duplicates >= 5, message="the replay to be seen and dropped")
+    first = a.produced[0]
+    db = connect(fleet_db)
+    assert db.execute("select ttft_ms from requests where device_id='dev-a' and seq=?",
+                      [first.seq]).fetchone()[0] == first.request.figures.ttft_ms
+
+
+class BlockingStore(FleetStore):
+    """The real store whose commits wait for a signal: a consumer 'crashing' before it commits."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def commit(self, ingest):
+        self.entered.set()
+        self.release.wait()
+        return super().commit(ingest)
+
+
+def test_a_message_is_acked_only_after_its_commit(broker, consumers, devices, fleet_db, tmp_path):
+    blocked = BlockingStore(tmp_path / "crashed.db")
+    stuck = consumers(client_id="fleet-1", store=blocked)
+    device = devices("dev-a")
+    device.emit(4)
+    assert blocked.entered.wait(10)
+    stuck.link.stop()  # the connection goes away before the commit: no PUBACK was sent
+    survivor = consumers(client_id="fleet-1")  # same session: the broker resends what was never acked
+    wait_until(lambda: stored_keys(fleet_db) == produced_keys(device), message="redelivery after reconnect")
+    blocked.release.set()  # the old commit finishes; its ack belongs to a dead connection and is not sent
+    wait_until(lambda: stuck.stats.commits == 1)
+    assert stuck.stats.acks_deferred >= 1 and survivor.stats.inserted == 4
+
+
+def test_garbage_is_counted_and_dropped_and_ingestion_goes_on(broker, consumers, devices, fleet_db):
+    consumers(client_id="fleet-1")
+    good = devices("dev-good")
+    raw = raw_client(broker)
+    records = [request_record("boot-x", seq, time.time(), random.Random(seq)) for seq in (1, 2)]
+    valid = json.loads(TelemetryBatch(device_id="dev-x", records=records).model_dump_json())
+    bad_type = json.loads(json.dumps(valid))
+    bad_type["records"][0]["seq"] = "not a number"
+    extra = json.loads(json.dumps(valid))
+    extra["records"][0]["sneaky"] = 1
+    wrong_body = json.loads(json.dumps(valid))
+    wrong_body["records"][0]["kind"] = "sample"  # says sample, carries a request
+    garbage = [
+        (topic("dev-x", "tele"), b"\x00\xffnot json", "invalid_json"),
+        (topic("dev-x", "tele"), b'{"hello": "world"}', "schema"),
+        (topic("dev-x", "tele"), json.dumps(bad_type).encode(), "schema"),
+        (topic("dev-x", "tele"), json.dumps(extra).encode(), "schema"),
+        (topic("dev-x", "tele"), json.dumps(wrong_body).encode(), "schema"),
+        (topic("dev-x", "tele"), json.dumps({"device_id": "dev-x", "records": []}).encode(), "schema"),
+        (topic("dev-x", "tele"), b"[" * (MAX_PAYLOAD_BYTES + 1), "too_large"),
+        (topic("dev-y", "tele"), json.dumps(valid).encode(), "device_mismatch"),  # dev-x's batch on dev-y's topic
+        (topic("dev-x", "evt", "error"), json.dumps(valid).encode(), "event_mismatch"),  # requests on evt/error
+        (topic("dev-x", "state"), b'{"device_id": "dev-x", "status": "sleeping"}', "schema"),
+        (topic("dev-z", "state"), good.state("online").model_dump_json().encode(), "device_mismatch"),
+    ]
+    for t, payload, _ in garbage:
+        publish(raw, t, payload)
+    good.emit(3)
+    event = event_record(good.boot_id, 1000, time.time(), "error", message="boom")
+    good.send([event], subtopic=("evt", "error"))
+    expected = {}
+    for t, _, reason in garbage:
+        key = (t.split("/")[2], reason)
+        expected[key] = expected.get(key, 0) + 1
+    db = connect(fleet_db)
+    wait_until(lambda: {(r["device_id"], r["reason"]): r["count"] for r in db["rejected"].rows} == expected,
+               message="every bad message counted")
+    wait_until(lambda: stored_keys(fleet_db) == produced_keys(good) | {("dev-good", good.boot_id, 1000)})
+    assert not db.execute("select 1 from devices where id in ('dev-x', 'dev-y', 'dev-z')").fetchall()
+    raw.loop_stop()
+
+
+def test_rejected_messages_are_acked_so_never_recounted(broker, consumers, fleet_db):
+    first = consumers(client_id="fleet-1")
+    raw = raw_client(broker)
+    for _ in range(3):
+        publish(raw, topic("dev-x", "tele"), b"garbage")
+    wait_until(lambda: first.stats.rejected == 3)
+    first.stop()
+    second = consumers(client_id="fleet-1")  # the same session: anything unacked would come again
+    time.sleep(1.0)
+    assert second.stats.rejected == 0
+    assert connect(fleet_db)["rejected"].get(("dev-x", "invalid_json"))["count"] == 3
+    raw.loop_stop()
+
+
+def test_registry_follows_state_wills_and_ignores_late_wills(broker, consumers, devices, fleet_db):
+    consumers()
+    db = connect(fleet_db)
+    device_row = lambda d: db["devices"].get(d)  # noqa: E731
+    lost = devices("dev-lost")
+    wait_until(lambda: db["devices"].count_where("id = 'dev-lost' and status = 'online'") == 1)
+    row = device_row("dev-lost")
+    assert (row["model"], row["version"], json.loads(row["hardware"])["cores"]) == ("smollm2", "int4-a1", 4)
+    lost.kill()  # no DISCONNECT: the broker publishes its Will after the keepalive runs out
+    wait_until(lambda: device_row("dev-lost")["status"] == "offline", timeout_s=60, message="the Will")
+
+    newer = devices("dev-new", connection=5)
+    raw = raw_client(broker)
+    older_will = newer.state("offline").model_copy(update={"connection": 4})
+    publish(raw, topic("dev-new", "state"), older_will.model_dump_json(), retain=True)
+    newer.emit(1)
+    wait_until(lambda: stored_count(fleet_db) == 1)
+    assert (device_row("dev-new")["status"], device_row("dev-new")["connection"]) == ("online", 5)
+    newer.stop()
+    wait_until(lambda: device_row("dev-new")["status"] == "stopped")
+    raw.loop_stop()
+
+
+def test_two_replicas_on_a_shared_subscription_store_everything_exactly_once(broker, serve_processes, devices,
+                                                                            fleet_db):
+    replicas = [serve_processes(broker.url, fleet_db, f"fleet-{k}", shared_group="fleet") for k in range(2)]
+    fleet = [devices(f"dev-{i:02d}", seed=i) for i in range(10)]
+    for _ in range(30):
+        for device in fleet:
+            device.emit(4)
+        time.sleep(0.02)
+    wait_until(lambda: all(d.unacked == 0 for d in fleet))
+    expected = produced_keys(*fleet)
+    wait_until(lambda: stored_keys(fleet_db) == expected, message="every record stored")
+    summaries = [r.stop() for r in replicas]
+    stored_by = [int(s.split("stored ")[1].split()[0]) for s in summaries]
+    assert all(n > 0 for n in stored_by), summaries  # both replicas took a share
+    assert sum(stored_by) == len(expected) == stored_count(fleet_db)  # ... and no record was stored twice
+    devices_seen = connect(fleet_db).execute("select count(*) from devices where status = 'online'").fetchone()[0]
+    assert devices_seen == 10

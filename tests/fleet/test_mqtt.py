@@ -1,0 +1,71 @@
+"""The MQTT link's pure parts (URLs, backoff, subscriptions) and its reconnect loop against a real broker."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleet_support import wait_until
+from fleet.consumer import subscriptions
+from fleet.mqtt import BACKOFF_CAP_S, Credentials, Endpoint, Link, LinkError, LinkState, Session, backoff_s, parse_url
+
+
+@pytest.mark.parametrize("url, endpoint", [("mqtt://broker.lan:1884", Endpoint("broker.lan", 1884)),
+                                           ("mqtt://10.0.0.2", Endpoint("10.0.0.2", 1883)),
+                                           ("mqtts://broker.lan", Endpoint("broker.lan", 8883, tls=True))])
+def test_urls(url, endpoint):
+    assert parse_url(url) == endpoint
+
+
+@pytest.mark.parametrize("url", ["http://broker", "broker:1883", "mqtt://", "mqtt://h:notaport", "mqtt://h/x"])
+def test_bad_urls(url):
+    with pytest.raises(LinkError, match="bad broker URL"):
+        parse_url(url)
+
+
+def test_credentials(tmp_path):
+    (tmp_path / "pw").write_text("s3cret\n")
+    assert Credentials.from_files("_fleet", tmp_path / "pw", None) == Credentials("_fleet", "s3cret")
+    assert "s3cret" not in repr(Credentials("_fleet", "s3cret"))
+    with pytest.raises(LinkError, match="needs a user name"):
+        Credentials.from_files(None, tmp_path / "pw", None)
+    with pytest.raises(LinkError, match="needs an mqtts://"):
+        Link("mqtt://h", Session("x"), [], print, Credentials(ca_file=tmp_path / "ca.crt"))
+
+
+@given(st.integers(0, 1000), st.integers(0, 2**32))
+def test_backoff_is_jittered_capped_and_never_zero(attempt, seed):
+    delay = backoff_s(attempt, random.Random(seed))
+    ceiling = min(BACKOFF_CAP_S, 0.5 * 2 ** min(attempt, 30))
+    assert ceiling / 2 <= delay <= ceiling
+
+
+def test_backoff_spreads_replicas():
+    delays = {round(backoff_s(5, random.Random(seed)), 3) for seed in range(20)}
+    assert len(delays) > 15
+
+
+def test_subscriptions():
+    assert subscriptions() == [("edge/v1/+/state", 1), ("edge/v1/+/tele", 1), ("edge/v1/+/evt/+", 1)]
+    assert subscriptions("g") == [("edge/v1/+/state", 1), ("$share/g/edge/v1/+/tele", 1),
+                                  ("$share/g/edge/v1/+/evt/+", 1)]
+
+
+def test_link_reconnects_after_the_broker_comes_back(broker):
+    received = []
+    link = Link(broker.url, Session("link-test"), [("t/#", 1)], received.append).start()
+    try:
+        assert link.wait_ready(10)
+        broker.stop()
+        wait_until(lambda: link.state in (LinkState.BACKOFF, LinkState.CONNECTING), message="the drop")
+        assert not link.wait_ready(1.0)
+        broker.start()
+        assert link.wait_ready(15) and link.generation == 2 and link.state is LinkState.CONNECTED
+        assert link.publish("t/x", b"hello")
+        wait_until(lambda: [m.payload for m in received] == [b"hello"])
+        assert link.ack(received[0])
+    finally:
+        link.stop()
+    assert link.state is LinkState.STOPPED

@@ -1,0 +1,137 @@
+"""Read-only queries over a database with known figures: percentiles, groupings, comparisons, time series."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.wire import (DeviceState, RequestFigures, RequestRecord, TelemetryRecord)
+from fleet import queries
+from fleet.queries import QueryError
+from fleet.store import FleetStore, Ingest
+from simdevice import event_record
+
+NOW = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+
+
+def request(seq: int, ts: float, model: str, version: str, decode: float, ttft: float, completion: int = 50):
+    figures = RequestFigures(prompt_tokens=10, completion_tokens=completion, queue_ms=1, ttft_ms=ttft,
+                             prefill_tokens_per_s=500, decode_tokens_per_s=decode if completion >= 2 else 0.0,
+                             itl_p50_ms=1, itl_p95_ms=2, e2e_ms=100, kv_bytes=1, finish_reason="stop")
+    return TelemetryRecord(boot_id="b", seq=seq, ts=ts, kind="request",
+                           request=RequestRecord(model=model, version=version, figures=figures))
+
+
+@pytest.fixture
+def db(tmp_path):
+    """dev-1 ran m@v1 (decode 10..19 tok/s) and m@v2 (20..29); dev-2 ran only m@v1; dev-3 is offline."""
+    store = FleetStore(tmp_path / "f.db")
+    ingest = Ingest()
+    recs1 = [request(i, NOW - 600 + i, "m", "v1", 10 + i, 100 + 10 * i) for i in range(10)]
+    recs1 += [request(10 + i, NOW - 300 + i, "m", "v2", 20 + i, 50 + 5 * i) for i in range(10)]
+    recs1 += [request(20, NOW - 200, "m", "v2", 999, 1, completion=1)]  # 1 token: no decode speed
+    recs1 += [request(21, NOW - 2 * 86400, "m", "v1", 1, 1)]  # outside 24 h
+    recs1 += [event_record("b", 30, NOW - 100, "model_change", to="m@v2")]
+    ingest.add_records("dev-1", recs1, NOW)
+    ingest.add_records("dev-2", [request(i, NOW - 600 + i, "m", "v1", 30, 40) for i in range(4)], NOW - 5)
+    for device_id, status in (("dev-1", "online"), ("dev-2", "online"), ("dev-3", "offline")):
+        ingest.add_state(DeviceState(device_id=device_id, status=status, connection=1, boot_id="b", ts=NOW - 900,
+                                     model="m", version="v2", precision="int4"), NOW - 900)
+    ingest.reject("dev-9", "schema")
+    store.commit(ingest)
+    store.close()
+    return queries.open_readonly(tmp_path / "f.db")
+
+
+def test_the_database_is_opened_read_only(db):
+    with pytest.raises(Exception, match="readonly"):
+        db.execute("delete from requests")
+
+
+def test_missing_database_is_a_user_error(tmp_path):
+    with pytest.raises(QueryError, match="no fleet database"):
+        queries.open_readonly(tmp_path / "nope.db")
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
+def test_percentile_matches_numpy(values, p):
+    assert queries.percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-9, abs=1e-6)
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("24h", 86400), ("7d", 604800),
+                                           ("1.5h", 5400), ("2w", 1209600)])
+def test_durations(text, seconds):
+    assert queries.parse_duration_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "24", "h", "-1h", "1y", "one day"])
+def test_bad_durations(text):
+    with pytest.raises(QueryError, match="bad duration"):
+        queries.parse_duration_s(text)
+
+
+def test_devices(db):
+    rows = {r["id"]: r for r in queries.devices(db, now=NOW)}
+    assert rows["dev-1"]["online"] and not rows["dev-3"]["online"]
+    assert rows["dev-1"]["model"] == "m@v2" and rows["dev-1"]["precision"] == "int4"
+    assert rows["dev-1"]["requests_1h"] == 21
+    assert rows["dev-1"]["decode_tps_p50_1h"] == pytest.approx(np.median(list(range(10, 30))))
+    assert rows["dev-2"]["last_seen"] == queries.iso(NOW - 5)
+    assert rows["dev-3"]["decode_tps_p50_1h"] is None
+
+
+def test_tps_by_version(db):
+    rows = {r["version"]: r for r in queries.tps(db, 86400, "version", now=NOW)}
+    v1, v2 = rows["m@v1"], rows["m@v2"]
+    assert v1["requests"] == 14 and v2["requests"] == 11  # the 2-day-old request is outside the window
+    v1_speeds = [10 + i for i in range(10)] + [30] * 4
+    assert v1["decode_tps_p50"] == pytest.approx(np.percentile(v1_speeds, 50), abs=0.05)
+    assert v1["decode_tps_p95"] == pytest.approx(np.percentile(v1_speeds, 95), abs=0.05)
+    assert v2["decode_tps_p50"] == pytest.approx(24.5)  # the 1-token request does not count
+    assert v2["ttft_p50_ms"] == pytest.approx(np.percentile([50 + 5 * i for i in range(10)] + [1], 50), abs=0.05)
+    assert v2["tokens_served"] == 10 * 50 + 1
+
+
+def test_tps_groupings(db):
+    assert [r["device"] for r in queries.tps(db, 86400, "device", now=NOW)] == ["dev-1", "dev-2"]
+    assert [r["model"] for r in queries.tps(db, 86400, "model", now=NOW)] == ["m"]
+    hours = queries.tps(db, 86400, "hour", now=NOW)
+    assert [r["hour"] for r in hours] == ["2023-11-14T22:00Z"]  # NOW - 600 s is 22:03 UTC
+    assert sum(r["requests"] for r in hours) == 25
+    assert len(queries.tps(db, 7 * 86400, "device", now=NOW)) == 2
+    with pytest.raises(QueryError, match="cannot group by"):
+        queries.tps(db, 86400, "colour")
+
+
+def test_compare_lists_devices_that_ran_both(db):
+    rows = queries.compare(db, ["m@v1", "m@v2"], 86400, now=NOW)
+    assert [r["device"] for r in rows] == ["dev-1"]
+    row = rows[0]
+    assert row["m@v1 decode_tps_p50"] == pytest.approx(14.5) and row["m@v2 decode_tps_p50"] == pytest.approx(24.5)
+    assert row["m@v1 ttft_p50_ms"] == pytest.approx(145.0)
+    assert row["decode_ratio"] == pytest.approx(24.5 / 14.5, abs=1e-3)
+    with pytest.raises(QueryError, match="no requests for m@v9.*known: m@v1, m@v2"):
+        queries.compare(db, ["m@v1", "m@v9"], 86400, now=NOW)
+    with pytest.raises(QueryError, match="at least two"):
+        queries.compare(db, ["m@v1"], 86400, now=NOW)
+
+
+def test_events(db):
+    rows = queries.events(db, "dev-1", now=NOW)
+    assert rows == [{"ts": queries.iso(NOW - 100), "boot_id": "b", "seq": 30, "kind": "model_change",
+                     "detail": {"to": "m@v2"}}]
+    assert queries.events(db, "dev-2") == []
+    with pytest.raises(QueryError, match="unknown device 'dev-404'"):
+        queries.events(db, "dev-404")
+
+
+def test_timeseries_buckets(db):
+    rows = queries.timeseries(db, 3600, buckets=60, now=NOW)
+    assert {(r["model"], r["device"]) for r in rows} == {("m@v1", "dev-1"), ("m@v2", "dev-1"), ("m@v1", "dev-2")}
+    assert all(r["t"] % 60 == 0 for r in rows)
+    assert sum(r["requests"] for r in rows) == 25
+
+
+def test_rejected(db):
+    assert [(r["device"], r["reason"], r["count"]) for r in queries.rejected(db)] == [("dev-9", "schema", 1)]

@@ -1,0 +1,135 @@
+"""FleetStore: migrations, batched commits, replay dedupe, the device registry rules, rejected counts."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from agent.wire import DeviceState, RequestFigures
+from fleet.store import MIGRATIONS, REQUEST_FIGURES_COLUMNS, FleetStore, Ingest, is_newer_state
+from simdevice import event_record, request_record, sample_record
+
+RNG = random.Random(1)
+
+
+def records(boot: str, seqs, ts: float = 1000.0):
+    out = []
+    for seq in seqs:
+        if seq % 7 == 0:
+            out.append(event_record(boot, seq, ts + seq, "model_change", to="x"))
+        elif seq % 5 == 0:
+            out.append(sample_record(boot, seq, ts + seq, RNG))
+        else:
+            out.append(request_record(boot, seq, ts + seq, RNG))
+    return out
+
+
+def ingest_of(device_id: str, recs) -> Ingest:
+    ingest = Ingest()
+    ingest.add_records(device_id, recs, seen_at=2000.0)
+    return ingest
+
+
+def total_rows(store: FleetStore) -> int:
+    return sum(store.db[t].count for t in ("requests", "samples", "events"))
+
+
+def state(connection: int, status: str = "online", boot: str = "b1", ts: float = 100.0) -> DeviceState:
+    return DeviceState(device_id="d1", status=status, connection=connection, boot_id=boot, ts=ts, model="m",
+                       version="v1", precision="int4")
+
+
+def test_migrations_run_once_in_order(tmp_path):
+    store = FleetStore(tmp_path / "f.db")
+    assert store.applied_migrations() == [name for name, _ in MIGRATIONS]
+    assert store.db.journal_mode == "wal"
+    store.close()
+    again = FleetStore(tmp_path / "f.db")
+    assert again.migrate() == []
+
+
+def test_every_request_figure_has_a_column():
+    assert set(REQUEST_FIGURES_COLUMNS) == set(RequestFigures.model_fields)
+
+
+def test_batch_is_stored_once_and_replays_are_dropped(tmp_path):
+    store = FleetStore(tmp_path / "f.db")
+    recs = records("boot-a", range(1, 101))
+    first = store.commit(ingest_of("d1", recs))
+    assert (first.inserted, first.duplicates) == (100, 0)
+    replay = store.commit(ingest_of("d1", recs[40:60] + records("boot-a", range(101, 111))))
+    assert (replay.inserted, replay.duplicates) == (10, 20)
+    assert total_rows(store) == 110
+    other_device = store.commit(ingest_of("d2", recs[:10]))  # same boot id and seqs, another device: new rows
+    assert other_device.inserted == 10
+    row = store.db.execute("select ttft_ms, model, finish_reason from requests "
+                           "where device_id = 'd1' and seq = 1").fetchone()
+    assert row == (recs[0].request.figures.ttft_ms, "smollm2", recs[0].request.figures.finish_reason)
+    assert store.db["devices"].get("d1")["last_seen"] == 2000.0
+
+
+def test_a_failing_commit_writes_nothing(tmp_path):
+    store = FleetStore(tmp_path / "f.db")
+    good = records("boot-a", range(1, 11))
+    broken = good[0].model_copy(update={"seq": 99, "request": None})  # cannot become a row
+    ingest = ingest_of("d1", good + [broken])
+    ingest.reject("d1", "schema")
+    with pytest.raises(AttributeError):
+        store.commit(ingest)
+    assert total_rows(store) == 0 and store.db["rejected"].count == 0 and store.db["devices"].count == 0
+
+
+def test_rejections_are_counted_per_device_and_reason(tmp_path):
+    store = FleetStore(tmp_path / "f.db")
+    for _ in range(2):
+        ingest = Ingest()
+        ingest.reject("d1", "schema")
+        ingest.reject("d1", "schema")
+        ingest.reject("d2", "too_large")
+        assert store.commit(ingest).rejected == 3
+    counts = {(r["device_id"], r["reason"]): r["count"] for r in store.db["rejected"].rows}
+    assert counts == {("d1", "schema"): 4, ("d2", "too_large"): 2}
+
+
+@pytest.mark.parametrize("current, incoming, newer", [
+    (None, state(1), True),
+    (state(3), state(4), True),  # reconnect
+    (state(3), state(3, "offline"), True),  # this connection's Will
+    (state(3), state(3, "stopped"), True),  # clean stop
+    (state(4), state(3, "offline"), False),  # a late Will from the previous connection
+    (state(3, "offline"), state(3, "online"), False),  # a replayed birth cannot reopen an ended connection
+    (state(9, ts=100), state(1, boot="b2", ts=200), True),  # re-imaged: counter reset, new boot, later
+    (state(9, ts=300), state(1, boot="b0", ts=200), False),  # an old boot's late Will
+])
+def test_registry_rules(current, incoming, newer):
+    row = None if current is None else {"status": current.status, "connection": current.connection,
+                                        "boot_id": current.boot_id, "state_ts": current.ts}
+    assert is_newer_state(row, incoming) is newer
+
+
+def test_registry_keeps_the_newest_connection(tmp_path):
+    store = FleetStore(tmp_path / "f.db")
+    ingest = Ingest()
+    for s in (state(1), state(2), state(1, "offline")):
+        ingest.add_state(s, s.ts)
+    assert store.commit(ingest).states_applied == 2
+    device = store.db["devices"].get("d1")
+    assert (device["status"], device["connection"], device["model"]) == ("online", 2, "m")
+
+
+def test_two_writers_on_one_file(tmp_path):
+    """Replicas share the database: concurrent commits wait for the lock and every row lands once."""
+    stores = [FleetStore(tmp_path / "f.db") for _ in range(2)]
+    recs = records("boot-a", range(1, 2001))
+
+    def write(store, offset):
+        for i in range(offset, 2000, 100):
+            store.commit(ingest_of("d1", recs[max(0, i - 20):i + 50]))  # overlapping: both write the seams
+
+    threads = [threading.Thread(target=write, args=(s, k * 50)) for k, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert total_rows(stores[0]) == 2000
