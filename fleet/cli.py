@@ -26,7 +26,7 @@ from fleet.commands import CommandError
 from fleet.mqtt import LinkError
 from fleet.queries import QueryError
 
-USER_ERRORS = (QueryError, CommandError, LinkError, OSError, sqlite3.Error)
+USER_ERRORS = (QueryError, CommandError, LinkError, OSError, sqlite3.Error, ValueError)  # BundleError is a ValueError
 DEFAULT_DB = "fleet.db"
 
 
@@ -126,9 +126,13 @@ def cli() -> None:
                    "Every replica needs its own.")
 @click.option("--shared-group", default=None, help="Split telemetry with the other replicas of this group "
                                                    "($share/GROUP/...); state still reaches every replica.")
+@click.option("--artifacts-http", default=None, help="Serve published bundles on HOST:PORT and drive rollouts.")
+@click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
+              show_default=True, help="Where `edge-fleet publish` puts bundles (the HTTP root).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @user_errors
-def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, verbose):
+def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, artifacts_http, artifacts_dir,
+          verbose):
     """Consume device state and telemetry into the database until SIGINT/SIGTERM.
 
     Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
@@ -147,7 +151,13 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     started = time.monotonic()
-    stats = run(db_path, url, client_id, shared_group, stop, auth)
+    artifacts = None
+    if artifacts_http:
+        host, _, port = artifacts_http.rpartition(":")
+        if not host or not port.isdigit():
+            raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT")
+        artifacts = (host, int(port), artifacts_dir)
+    stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts)
     click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
                f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")
 
@@ -286,6 +296,136 @@ def _print_outcomes(rows: list[dict], fan_out: bool, as_json: bool) -> None:
         click.echo(json.dumps(rows[0]["result"], indent=2))
     else:
         click.echo(f"Error: {rows[0]['device']}: {rows[0]['error']}", err=True)
+
+
+# ---- model rollouts ---------------------------------------------------------------------------------------
+@cli.command()
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Private key file (mode 0600); the public key goes to OUT.pub.")
+@user_errors
+def keygen(out):
+    """Make an Ed25519 signing key pair for model updates.
+
+    Example: edge-fleet keygen --out keys/fleet.key
+    """
+    from fleet.signing import keygen as make
+
+    click.echo(f"wrote {out} and {out}.pub (key id {make(out)})")
+
+
+def _db(db_path: Path):
+    from fleet.store import FleetStore
+
+    store = FleetStore(db_path)  # runs migrations
+    return store
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
+              show_default=True)
+@db_option
+@user_errors
+def publish(bundle, key_path, artifacts_dir, db_path):
+    """Verify and sign a bundle's manifest and register it; prints MODEL@VERSION.
+
+    Example: edge-fleet publish bundles/smollm2-int4 --key keys/fleet.key --db fleet.db
+    """
+    from fleet.updates import publish as register
+
+    store = _db(db_path)
+    artifacts_dir.mkdir(parents=True, exist_ok=True)
+    click.echo(register(store.db, bundle, key_path, artifacts_dir))
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--to", "devices", multiple=True, help="Device id (repeatable).")
+@click.option("--group", default=None, help="Devices whose id matches this glob.")
+@click.option("--all", "to_all", is_flag=True, help="Every device in the registry.")
+@click.option("--wave-size", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
+@click.option("--allow-downgrade", is_flag=True)
+@click.option("--min-tokens-per-s", type=float, default=None, help="Health-check floor (default: 70% of current).")
+@click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero unless it SUCCEEDED.")
+@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
+@click.option("--mqtt", "url", default=None, help="Accepted for symmetry; the serving fleet process publishes.")
+@db_option
+@user_errors
+def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s, wait,
+           timeout_s, url, db_path):
+    """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running).
+
+    Example: edge-fleet deploy smollm2-135m-instruct@int4-b64a-1a2b3c4d --all --wave-size 2 --wait
+    """
+    from fleet.updates import create_job, job_rows, wait_for_job
+
+    store = _db(db_path)
+    chosen = _devices(store.db, devices, group, to_all)
+    job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s)
+    click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {wave_size}")
+    if not wait:
+        return
+    state = wait_for_job(db_path, job_id, timeout_s)
+    echo_rows(job_rows(store.db, job_id), False)
+    click.echo(f"job {job_id}: {state}")
+    if state != "SUCCEEDED":
+        sys.exit(1)
+
+
+def _devices(db, devices, group, to_all) -> list[str]:
+    import fnmatch
+
+    known = [r["id"] for r in db.query("select id from devices order by id")]
+    if to_all:
+        return known
+    if group:
+        return [d for d in known if fnmatch.fnmatch(d, group)]
+    return list(devices)
+
+
+@cli.command()
+@db_option
+@json_option
+@user_errors
+def jobs(db_path, as_json):
+    """List rollout jobs, newest first.
+
+    Example: edge-fleet jobs --db fleet.db
+    """
+    from fleet.updates import list_jobs
+
+    echo_rows(list_jobs(_db(db_path).db), as_json)
+
+
+@cli.command()
+@click.argument("job_id")
+@db_option
+@json_option
+@user_errors
+def job(job_id, db_path, as_json):
+    """Every device's state in one job.
+
+    Example: edge-fleet job job-20261202-101500-ab12cd --json
+    """
+    from fleet.updates import job_rows
+
+    echo_rows(job_rows(_db(db_path).db, job_id), as_json)
+
+
+@cli.command()
+@click.argument("device")
+@db_option
+@user_errors
+def rollback(device, db_path):
+    """Send a device back to its previous model (a one-device job).
+
+    Example: edge-fleet rollback box-0042
+    """
+    from fleet.updates import create_job
+
+    click.echo(f"job {create_job(_db(db_path).db, None, [device], 1, 0.0, operation='rollback')}: rollback of {device}")
 
 
 def main() -> None:

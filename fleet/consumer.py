@@ -244,15 +244,39 @@ class Consumer:
         return now, self.stats.inserted
 
 
+def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts):
+    """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver."""
+    from fleet.artifacts import ArtifactServer
+    from fleet.mqtt import Link, Session
+    from fleet.updates import RolloutDriver
+
+    host, port, directory = artifacts
+    server = ArtifactServer(directory, host, port).start()
+    holder: dict = {}
+    link = Link(url, Session(client_id=f"{client_id}-jobs", persistent=False, manual_ack=False),
+                [("edge/v1/+/jobs/update", 1)], lambda m: holder["driver"].on_status(m.topic, m.payload),
+                credentials)
+    holder["driver"] = driver = RolloutDriver(db_path, lambda t, p: link.publish(t, p, qos=1), server.base_url)
+    link.start()
+    driver.start()
+    log.info("artifacts on %s; rollouts running", server.base_url)
+    return driver, link, server
+
+
 def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
-          credentials: Credentials = Credentials()) -> Stats:
-    """Run a consumer until `stop` is set; returns its totals."""
+          credentials: Credentials = Credentials(), artifacts: tuple[str, int, Path] | None = None) -> Stats:
+    """Run a consumer until `stop` is set; returns its totals. With artifacts (host, port, directory) it also
+    serves published bundles over HTTP and drives model rollouts."""
     store = FleetStore(db_path)
     consumer = Consumer(store, url, client_id, shared_group, credentials=credentials).start()
+    rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None
     started = time.monotonic()
     try:
         stop.wait()
     finally:
+        if rollouts:
+            for part in rollouts:
+                part.stop()
         consumer.stop()
         store.close()
     log.info("stopped after %.0f s", time.monotonic() - started)

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 
 import sqlite_utils
 
+from fleet.updates import create_tables as create_update_tables
+
 from agent.wire import DeviceState, TelemetryRecord
 
 BUSY_TIMEOUT_S = 30.0  # replicas sharing one file wait this long for the write lock before failing a commit
@@ -69,6 +71,7 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
     ("0003_rejected", _create_rejected),
+    ("0004_updates", create_update_tables),
 )
 
 

@@ -1,0 +1,196 @@
+"""Model rollouts, fleet side: the published-model registry, jobs and their devices, and the driver that
+runs inside `edge-fleet serve`: it notifies each wave's devices over MQTT, records what they report on
+jobs/update, and advances, completes or halts each job by fleet.rollout's policy.
+
+Job documents travel over MQTT (QoS 1 to a persistent device session); the files they name are served by
+fleet.artifacts over HTTP with Range. Tables (migration 0004_updates in fleet/store.py):
+    models(name, version, manifest, signature, key_id, published_at)
+    jobs(id, operation, model, version, state, wave_size, max_failure_rate, allow_downgrade,
+         min_tokens_per_s, reason, created_at, updated_at)
+    job_devices(job_id, device_id, wave, state, step, percent, reason, figures, notified, updated_at)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import sqlite_utils
+
+from agent.bundle import open_bundle
+from agent.wire import TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest, device_of, topic
+from fleet.rollout import DeviceJob, decide, plan_waves
+from fleet.signing import load_private_key, sign_manifest
+
+log = logging.getLogger(__name__)
+
+
+def create_tables(db: sqlite_utils.Database) -> None:
+    db["models"].create({"name": str, "version": str, "manifest": str, "signature": str, "key_id": str,
+                         "published_at": float}, pk=("name", "version"))
+    db["jobs"].create({"id": str, "operation": str, "model": str, "version": str, "state": str, "wave_size": int,
+                       "max_failure_rate": float, "allow_downgrade": int, "min_tokens_per_s": float, "reason": str,
+                       "created_at": float, "updated_at": float}, pk="id")
+    db["job_devices"].create({"job_id": str, "device_id": str, "wave": int, "state": str, "step": str,
+                              "percent": float, "reason": str, "figures": str, "notified": int, "updated_at": float},
+                             pk=("job_id", "device_id"))
+
+
+# ---- registry and jobs (CLI side) -------------------------------------------------------------------------
+def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifacts_dir: Path) -> str:
+    """Verify a bundle, sign its manifest, copy it where the artifact server serves it; returns NAME@VERSION."""
+    bundle = open_bundle(bundle_dir)
+    m = bundle.manifest
+    signature, kid = sign_manifest(m, load_private_key(key_path))
+    dest = Path(artifacts_dir) / f"{m.name}@{m.version}"
+    if not dest.exists():
+        import shutil
+
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(bundle.path, tmp)
+        tmp.rename(dest)
+    db["models"].upsert({"name": m.name, "version": m.version, "manifest": m.model_dump_json(), "signature": signature,
+                         "key_id": kid, "published_at": time.time()}, pk=("name", "version"))
+    return f"{m.name}@{m.version}"
+
+
+def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str], wave_size: int,
+               max_failure_rate: float, allow_downgrade: bool = False, min_tokens_per_s: float | None = None,
+               operation: str = "install") -> str:
+    if not devices:
+        raise ValueError("no devices to deploy to")
+    name = version = None
+    if operation == "install":
+        name, _, version = (target or "").partition("@")
+        if not db["models"].count_where("name = ? and version = ?", [name, version]):
+            raise ValueError(f"{target} is not published (edge-fleet publish BUNDLE --key KEY)")
+    job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    now = time.time()
+    with db.conn:
+        db["jobs"].insert({"id": job_id, "operation": operation, "model": name, "version": version,
+                           "state": JobState.IN_PROGRESS.value, "wave_size": wave_size,
+                           "max_failure_rate": max_failure_rate, "allow_downgrade": int(allow_downgrade),
+                           "min_tokens_per_s": min_tokens_per_s, "reason": None, "created_at": now, "updated_at": now})
+        db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
+                                      "state": JobState.QUEUED.value, "step": None, "percent": None, "reason": None,
+                                      "figures": None, "notified": 0, "updated_at": now}
+                                     for d in plan_waves(devices, wave_size))
+    return job_id
+
+
+def job_rows(db: sqlite_utils.Database, job_id: str) -> list[dict]:
+    return list(db.query("select device_id, wave, state, step, percent, reason, figures from job_devices "
+                         "where job_id = ? order by wave, device_id", [job_id]))
+
+
+def list_jobs(db: sqlite_utils.Database) -> list[dict]:
+    return list(db.query(
+        "select j.id, j.operation, coalesce(j.model || '@' || j.version, '') as target, j.state, j.reason, "
+        "count(d.device_id) as devices, sum(d.state = 'SUCCEEDED') as succeeded, "
+        "sum(d.state in ('FAILED', 'REJECTED', 'TIMED_OUT')) as failed, "
+        "datetime(j.created_at, 'unixepoch') as created from jobs j left join job_devices d on d.job_id = j.id "
+        "group by j.id order by j.created_at desc"))
+
+
+def wait_for_job(db_path: Path, job_id: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        db = sqlite_utils.Database(db_path)
+        state = db["jobs"].get(job_id)["state"]
+        db.close()
+        if state in {s.value for s in TERMINAL_JOB_STATES} or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+# ---- the driver (inside edge-fleet serve) -----------------------------------------------------------------
+class RolloutDriver:
+    """Publishes job documents as waves open and records device reports. One per fleet database."""
+
+    def __init__(self, db_path: Path, publish_mqtt, artifacts_base_url: str, interval_s: float = 0.5):
+        self.db_path, self.publish_mqtt, self.base_url, self.interval_s = db_path, publish_mqtt, artifacts_base_url, interval_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rollouts", daemon=True)
+
+    def start(self) -> "RolloutDriver":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def on_status(self, mqtt_topic: str, payload: bytes) -> None:
+        """A device's jobs/update message: recorded if it is valid and really from that device."""
+        try:
+            u = JobStatusUpdate.model_validate_json(payload)
+        except ValueError as e:
+            log.warning("bad job status on %s: %s", mqtt_topic, str(e).splitlines()[0])
+            return
+        if u.device_id != device_of(mqtt_topic):
+            log.warning("job status for %s arrived on %s: dropped", u.device_id, mqtt_topic)
+            return
+        with self._lock, _open(self.db_path) as db:
+            db.execute("update job_devices set state = ?, step = ?, percent = ?, reason = ?, figures = ?, "
+                       "updated_at = ? where job_id = ? and device_id = ?",
+                       [u.state.value, u.step.value if u.step else None, u.percent, u.reason,
+                        json.dumps(u.figures) if u.figures else None, time.time(), u.job_id, u.device_id])
+            db.conn.commit()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                with self._lock, _open(self.db_path) as db:
+                    for job in db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value]):
+                        self._advance(db, job)
+                    db.conn.commit()
+            except Exception:  # a bad row must not stop every rollout
+                log.exception("rollout pass failed")
+
+    def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
+        rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
+                             "order by wave, rowid", [job["id"]]))
+        devices = [DeviceJob(r["device_id"], r["wave"], JobState(r["state"])) for r in rows]
+        notified = {r["device_id"] for r in rows if r["notified"]}
+        d = decide(devices, notified, job["max_failure_rate"])
+        doc = self._document(db, job) if d.notify else None
+        for device_id in d.notify:
+            if self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode()):
+                db.execute("update job_devices set notified = 1, updated_at = ? where job_id = ? and device_id = ?",
+                           [time.time(), job["id"], device_id])
+        for device_id in d.cancel:
+            db.execute("update job_devices set state = ? where job_id = ? and device_id = ?",
+                       [JobState.CANCELED.value, job["id"], device_id])
+        if d.job_state is not JobState.IN_PROGRESS:
+            db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
+                       [d.job_state.value, d.reason, time.time(), job["id"]])
+            log.info("job %s %s%s", job["id"], d.job_state.value, f": {d.reason}" if d.reason else "")
+
+    def _document(self, db: sqlite_utils.Database, job: dict) -> JobDocument:
+        if job["operation"] == "rollback":
+            return JobDocument(job_id=job["id"], operation="rollback")
+        model = db["models"].get((job["model"], job["version"]))
+        return JobDocument(job_id=job["id"], manifest=Manifest.model_validate_json(model["manifest"]),
+                           signature=model["signature"], key_id=model["key_id"],
+                           base_url=f"{self.base_url}/{job['model']}@{job['version']}",
+                           min_tokens_per_s=job["min_tokens_per_s"], allow_downgrade=bool(job["allow_downgrade"]))
+
+
+class _open:
+    """A short-lived connection (WAL: the consumer writes through its own)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> sqlite_utils.Database:
+        self.db = sqlite_utils.Database(self.path)
+        self.db.execute("pragma busy_timeout = 10000")
+        return self.db
+
+    def __exit__(self, *exc) -> None:
+        self.db.close()
