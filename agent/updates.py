@@ -295,7 +295,13 @@ class UpdateJob:
         self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
                                       "step": JobStep.ACTIVATING.value, "target": str(final)})
         self.ctx.store.activate(final)
-        self.ctx.swap(open_bundle(final, verify_files=False))
+        try:
+            self.ctx.swap(open_bundle(final, verify_files=False))
+        except Exception as e:  # the new model would not run here after all: back to the one that did
+            log.exception("activating %s failed; rolling back", final.name)
+            previous = self.ctx.store.rollback()
+            self.ctx.swap(open_bundle(previous))
+            raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {previous.name}: {e}") from e
 
     def _rollback(self) -> JobState:
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)

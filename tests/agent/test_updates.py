@@ -248,3 +248,24 @@ def test_sigkill_at_each_step_recovers_on_a_verified_model(step, tmp_path, bundl
     assert update.state is JobState.FAILED and step in update.reason
     assert bundle.manifest.version == v1.manifest.version
     assert dev.staging_empty() and dev.model_dirs() == [f"tiny@{v1.manifest.version}"]
+
+
+def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, server):
+    """The new model passed its checks but the engine cannot run it: the device goes back on its own."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    calls = []
+
+    def swap(bundle):
+        calls.append(bundle.manifest.version)
+        if bundle.manifest.version == v2.manifest.version:
+            raise RuntimeError("engine failed to start")
+        dev.serving = bundle
+
+    dev.ctx.swap = swap
+    url = server.publish_dir(v2.path, "tiny-v2")
+    state = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run()
+    assert state is JobState.FAILED and "rolled back" in dev.reports[-1].reason
+    assert calls == [v2.manifest.version, v1.manifest.version]
+    assert dev.serving.manifest.version == v1.manifest.version
+    assert dev.store.link("current").name.endswith(v1.manifest.version)
