@@ -47,6 +47,11 @@ class Metrics:
         self.request_errors = Counter("edge:request_errors", "Requests answered with an HTTP error, by error code.",
                                       ["code"], registry=r)
         self.prompt_tokens = Counter("edge:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.spec_drafted = Counter("edge:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.",
+                                    registry=r)
+        self.spec_accepted = Counter("edge:spec_decode_num_accepted_tokens",
+                                     "Speculative draft tokens the model accepted (acceptance rate = accepted / "
+                                     "drafted).", registry=r)
         self.generation_tokens = Counter("edge:generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
         self.prefix_cache_queries = Counter("edge:prefix_cache_queries",
@@ -91,6 +96,8 @@ class Metrics:
         self.request_success.labels(finish_reason=f.finish_reason).inc()
         self.prompt_tokens.inc(f.prompt_tokens)
         self.generation_tokens.inc(f.completion_tokens)
+        self.spec_drafted.inc(f.drafted_tokens)
+        self.spec_accepted.inc(f.accepted_tokens)
         self.prefix_cache_queries.inc(f.prompt_tokens)
         self.prefix_cache_hits.inc(f.cached_prompt_tokens)
         self._prefix_query_tokens += f.prompt_tokens

@@ -76,6 +76,8 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    # ours: speculative decoding for this request ("off", "ngram" prompt lookup, "draft" model)
+    speculative: Literal["off", "ngram", "draft"] | None = None
 
     @model_validator(mode="after")
     def _check_choices_and_stream(self):
@@ -95,7 +97,7 @@ class SamplingRequest(_Request):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; FieldError naming the field when a value is out of range."""
         fields = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
-                  "min_p", "repetition_penalty", "ignore_eos")
+                  "min_p", "repetition_penalty", "ignore_eos", "speculative")
         given = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         max_tokens = self.requested_max_tokens()
         try:

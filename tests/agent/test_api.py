@@ -420,3 +420,15 @@ def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle)
         proc.kill()
         proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_speculative_extension_field_and_its_metrics(tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine) as s:
+        prompt = "ab ab ab ab ab ab ab ab ab ab"
+        r = s.http().post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24,
+                                                    "temperature": 0, "ignore_eos": True, "speculative": "ngram"})
+        assert r.status_code == 200, r.text
+        bad = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "x", "speculative": "magic"})
+        assert bad.status_code == 400
+        m = s.metrics()
+    assert "edge:spec_decode_num_draft_tokens_total" in m and "edge:spec_decode_num_accepted_tokens_total" in m
