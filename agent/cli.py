@@ -124,11 +124,14 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state
     from agent.serve import ServeError, load_agent_config, serve_forever
 
     try:
-        config = load_agent_config(config_path, model=model, socket=socket_path, threads=threads,
-                                   memory_budget_mb=memory_budget_mb, tcp=tcp, state_dir=state_dir, mqtt=mqtt,
-                                   device_id=device_id, trusted_keys=list(trusted_keys))
-        serve_forever(config, announce=lambda line: click.echo(line, err=True),
-                      notifier=Notifier.from_environment(dict(os.environ)))  # systemd's protocol is env-based
+        def load():  # at start, and again on SIGHUP (the file may have changed; the flags still win)
+            return load_agent_config(config_path, model=model, socket=socket_path, threads=threads,
+                                     memory_budget_mb=memory_budget_mb, tcp=tcp, state_dir=state_dir, mqtt=mqtt,
+                                     device_id=device_id, trusted_keys=list(trusted_keys))
+
+        serve_forever(load(), announce=lambda line: click.echo(line, err=True),
+                      notifier=Notifier.from_environment(dict(os.environ)),  # systemd's protocol is env-based
+                      reload_config=load)
     except (ValidationError, ServeError, *USER_ERRORS) as e:
         _fail(e)
 

@@ -248,8 +248,39 @@ def load_engine(model: Path, config: EngineConfig, notifier: Notifier | None = N
     return engine
 
 
+LIVE_ENGINE_FIELDS = ("max_queue", "max_queue_wait_s", "default_max_tokens", "speculative", "speculative_max_batch")
+
+
+def reload_live(backend: Backend, new: AgentConfig) -> list[str]:
+    """SIGHUP: apply the settings that can change while serving; name the ones that need a restart."""
+    engine = backend.engine
+    if engine is None:
+        return []
+    changed = {f: getattr(new.engine, f) for f in LIVE_ENGINE_FIELDS if getattr(new.engine, f) != getattr(engine.config, f)}
+    engine.config = engine.config.model_copy(update=changed)  # replaced, not mutated: readers see old or new
+    engine.scheduler.max_queue_wait_s = engine.config.max_queue_wait_s
+    restart = [f for f in type(new.engine).model_fields
+               if f not in LIVE_ENGINE_FIELDS and getattr(new.engine, f) != getattr(engine.config, f)]
+    log.info("SIGHUP: applied %s%s", changed or "nothing new",
+             f"; needs a restart: {', '.join(restart)}" if restart else "")
+    return restart
+
+
+def _install_sighup(backend: Backend, reload_config: Callable[[], AgentConfig] | None) -> None:
+    if reload_config is None or threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_hup(signum, frame) -> None:
+        try:
+            reload_live(backend, reload_config())
+        except Exception as e:  # a bad edit of the file must not take the service down
+            log.error("SIGHUP: config not reloaded: %s", str(e).splitlines()[0])
+
+    signal.signal(signal.SIGHUP, on_hup)
+
+
 def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.info,
-                  notifier: Notifier | None = None) -> None:
+                  notifier: Notifier | None = None, reload_config: Callable[[], AgentConfig] | None = None) -> None:
     """Serve the current model on the configured socket(s) until SIGTERM / SIGINT, then drain and stop.
 
     Wiring, in order: the model store picks a verified model; the sockets bind; telemetry (SQLite, and
@@ -271,6 +302,7 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
     server = ApiServer(Backend(manifest), sockets, api)
     server.uvicorn.notifier = notifier
     telemetry, updates = _start_services(config, store, server, notifier)
+    _install_sighup(server.backend, reload_config)
     try:
         server.load_in_background(lambda: load_engine(store.bootable().path, config.engine, notifier))
         announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"

@@ -93,3 +93,37 @@ def test_sigterm_during_eight_streams(tiny_bundle, tmp_path, broker):
     requests = db.execute("select count(*) from records where kind = 'request'").fetchone()[0]
     assert requests == 8
     assert retained_state(broker.url).get("status") == "stopped"
+
+
+def test_sighup_reloads_the_live_settings(tiny_bundle, tmp_path, broker):
+    """max_queue changes live on SIGHUP; a too-deep burst is then refused as overloaded (429)."""
+    config = tmp_path / "agent.toml"
+    config.write_text("[engine]\nmax_queue = 64\n")
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen([str(VENV_BIN / "edge-agent"), "serve", "--config", str(config), "--model",
+                             str(tiny_bundle.path), "--socket", str(sock), "--memory-budget-mb", "4000",
+                             "--state-dir", str(tmp_path / "state")], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (sock.exists() and _healthy(sock)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        config.write_text("[engine]\nmax_queue = 0\n")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=30) as c:
+            r = c.post("http://agent/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers.get("retry-after")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _healthy(sock: Path) -> bool:
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=2) as c:
+            return c.get("http://agent/health").status_code == 200
+    except httpx.HTTPError:
+        return False
