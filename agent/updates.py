@@ -234,6 +234,11 @@ class UpdateJob:
                 have = 0
             try:
                 self._get(url, path, have, progress)
+            except urllib.error.HTTPError as e:
+                if e.code != 416 and 400 <= e.code < 500:  # not there or not ours: retrying will not help
+                    raise JobFailed(JobState.FAILED, f"download of {rel} refused: HTTP {e.code} {e.reason}") from e
+                log.info("download of %s: HTTP %s, retrying", rel, e.code)
+                time.sleep(min(0.2 * 2 ** attempt, 5))
             except (OSError, urllib.error.URLError) as e:
                 log.info("download of %s interrupted (%s), resuming", rel, e)
                 time.sleep(min(0.2 * 2 ** attempt, 5))

@@ -28,7 +28,7 @@ WORK = ROOT / ".cache" / "demo"
 BUNDLES = ROOT / "bundles"
 DEVICE = "demo-box"
 QUESTIONS = ["In one sentence, what is a lighthouse for?", "Give me three tips for staying focused.",
-             "What is the capital of Italy?", "Write a two-line poem about rain."]
+             "What is the capital of France?", "Write a two-line poem about rain."]
 
 
 def step(text: str) -> None:
@@ -120,7 +120,7 @@ def chat(sock: Path, question: str) -> dict:
     print(f"  user: {question}\n  assistant: ", end="", flush=True)
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": question}],
             "max_tokens": 96, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
-    last: dict = {}
+    timings: dict = {}
     with agent_client(sock).stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -128,10 +128,10 @@ def chat(sock: Path, question: str) -> dict:
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices", []):
                 print(choice.get("delta", {}).get("content") or "", end="", flush=True)
-            last = chunk if chunk.get("usage") else last
-    t = last.get("timings") or {}
+            timings = chunk.get("timings") or timings  # on the chunk that finishes the answer
+    t = timings
     print(f"\n    [{t.get('decode_tokens_per_s', 0):.0f} tok/s decode, TTFT {t.get('ttft_ms', 0):.0f} ms]")
-    return last
+    return timings
 
 
 def fleet(*args: str, db: Path) -> str:
@@ -161,6 +161,9 @@ def main() -> int:
     procs = Processes()
     try:
         return _run(procs, int8, int4, keys)
+    except (subprocess.CalledProcessError, RuntimeError) as e:
+        print(f"\ndemo failed: {e}; see the logs in {WORK}", file=sys.stderr)
+        return 1
     finally:
         step("stopping everything")
         procs.stop()
@@ -190,8 +193,8 @@ def _run(procs: Processes, int8: Path, int4: Path, keys: Path) -> int:
     print(fleet("tps", "--by", "device", db=db))
 
     step("publishing the INT4 build (signed) and deploying it to the device")
-    target = run(BIN / "edge-fleet", "publish", int4, "--key", keys / "fleet.key", "--db", db,
-                 capture_output=True).stdout.strip().splitlines()[-1]
+    target = run(BIN / "edge-fleet", "publish", int4, "--key", keys / "fleet.key", "--db", db, "--artifacts-dir",
+                 WORK / "artifacts", capture_output=True).stdout.strip().splitlines()[-1]
     print(f"    published {target}")
     run(BIN / "edge-fleet", "deploy", target, "--to", DEVICE, "--db", db, "--mqtt", url, "--wait", "--timeout", "300")
     print(fleet("jobs", db=db))

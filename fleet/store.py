@@ -118,15 +118,18 @@ ENDED = ("offline", "stopped")  # a connection ends with its Will (offline) or a
 def is_newer_state(current: dict | None, state: DeviceState) -> bool:
     """Whether `state` should replace the registry's row (`current`: its status, connection, boot_id and
     state_ts). The connection counter grows on every connect, so a Will the broker publishes late for an
-    older connection (smaller counter) is ignored. A smaller counter from another boot that is also newer
-    by the clock means the device lost its counter (re-imaged), so it wins. Within one connection, once it
+    older connection (smaller counter) of the same boot is ignored. Across boots the clock decides: a
+    re-imaged device restarts its counter, and a retained state of an earlier boot may arrive after the
+    new boot's birth. Within one connection, once it
     has ended no replayed birth reopens it (two replicas may apply the same messages in either order)."""
     if current is None or current["connection"] is None:
         return True
-    if state.connection > current["connection"]:
-        return True
-    if state.connection < current["connection"]:
-        return state.boot_id != current["boot_id"] and state.ts > (current["state_ts"] or 0.0)
+    if state.boot_id != current["boot_id"]:
+        # another boot: the clock decides, not the counter (a re-imaged device restarts its counter, and a
+        # retained state of an earlier boot can arrive after the new boot's birth)
+        return state.ts > (current["state_ts"] or 0.0)
+    if state.connection != current["connection"]:
+        return state.connection > current["connection"]
     return not (current["status"] in ENDED and state.status == "online")
 
 

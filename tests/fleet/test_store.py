@@ -133,3 +133,16 @@ def test_two_writers_on_one_file(tmp_path):
     for t in threads:
         t.join()
     assert total_rows(stores[0]) == 2000
+
+
+def test_a_retained_state_of_an_earlier_boot_never_overrides_the_new_boot():
+    """Found by the demo: the fleet got a new boot's birth (counter 1, its state directory was wiped) and
+    then the previous boot's retained 'stopped' (counter 5, older): the device must stay online."""
+    from agent.wire import DeviceState
+    from fleet.store import is_newer_state
+
+    online = DeviceState(device_id="d", status="online", connection=1, boot_id="boot-2", ts=2000.0)
+    stale = DeviceState(device_id="d", status="stopped", connection=5, boot_id="boot-1", ts=1000.0)
+    current = {"status": "online", "connection": 1, "boot_id": "boot-2", "state_ts": 2000.0}
+    assert not is_newer_state(current, stale)
+    assert is_newer_state({"status": "stopped", "connection": 5, "boot_id": "boot-1", "state_ts": 1000.0}, online)
