@@ -1,0 +1,129 @@
+"""Serving several clients at once: aggregate decode tokens/s at 1, 2, 4 and 8 streams, prefix-cache
+warm vs cold TTFT, and the inter-token latency of running streams while a 2,000-token prompt arrives,
+with and without chunked prefill. The bundled SmolLM2 INT4 bundle, 2 threads, greedy, in one process.
+
+Run: .venv/bin/python bench/concurrency.py [--runs 3] [--write-docs]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tps import build_artifacts  # noqa: E402
+
+from agent.bundle import open_bundle  # noqa: E402
+from agent.config import EngineConfig  # noqa: E402
+from agent.engine import Engine  # noqa: E402
+from agent.sampling_params import SamplingParams  # noqa: E402
+from quantize.bundled import bundled_gguf_path  # noqa: E402
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def engine(bundle, **kw) -> Engine:
+    e = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=4096, **kw))
+    e.start()
+    return e
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40000, length).tolist() for _ in range(n)]
+
+
+def aggregate(e: Engine, streams: int, runs: int) -> tuple[float, float]:
+    """(aggregate completion tokens/s over the wall time, median per-stream decode tokens/s)."""
+    totals, per_stream = [], []
+    for r in range(runs):
+        ps = prompts(streams, 128, seed=r)
+        t0 = time.perf_counter()
+        hs = [e.submit(p, SamplingParams(max_tokens=128, **GREEDY)) for p in ps]
+        results = [h.result() for h in hs]
+        wall = time.perf_counter() - t0
+        totals.append(sum(x.figures.completion_tokens for x in results) / wall)
+        per_stream += [x.figures.decode_tokens_per_s for x in results]
+    return statistics.median(totals), statistics.median(per_stream)
+
+
+def ttft_cold_warm(bundle, runs: int) -> tuple[float, float]:
+    e = engine(bundle)
+    system = prompts(1, 400, seed=99)[0]
+    cold, warm = [], []
+    for r in range(runs):
+        system_r = [t + r for t in system]  # a new system prompt each run: the first request is cold
+        cold.append(e.generate(system_r + [11, 12, 13], SamplingParams(max_tokens=1, **GREEDY)).figures.ttft_ms)
+        warm.append(e.generate(system_r + [21, 22, 23, 24], SamplingParams(max_tokens=1, **GREEDY)).figures.ttft_ms)
+    e.stop()
+    return statistics.median(cold), statistics.median(warm)
+
+
+def itl_with_long_prompt(bundle, chunk: int) -> float:
+    """p95 inter-token latency (ms) of 4 running streams over the window in which a 2,000-token prompt
+    is prefilled."""
+    e = engine(bundle, prefill_chunk_tokens=chunk, prefix_cache_fraction=0.0)
+    hs = [e.submit(p, SamplingParams(max_tokens=400, **GREEDY)) for p in prompts(4, 64, seed=7)]
+    time.sleep(1.0)  # the four are decoding
+    t0 = time.perf_counter()
+    long = e.submit(prompts(1, 2000, seed=8)[0], SamplingParams(max_tokens=1, **GREEDY))
+    t1 = t0 + long.result().figures.ttft_ms / 1000
+    results = [h.result() for h in hs]
+    e.stop()
+    gaps = []
+    for r in results:
+        times = [t for t in r.token_times if t0 - 0.2 <= t <= t1 + 0.2]
+        gaps += list(np.diff(times) * 1000)
+    return float(np.percentile(gaps, 95)) if gaps else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--write-docs", action="store_true")
+    args = ap.parse_args()
+    bundle = open_bundle(build_artifacts(bundled_gguf_path(), 2, rebuild=False)["ours-int4"])
+    lines = ["| streams | aggregate tok/s | x 1 stream | per-stream decode tok/s (median) |", "|--:|--:|--:|--:|"]
+    e = engine(bundle, speculative_max_batch=1)
+    base = None
+    for n in (1, 2, 4, 8):
+        agg, per = aggregate(e, n, args.runs)
+        base = base or agg
+        lines.append(f"| {n} | {agg:.1f} | {agg / base:.2f} | {per:.1f} |")
+    e.stop()
+    cold, warm = ttft_cold_warm(bundle, args.runs)
+    lines += ["", "| 400-token cached system prompt | TTFT ms |", "|---|--:|", f"| cold | {cold:.1f} |",
+              f"| warm (prefix cache) | {warm:.1f} ({warm / cold:.0%} of cold) |"]
+    chunked, whole = itl_with_long_prompt(bundle, 256), itl_with_long_prompt(bundle, 2048)
+    lines += ["", "| 4 streams while a 2,000-token prompt arrives | ITL p95 ms |", "|---|--:|",
+              f"| chunked prefill (256 tokens a step) | {chunked:.1f} |", f"| one 2,048-token step | {whole:.1f} |"]
+    report = "\n".join(lines)
+    print(report)
+    if args.write_docs:
+        write_docs(report, args)
+    return 0
+
+
+def write_docs(report: str, args) -> None:
+    docs = Path(__file__).parent.parent / "docs" / "benchmarks.md"
+    text = docs.read_text()
+    title = "## Concurrency (bench/concurrency.py)"
+    section = (f"{title}\n\nCommand: `.venv/bin/python bench/concurrency.py --runs {args.runs} --write-docs`, "
+               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, our INT4 bundle, 2 threads, greedy, 128-token "
+               "prompts and 128 tokens a stream, shared 2-core machine. Peers (ONNX Runtime GenAI static batch, "
+               "llama.cpp parallel sequences) are not measured here yet.\n\n" + report + "\n")
+    if title in text:
+        before, _, rest = text.partition(title)
+        text = before + section + (rest[rest.find("\n## ") + 1:] if "\n## " in rest else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    docs.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
