@@ -348,13 +348,15 @@ def publish(bundle, key_path, artifacts_dir, db_path):
 @click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
 @click.option("--allow-downgrade", is_flag=True)
 @click.option("--min-tokens-per-s", type=float, default=None, help="Health-check floor (default: 70% of current).")
+@click.option("--device-timeout", "device_timeout_s", type=click.FloatRange(min=1), default=1800, show_default=True,
+              help="Seconds a notified device may take before it counts as TIMED_OUT.")
 @click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero unless it SUCCEEDED.")
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
 @click.option("--mqtt", "url", default=None, help="Accepted for symmetry; the serving fleet process publishes.")
 @db_option
 @user_errors
-def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s, wait,
-           timeout_s, url, db_path):
+def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
+           device_timeout_s, wait, timeout_s, url, db_path):
     """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running).
 
     Example: edge-fleet deploy smollm2-135m-instruct@int4-b64a-1a2b3c4d --all --wave-size 2 --wait
@@ -363,7 +365,8 @@ def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_do
 
     store = _db(db_path)
     chosen = _devices(store.db, devices, group, to_all)
-    job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s)
+    job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
+                        device_timeout_s=device_timeout_s)
     click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {wave_size}")
     if not wait:
         return

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import sqlite_utils
 
-from fleet.updates import create_tables as create_update_tables
+from fleet.updates import add_device_timeout, create_tables as create_update_tables
 
 from agent.wire import DeviceState, TelemetryRecord
 
@@ -72,6 +72,7 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0002_telemetry", _create_telemetry),
     ("0003_rejected", _create_rejected),
     ("0004_updates", create_update_tables),
+    ("0005_job_device_timeout", add_device_timeout),
 )
 
 

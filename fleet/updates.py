@@ -28,6 +28,10 @@ from fleet.signing import load_private_key, sign_manifest
 log = logging.getLogger(__name__)
 
 
+def add_device_timeout(db: sqlite_utils.Database) -> None:
+    db["jobs"].add_column("device_timeout_s", float)
+
+
 def create_tables(db: sqlite_utils.Database) -> None:
     db["models"].create({"name": str, "version": str, "manifest": str, "signature": str, "key_id": str,
                          "published_at": float}, pk=("name", "version"))
@@ -60,7 +64,7 @@ def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifac
 
 def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str], wave_size: int,
                max_failure_rate: float, allow_downgrade: bool = False, min_tokens_per_s: float | None = None,
-               operation: str = "install") -> str:
+               operation: str = "install", device_timeout_s: float = 1800.0) -> str:
     if not devices:
         raise ValueError("no devices to deploy to")
     name = version = None
@@ -74,7 +78,8 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
         db["jobs"].insert({"id": job_id, "operation": operation, "model": name, "version": version,
                            "state": JobState.IN_PROGRESS.value, "wave_size": wave_size,
                            "max_failure_rate": max_failure_rate, "allow_downgrade": int(allow_downgrade),
-                           "min_tokens_per_s": min_tokens_per_s, "reason": None, "created_at": now, "updated_at": now})
+                           "min_tokens_per_s": min_tokens_per_s, "reason": None, "created_at": now, "updated_at": now,
+                           "device_timeout_s": device_timeout_s})
         db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
                                       "state": JobState.QUEUED.value, "step": None, "percent": None, "reason": None,
                                       "figures": None, "notified": 0, "updated_at": now}
@@ -153,6 +158,11 @@ class RolloutDriver:
                 log.exception("rollout pass failed")
 
     def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
+        # a notified device that has not finished within the job's device timeout is TIMED_OUT
+        db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout' "
+                   "where job_id = ? and notified = 1 and state not in (?, ?, ?, ?, ?) and updated_at < ?",
+                   [JobState.TIMED_OUT.value, job["id"], *sorted(s.value for s in TERMINAL_JOB_STATES),
+                    time.time() - (job.get("device_timeout_s") or 1800.0)])
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
                              "order by wave, rowid", [job["id"]]))
         devices = [DeviceJob(r["device_id"], r["wave"], JobState(r["state"])) for r in rows]
