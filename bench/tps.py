@@ -110,23 +110,14 @@ def timed_tokens(token_times: list[float], t0: float) -> dict:
 
 def run_ours(model: str, ids: list[int], max_tokens: int, threads: int, spin_wait: bool = False) -> dict:
     sys.path.insert(0, str(REPO))
-    from agent import wire
-    from agent.bundle import Bundle, open_bundle
+    from agent.bundle import open_bundle
     from agent.config import EngineConfig
     from agent.engine import Engine as OurEngine
-    from agent.runner import ModelRunner
     from agent.sampling_params import SamplingParams
-
-    class SpinWaitBundle(Bundle):  # EngineConfig has no spin-wait switch (yet): the runner gets it here
-        def runner(self, threads: int | None = None) -> ModelRunner:
-            c = self.config
-            return ModelRunner(self.path / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait=True)
 
     reset_peak_rss()
     bundle = open_bundle(Path(model))
-    if spin_wait:
-        bundle = SpinWaitBundle(bundle.path, bundle.manifest, bundle.config)
-    engine = OurEngine(bundle, EngineConfig(threads=threads, max_context=CONTEXT_TOKENS))
+    engine = OurEngine(bundle, EngineConfig(threads=threads, max_context=CONTEXT_TOKENS, spin_wait=spin_wait))
     greedy = dict(temperature=0.0, ignore_eos=True)
     engine.generate(list(range(100, 100 + WARMUP_PROMPT_TOKENS)), SamplingParams(max_tokens=WARMUP_TOKENS, **greedy))
     f = engine.generate(ids, SamplingParams(max_tokens=max_tokens, **greedy)).figures

@@ -7,7 +7,6 @@ it never knows whether weights came from GGUF or safetensors (the onnxruntime-ge
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,14 +116,6 @@ def validate(ckpt: Checkpoint) -> None:
             raise CheckpointError(f"{ckpt.source_name}: missing tensor {name}")
         if tuple(w.shape) != shape:
             raise CheckpointError(f"{ckpt.source_name}: tensor {name} has shape {tuple(w.shape)}, expected {shape}")
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_checkpoint(source: Path) -> Checkpoint:

@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks, sha256_of
+from agent.bundle import file_sha256
+from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks
 from quantize.tokenizer import tokenizer_from_gguf
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -133,7 +134,7 @@ def load(path: Path) -> Checkpoint:
         geometry=geometry,
         weights=weights,
         tokenizer=tokenizer_from_gguf(reader),
-        source_sha256=sha256_of(path),
+        source_sha256=file_sha256(path),
         source_name=path.name,
         source_blocks=blocks,
     )
