@@ -48,13 +48,21 @@ def open_reader(path: Path) -> GGUFReader:
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
-def _field(reader: GGUFReader, key: str, default=None):
+_REQUIRED = object()
+
+
+def _field(reader: GGUFReader, key: str, default=_REQUIRED):
+    """A metadata value; a missing required key is a CheckpointError naming it."""
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"missing metadata key {key}")
+        return default
+    return f.contents()
 
 
 def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
-    arch = _field(reader, "general.architecture")
+    arch = _field(reader, "general.architecture", None)
     if arch != "llama":
         raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
     a = "llama."
@@ -113,6 +121,16 @@ def _tensor_rows(t, path: Path) -> tuple[np.ndarray, tuple[int, ...]]:
 
 def load(path: Path) -> Checkpoint:
     path = Path(path)
+    try:
+        return _load(path)
+    except CheckpointError as e:
+        raise e if str(path) in str(e) else CheckpointError(f"{path}: {e}") from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, OverflowError) as e:
+        # a corrupt file can break any assumption about field types and shapes: one clear error, not a trace
+        raise CheckpointError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from e
+
+
+def _load(path: Path) -> Checkpoint:
     reader = open_reader(path)
     geometry = read_geometry(reader, path)
     weights: dict[str, np.ndarray] = {}
