@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import click
+
+from agent.clikit import run
 from pydantic import ValidationError
 
 from agent.bundle import BundleError, open_bundle
@@ -180,11 +182,7 @@ def check_config(config_path):
 
 
 def main() -> None:
-    try:
-        cli(prog_name="edge-agent")
-    except Exception as e:  # a bug of ours: one line for the user, not a traceback
-        click.echo(f"Error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}", err=True)
-        sys.exit(2)
+    run(cli, "edge-agent")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from agent.clikit import run
 from fleet import queries
 from fleet.commands import CommandError
 from fleet.mqtt import LinkError
@@ -432,11 +433,7 @@ def rollback(device, db_path):
 
 
 def main() -> None:
-    try:
-        cli(prog_name="edge-fleet")
-    except Exception as e:  # a bug of ours: one line for the user, not a traceback
-        click.echo(f"Error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}", err=True)
-        sys.exit(2)
+    run(cli, "edge-fleet")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ Run: edge-quantize build SOURCE --precision int4 --out DIR
 from __future__ import annotations
 
 import json
-import sys
 from importlib import resources
 from pathlib import Path
 
 import click
 
+from agent.clikit import run
 from agent.bundle import BundleError, open_bundle
 from quantize.checkpoint import CheckpointError
 from quantize.package import PackageError
@@ -168,11 +168,7 @@ def inspect(bundle, as_json):
 
 
 def main() -> None:
-    try:
-        cli(prog_name="edge-quantize")
-    except Exception as e:  # a bug of ours: one line for the user, not a traceback
-        click.echo(f"Error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''}", err=True)
-        sys.exit(2)
+    run(cli, "edge-quantize")
 
 
 if __name__ == "__main__":
