@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import click
-
-from agent.clikit import run
 from pydantic import ValidationError
 
 from agent.bundle import BundleError, open_bundle
+from agent.clikit import run
 from agent.config import EngineConfig
 from agent.memory import MemoryBudgetError
 from agent.process import peak_rss_bytes
