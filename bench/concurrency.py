@@ -16,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from benchdocs import replace_section  # noqa: E402
 from tps import build_artifacts  # noqa: E402
 
 from agent.bundle import open_bundle  # noqa: E402
@@ -113,19 +114,12 @@ def main() -> int:
 
 
 def write_docs(report: str, args) -> None:
-    docs = Path(__file__).parent.parent / "docs" / "benchmarks.md"
-    text = docs.read_text()
     title = "## Concurrency (bench/concurrency.py)"
     section = (f"{title}\n\nCommand: `.venv/bin/python bench/concurrency.py --runs {args.runs} --write-docs`, "
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, our INT4 bundle, 2 threads, greedy, 128-token "
                "prompts and 128 tokens a stream, shared 2-core machine. Peers (ONNX Runtime GenAI static batch, "
                "llama.cpp parallel sequences) are not measured here yet.\n\n" + report + "\n")
-    if title in text:
-        before, _, rest = text.partition(title)
-        text = before + section + (rest[rest.find("\n## ") + 1:] if "\n## " in rest else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    docs.write_text(text)
+    replace_section(title, section)
 
 
 if __name__ == "__main__":

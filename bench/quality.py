@@ -34,6 +34,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchdocs
+from benchdocs import replace_section  # noqa: E402
 
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
 
@@ -311,21 +313,7 @@ Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
 
 
 def write_docs(section: str) -> None:
-    """Replace the quality section of docs/benchmarks.md (or add it), leaving every other section as it is."""
-    if not DOCS.exists():
-        DOCS.parent.mkdir(parents=True, exist_ok=True)
-        DOCS.write_text("# Benchmarks\n\nFigures measured by the scripts in `bench/`; each section says how it "
-                        "was run and on what machine.\n\n")
-    text = DOCS.read_text()
-    start = text.find(DOCS_SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(DOCS_SECTION))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
-    tmp = DOCS.with_suffix(".md.partial")
-    tmp.write_text(text)
-    tmp.rename(DOCS)
+    replace_section(DOCS_SECTION, section)
 
 
 def main(argv: list[str]) -> None:

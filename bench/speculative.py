@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from benchdocs import replace_section  # noqa: E402
 from tps import CACHE, build_artifacts  # noqa: E402
 
 from agent.bundle import open_bundle  # noqa: E402
@@ -122,20 +123,12 @@ def main() -> int:
 
 
 def write_docs(report: str, args) -> None:
-    docs = Path(__file__).parent.parent / "docs" / "benchmarks.md"
-    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
     title = "## Speculative decoding (bench/speculative.py)"
     section = (f"{title}\n\nCommand: `.venv/bin/python bench/speculative.py --runs {args.runs} --tokens {args.tokens} "
                f"--write-docs`, {time.strftime('%Y-%m-%d')}, 2 threads, greedy, batch 1, {args.tokens} tokens, "
                f"median of {args.runs} runs. Goal: >= 1.6x on repeat-heavy with prompt lookup, >= 0.95x on open.\n\n"
                f"{report}\n")
-    if title in text:
-        before, _, rest = text.partition(title)
-        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        text = before + section + after
-    else:
-        text = text.rstrip() + "\n\n" + section
-    docs.write_text(text)
+    replace_section(title, section)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Run: .venv/bin/python bench/tps.py [--runs 5] [--threads 2] [--write-docs] [--re
 """
 from __future__ import annotations
 
+
 import argparse
 import datetime as dt
 import json
@@ -36,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchdocs
+from benchdocs import replace_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "edge-llm" / "bench"
@@ -398,17 +402,7 @@ Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
 
 
 def write_docs(section: str) -> None:
-    """Replace this section of docs/benchmarks.md (or add it), leaving every other section as it is."""
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    start = text.find(DOCS_SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(DOCS_SECTION))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
-    tmp = DOCS.with_suffix(".md.partial")
-    tmp.write_text(text)
-    tmp.rename(DOCS)
+    replace_section(DOCS_SECTION, section)
 
 
 def main(argv: list[str]) -> None:
