@@ -61,25 +61,36 @@ def _field(reader: GGUFReader, key: str, default=_REQUIRED):
     return f.contents()
 
 
+def _bounded(key: str, value, limit: int) -> int:
+    """A positive integer no larger than limit (a corrupt header must not make us allocate for it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < int(value) <= limit:
+        raise CheckpointError(f"metadata {key} = {value!r} is out of range (1..{limit})")
+    return int(value)
+
+
 def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
     arch = _field(reader, "general.architecture", None)
     if arch != "llama":
         raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
     a = "llama."
-    hidden, heads = int(_field(reader, a + "embedding_length")), int(_field(reader, a + "attention.head_count"))
+    hidden = _bounded(a + "embedding_length", _field(reader, a + "embedding_length"), 1 << 16)
+    heads = _bounded(a + "attention.head_count", _field(reader, a + "attention.head_count"), 1024)
+    layers = _bounded(a + "block_count", _field(reader, a + "block_count"), 1024)
     names = {t.name for t in reader.tensors}
+    if not any(n.startswith(f"blk.{layers - 1}.") for n in names) or any(n.startswith(f"blk.{layers}.") for n in names):
+        raise CheckpointError(f"block_count {layers} does not match the tensors in the file")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     head_dim = int(_field(reader, a + "attention.key_length", hidden // heads))
     return Geometry(
         architecture="llama",
-        vocab_size=int(_field(reader, a + "vocab_size", embd.shape[1])),
+        vocab_size=_bounded("vocab_size", _field(reader, a + "vocab_size", embd.shape[1]), 1 << 22),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, a + "feed_forward_length")),
-        num_layers=int(_field(reader, a + "block_count")),
+        intermediate_size=_bounded("feed_forward_length", _field(reader, a + "feed_forward_length"), 1 << 18),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(_field(reader, a + "attention.head_count_kv", heads)),
+        num_kv_heads=_bounded("head_count_kv", _field(reader, a + "attention.head_count_kv", heads), heads),
         head_dim=head_dim,
-        context_length=int(_field(reader, a + "context_length", 2048)),
+        context_length=_bounded("context_length", _field(reader, a + "context_length", 2048), 1 << 20),
         rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
@@ -125,7 +136,8 @@ def load(path: Path) -> Checkpoint:
         return _load(path)
     except CheckpointError as e:
         raise e if str(path) in str(e) else CheckpointError(f"{path}: {e}") from e
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, OverflowError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, OverflowError,
+            ZeroDivisionError, MemoryError) as e:
         # a corrupt file can break any assumption about field types and shapes: one clear error, not a trace
         raise CheckpointError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from e
 
