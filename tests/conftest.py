@@ -65,3 +65,20 @@ def real_q4_bundle(real_checkpoint, tmp_path_factory):
 
     return build_bundle(real_checkpoint, QuantSpec(precision="int4", keep_source_quant=True),
                         tmp_path_factory.mktemp("real") / "q4", name="smollm2", progress=lambda s: None)
+
+
+# ---- figures: what a reliability test measured, printed at the end of every run --------------------------------
+FIGURES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def figures() -> list[str]:
+    """Append one line per measured figure ("soak: 912 requests answered, ..."); the run prints them all."""
+    return FIGURES
+
+
+def pytest_terminal_summary(terminalreporter):
+    if FIGURES:
+        terminalreporter.section("measured figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)

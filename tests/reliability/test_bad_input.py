@@ -107,6 +107,7 @@ def test_mutated_manifest_is_a_clear_error(bundle_dir, tmp_path, path, value, ra
         pass
 
 
-def test_report_case_counts():
-    print(f"bad input: {COUNT['gguf']} mutated GGUF files, {COUNT['manifest']} mutated manifests, no crash")
+def test_report_case_counts(figures):
+    figures.append(f"bad input: {COUNT['gguf']} mutated GGUF files, {COUNT['manifest']} mutated manifests, "
+                   "each a CheckpointError/BundleError, no crash")
     assert COUNT["gguf"] >= CASES and COUNT["manifest"] >= CASES
