@@ -419,7 +419,10 @@ class OpenAIServer:
         def observe(fin: Finished) -> None:
             self.metrics.observe_finished(fin.figures, fin.token_times)
             for hook in self.backend.on_finished:
-                hook(manifest, fin)
+                try:
+                    hook(manifest, fin)
+                except Exception:  # a failing observer must not keep the answer from its client
+                    log.exception("a finished-request hook failed")
         return observe
 
     async def relay(self, request: Request, events: EventBridge, kind: Kind, reply: Reply, stream: bool) -> Response:

@@ -168,7 +168,8 @@ class TelemetryConfig(BaseModel):
     retention_interval_s: float = Field(300.0, gt=0, description="how often retention runs")
     max_age_s: float = Field(30 * 24 * 3600, gt=0, description="delivered records older than this are deleted")
     max_bytes: int = Field(64 << 20, ge=1 << 16, description="stored records beyond this are deleted, "
-                                                             "delivered ones first")
+                                                             "delivered ones first; the file itself never "
+                                                             "grows past 2 x max_bytes + 1 MiB")
     mqtt: MqttConfig | None = None
 
 

@@ -5,7 +5,8 @@ meta table of counters, and the migrations that built them. `append()` returns o
 committed (durable before delivered); agent.mqtt reads `unsent()` rows, publishes them and calls
 `mark_sent()` on PUBACK. `enforce()` keeps the file inside its age and byte caps, deleting delivered rows
 first; undelivered rows it must drop are counted and reported as a `dropped_rows` event, so the loss is
-itself delivered. The schema, for `sqlite-utils query telemetry.db "..."`, is documented in docs/telemetry.md.
+itself delivered. A full disk (or the file's hard limit, `max_file_bytes`) makes `append()` raise StoreFull; a record
+given up on is counted (`count_unwritten()`) and the next `enforce()` reports it with the others. The schema, for `sqlite-utils query telemetry.db "..."`, is documented in docs/telemetry.md.
 
 Example:
     store = TelemetryStore(Path("/var/lib/edge-agent/telemetry.db"), "dev-1")
@@ -39,6 +40,21 @@ MAX_RECORD_BYTES = MAX_PAYLOAD_BYTES - ENVELOPE_BYTES  # a record must fit one b
 BUSY_TIMEOUT_S = 10.0  # another process (the CLI, a backup) may hold the write lock briefly
 
 _KINDS = {RequestRecord: "request", SampleRecord: "sample", EventRecord: "event"}
+
+
+class StoreFull(Exception):
+    """The record was not written: the disk, or the file's hard limit (max_page_count), is full."""
+
+
+def max_file_bytes(max_bytes: int) -> int:
+    """The file's hard limit for a soft cap of max_bytes: room for pages' slack and indexes (a row's
+    estimate in stored_bytes() is its body plus ROW_OVERHEAD_BYTES) before retention catches up."""
+    return 2 * max_bytes + (1 << 20)
+
+
+def is_full(e: sqlite3.Error) -> bool:
+    """SQLITE_FULL: what SQLite says both for a full disk and for a file at its max_page_count."""
+    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
 
 
 # ---- migrations: ordered, named, each run once in its own transaction; never edit a shipped one ------------
@@ -119,7 +135,7 @@ class OutboxRow(NamedTuple):
 @dataclass(frozen=True)
 class RetentionReport:
     deleted_delivered: int
-    dropped_undelivered: int  # in this pass; the lifetime total is TelemetryStore.dropped_undelivered
+    dropped_undelivered: int  # in this pass (deleted or refused by a full disk); lifetime: TelemetryStore's
     stored_bytes: int  # after the pass (estimate: body + ROW_OVERHEAD_BYTES per row)
 
 
@@ -130,7 +146,8 @@ class TelemetryStore:
     mark_sent from the outbox's).
     """
 
-    def __init__(self, path: Path, device_id: str, clock: Callable[[], float] = time.time):
+    def __init__(self, path: Path, device_id: str, clock: Callable[[], float] = time.time,
+                 max_file_bytes: int | None = None):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.device_id, self.clock = path, device_id, clock
@@ -138,9 +155,20 @@ class TelemetryStore:
         self.db.enable_wal()
         self.db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
         migrate(self.db)
+        if max_file_bytes is not None:
+            # A hard ceiling under the soft byte cap of enforce(): retention runs only every few minutes,
+            # and the device's disk must never fill with telemetry in between.
+            page = self.db.execute("PRAGMA page_size").fetchone()[0]
+            self.db.execute(f"PRAGMA max_page_count = {max(16, max_file_bytes // page)}")
         self.boot_id = str(uuid.uuid4())
         self._next_seq = 0
+        self._unwritten = 0  # records refused by a full disk since the last enforce(): reported by it
         self._lock = threading.RLock()
+
+    def count_unwritten(self, n: int = 1) -> None:
+        """Records given up on after StoreFull: the next enforce() adds them to the dropped count."""
+        with self._lock:
+            self._unwritten += n
 
     def close(self) -> None:
         with self._lock:
@@ -157,9 +185,14 @@ class TelemetryStore:
             if len(text.encode()) > MAX_RECORD_BYTES:
                 raise ValueError(f"a {kind} record of {len(text.encode())} bytes exceeds the "
                                  f"{MAX_RECORD_BYTES}-byte limit of one telemetry batch")
-            self.db.execute(  # autocommits (or joins the caller's transaction, see enforce)
-                "INSERT INTO records (device_id, boot_id, seq, ts, kind, body) VALUES (?, ?, ?, ?, ?, ?)",
-                [self.device_id, record.boot_id, record.seq, record.ts, kind, text])
+            try:
+                self.db.execute(  # autocommits (or joins the caller's transaction, see enforce)
+                    "INSERT INTO records (device_id, boot_id, seq, ts, kind, body) VALUES (?, ?, ?, ?, ?, ?)",
+                    [self.device_id, record.boot_id, record.seq, record.ts, kind, text])
+            except sqlite3.OperationalError as e:
+                if not is_full(e):
+                    raise
+                raise StoreFull(f"telemetry database full ({e}): a {kind} record was not written") from None
             self._next_seq += 1
         return record
 
@@ -224,11 +257,12 @@ class TelemetryStore:
                 excess = self.stored_bytes() - max_bytes
                 delivered, freed = self._delete_oldest(sent=1, excess_bytes=excess)
                 dropped, _ = self._delete_oldest(sent=0, excess_bytes=excess - freed)
-                if dropped:
+                lost = dropped + self._unwritten
+                if lost:
                     self._report_dropped(dropped)
             if aged or delivered or dropped:
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # give the WAL's pages back too
-            return RetentionReport(aged + delivered, dropped, self.stored_bytes())
+            return RetentionReport(aged + delivered, lost, self.stored_bytes())
 
     def _delete_oldest(self, sent: int, excess_bytes: int) -> tuple[int, int]:
         """Delete the fewest oldest rows (of this delivery state) that free excess_bytes: (rows, bytes)."""
@@ -244,9 +278,13 @@ class TelemetryStore:
             self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, last_id])
         return count, freed
 
-    def _report_dropped(self, count: int) -> None:
+    def _report_dropped(self, deleted: int) -> None:
+        """Count rows deleted undelivered plus records a full disk refused; both are lost to the fleet."""
+        count = deleted + self._unwritten
         total = self._meta_add("dropped_undelivered", count)
-        self.append(EventRecord(kind="dropped_rows", detail={"count": count, "total": total}))
+        self.append(EventRecord(kind="dropped_rows", detail={"count": count, "total": total,
+                                                             "unwritten": self._unwritten}))
+        self._unwritten = 0
 
 
 # ---- the read side, for `edge-agent telemetry` ------------------------------------------------------------

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import socket
+import sqlite3
 import threading
 import time
 from collections import defaultdict
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 from agent.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
 from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
-from agent.store import RetentionReport, TelemetryReader, TelemetryStore
+from agent.store import RetentionReport, StoreFull, TelemetryReader, TelemetryStore, max_file_bytes
 from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord
 
 if TYPE_CHECKING:
@@ -89,7 +90,8 @@ class Telemetry:
         rollback(args) is agent.updates' answer to the `rollback` command."""
         tc = config.telemetry
         device_id = tc.device_id or default_device_id()
-        telemetry = cls(TelemetryStore(Path(tc.state_dir) / DB_NAME, device_id), tc)
+        store = TelemetryStore(Path(tc.state_dir) / DB_NAME, device_id, max_file_bytes=max_file_bytes(tc.max_bytes))
+        telemetry = cls(store, tc)
         if tc.mqtt is not None:
             from agent.mqtt import MqttLink  # paho only when a broker is configured
 
@@ -133,9 +135,29 @@ class Telemetry:
         return self.link.flush(wait_s)
 
     def _append(self, body) -> None:
-        self.store.append(body)  # committed before anything tries to send it
+        """Commit one record, never raising: telemetry must not fail the request it describes."""
+        try:
+            self._commit(body)
+        except StoreFull:
+            self.store.count_unwritten()  # the next retention pass reports it as a dropped_rows event
+            return
+        except sqlite3.Error:
+            log.exception("telemetry: a %s record could not be stored", type(body).__name__)
+            return
         if self.link is not None:
             self.link.notify()
+
+    def _commit(self, body) -> None:
+        try:
+            self.store.append(body)  # committed before anything tries to send it
+        except StoreFull:
+            # The file's hard limit (or the disk) is full: make room now, not at the next retention pass,
+            # and try once more; a disk that stays full drops the record (counted).
+            before = self.store.stored_bytes()
+            self.enforce_retention()
+            if self.store.stored_bytes() >= before:
+                raise  # nothing could be freed: the disk itself is full
+            self.store.append(body)
 
     def _benchmark(self, spec: BenchmarkArgs) -> RequestFigures:
         if self._engine is None:

@@ -18,8 +18,10 @@ from click.testing import CliRunner
 
 from agent import store as store_module
 from agent.cli import cli
-from agent.store import MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, migrate
-from agent.telemetry import DB_NAME, parse_window, percentile, summary
+from agent.config import TelemetryConfig
+from agent.store import (MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, max_file_bytes,
+                         migrate)
+from agent.telemetry import DB_NAME, Telemetry, parse_window, percentile, summary
 from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord, TelemetryRecord
 
 REPO = Path(__file__).resolve().parents[2]
@@ -150,11 +152,51 @@ def test_retention_drops_undelivered_rows_only_when_over_the_cap_and_reports_it(
     ticks = [r["seq"] for r in remaining if r["event"]["kind"] == "tick"]
     assert ticks == list(range(60, 100))  # 0..19 and 30..59 were the oldest undelivered
     (event,) = [r for r in remaining if r["event"]["kind"] == "dropped_rows"]
-    assert event["event"]["detail"] == {"count": 50, "total": 50} and event["seq"] == 100
+    assert event["event"]["detail"] == {"count": 50, "total": 50, "unwritten": 0} and event["seq"] == 100
     assert store.dropped_undelivered == 50
     assert store.unsent(1000)[-1].record.event.kind == "dropped_rows"  # queued for delivery like any record
     store.close()
     assert TelemetryStore(db_path, "dev-1").dropped_undelivered == 50  # the count survives a restart
+
+
+def test_the_file_never_passes_its_hard_limit_and_telemetry_never_raises(tmp_path):
+    """A burst between retention passes: at the file's hard limit retention runs at once, deleting the oldest
+    undelivered rows (counted), so appends keep succeeding and the file stays under max_file_bytes."""
+    config = TelemetryConfig(state_dir=tmp_path, max_bytes=1 << 16)
+    telemetry = Telemetry(TelemetryStore(tmp_path / DB_NAME, "dev-1", max_file_bytes=max_file_bytes(1 << 16)), config)
+    for i in range(3000):
+        telemetry.record_request("smollm2", f"int4-{i:06d}", figures())
+    store = telemetry.store
+    assert (tmp_path / DB_NAME).stat().st_size <= max_file_bytes(1 << 16)
+    assert store.dropped_undelivered > 0 and store.count_unsent() == store.db.execute(
+        "SELECT count(*) FROM records").fetchone()[0]
+    versions = [r[0] for r in store.db.execute("SELECT version FROM requests ORDER BY id")]
+    assert versions[-1] == "int4-002999"  # the newest are kept
+    kept = len(versions)
+    dropped = sum(json.loads(b)["event"]["detail"]["count"] for (b,) in store.db.execute(
+        "SELECT body FROM records WHERE kind = 'event'"))
+    assert kept + dropped == 3000 and dropped == store.dropped_undelivered  # every record kept or counted
+
+
+def test_a_full_disk_drops_records_counts_them_and_reports_them_when_room_returns(tmp_path):
+    """SQLITE_FULL with nothing to delete (the disk itself is full): record_request() returns, the record is
+    counted, and the first retention pass with room reports the count as a dropped_rows event."""
+    config = TelemetryConfig(state_dir=tmp_path)
+    telemetry = Telemetry(TelemetryStore(tmp_path / DB_NAME, "dev-1"), config)
+    telemetry.record_request("smollm2", "int4-a", figures())
+    db = telemetry.store.db
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full: not one more page
+    for _ in range(200):
+        telemetry.record_request("smollm2", "int4-a", figures(tokens=1000))
+    kept = db.execute("SELECT count(*) FROM requests").fetchone()[0]
+    assert kept < 201
+    db.execute("PRAGMA max_page_count = 1000000")  # room again
+    report = telemetry.enforce_retention()
+    assert report.dropped_undelivered == 201 - kept == telemetry.store.dropped_undelivered
+    (detail,) = [json.loads(b)["event"]["detail"] for (b,) in db.execute(
+        "SELECT body FROM records WHERE kind = 'event'")]
+    assert detail == {"count": 201 - kept, "total": 201 - kept, "unwritten": 201 - kept}
 
 
 def test_age_retention_spares_undelivered_rows(db_path):
