@@ -13,7 +13,7 @@ Example:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -81,6 +81,12 @@ class Metrics:
         hit_rate = Gauge("edge:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up.",
                          registry=r)
         hit_rate.set_function(self._prefix_hit_rate)
+        self.telemetry_dropped = Gauge("edge:telemetry_dropped_records",
+                                       "Telemetry records lost for good (disk cap or full disk), lifetime.",
+                                       registry=r)
+
+    def bind_telemetry(self, dropped_total: Callable[[], int]) -> None:
+        self.telemetry_dropped.set_function(dropped_total)
 
     def bind_engine(self, engine: EngineGauges) -> None:
         """Read the engine's gauges at each scrape (cheap reads of its counters)."""

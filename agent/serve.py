@@ -348,6 +348,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
         return {"queued": True, "job_id": job_id}
 
     telemetry = Telemetry.open(config, describe=lambda: describe_device(backend), rollback=rollback)
+    server.metrics.bind_telemetry(lambda: telemetry.store.dropped_total)
     backend.on_finished.append(lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures))
     backend.on_ready(telemetry.bind_engine)
     if telemetry.link is not None:

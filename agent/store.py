@@ -233,6 +233,12 @@ class TelemetryStore:
             return self._meta("dropped_undelivered")
 
     @property
+    def dropped_total(self) -> int:
+        """Records lost for good, lifetime: deleted undelivered, plus refused by a full disk (not yet in meta)."""
+        with self._lock:
+            return self._meta("dropped_undelivered") + self._unwritten
+
+    @property
     def connections(self) -> int:
         with self._lock:
             return self._meta("connections")
@@ -250,16 +256,26 @@ class TelemetryStore:
         Undelivered rows are never deleted for age alone: a device offline for a month keeps its records
         up to the byte cap, and delivers them when it is back.
         """
+        try:
+            return self._enforce(max_age_s, max_bytes)
+        except sqlite3.OperationalError as e:
+            if not is_full(e):
+                raise
+            raise StoreFull(f"telemetry database full ({e}): retention could not run") from None
+
+    def _enforce(self, max_age_s: float, max_bytes: int) -> RetentionReport:
         with self._lock:
+            unwritten = self._unwritten
             with self.db.atomic():
                 aged = self.db.execute("DELETE FROM records WHERE sent = 1 AND ts < ?",
                                        [self.clock() - max_age_s]).rowcount
                 excess = self.stored_bytes() - max_bytes
                 delivered, freed = self._delete_oldest(sent=1, excess_bytes=excess)
                 dropped, _ = self._delete_oldest(sent=0, excess_bytes=excess - freed)
-                lost = dropped + self._unwritten
+                lost = dropped + unwritten
                 if lost:
-                    self._report_dropped(dropped)
+                    self._report_dropped(lost, unwritten)
+            self._unwritten -= unwritten  # only now: a full disk can fail the COMMIT itself
             if aged or delivered or dropped:
                 self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # give the WAL's pages back too
             return RetentionReport(aged + delivered, lost, self.stored_bytes())
@@ -278,13 +294,11 @@ class TelemetryStore:
             self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, last_id])
         return count, freed
 
-    def _report_dropped(self, deleted: int) -> None:
-        """Count rows deleted undelivered plus records a full disk refused; both are lost to the fleet."""
-        count = deleted + self._unwritten
+    def _report_dropped(self, count: int, unwritten: int) -> None:
+        """Count rows deleted undelivered and records a full disk refused: both are lost to the fleet."""
         total = self._meta_add("dropped_undelivered", count)
         self.append(EventRecord(kind="dropped_rows", detail={"count": count, "total": total,
-                                                             "unwritten": self._unwritten}))
-        self._unwritten = 0
+                                                             "unwritten": unwritten}))
 
 
 # ---- the read side, for `edge-agent telemetry` ------------------------------------------------------------

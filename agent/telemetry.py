@@ -81,6 +81,7 @@ class Telemetry:
         self._tokens_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._full_logged_at = -float("inf")
 
     @classmethod
     def open(cls, config: AgentConfig, describe: Callable[[], dict] = dict,
@@ -190,8 +191,17 @@ class Telemetry:
                             running=engine.num_running if engine else 0,
                             tokens_per_s=tokens / interval_s if interval_s > 0 else 0.0)
 
-    def enforce_retention(self) -> RetentionReport:
-        report = self.store.enforce(self.config.max_age_s, self.config.max_bytes)
+    def enforce_retention(self) -> RetentionReport | None:
+        """One retention pass; None when the disk is too full for it (said in the log, once a pass interval)."""
+        try:
+            report = self.store.enforce(self.config.max_age_s, self.config.max_bytes)
+        except StoreFull:
+            now = time.monotonic()
+            if now - self._full_logged_at >= self.config.retention_interval_s:
+                self._full_logged_at = now
+                log.warning("telemetry: the disk is full: %d records dropped so far (lifetime)",
+                            self.store.dropped_total)
+            return None
         if report.dropped_undelivered:
             log.warning("telemetry: dropped %d undelivered records to stay under %d bytes",
                         report.dropped_undelivered, self.config.max_bytes)
