@@ -24,6 +24,16 @@ def tiny_checkpoint(tiny_gguf):
 
 
 @pytest.fixture(scope="session")
+def tiny_fp32_bundle(tiny_checkpoint, tmp_path_factory):
+    """The tiny model as an fp32 bundle, for tests that run the agent as a process."""
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("tiny") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+@pytest.fixture(scope="session")
 def real_gguf() -> Path:
     from quantize.bundled import bundled_gguf_path
 

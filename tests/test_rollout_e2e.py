@@ -4,20 +4,15 @@ their telemetry afterwards carries it."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from broker import free_port
+from processes import BIN, Agent, FleetServer, client, health, wait
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
-
-BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
@@ -29,25 +24,6 @@ def bundles(tiny_checkpoint, tmp_path_factory):
     return v1, v2
 
 
-def client(sock: Path) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://agent", timeout=60)
-
-
-def wait(condition, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.2)
-
-
-def health(sock: Path) -> dict | None:
-    try:
-        r = client(sock).get("/health")
-        return r.json() if r.status_code == 200 else None
-    except httpx.HTTPError:
-        return None
-
-
 def fleet(*args, db: Path) -> str:
     return subprocess.run([BIN / "edge-fleet", *map(str, args), "--db", str(db)], capture_output=True, text=True,
                           check=True, timeout=120).stdout
@@ -57,19 +33,13 @@ def test_two_agents_two_waves(bundles, broker, tmp_path):
     v1, v2 = bundles
     db, keys = tmp_path / "fleet.db", tmp_path / "fleet.key"
     subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
-    procs = [subprocess.Popen([BIN / "edge-fleet", "serve", "--mqtt", broker.url, "--db", db, "--artifacts-http",
-                               f"127.0.0.1:{free_port()}", "--artifacts-dir", tmp_path / "artifacts"],
-                              stderr=open(tmp_path / "fleet.log", "w"))]
-    socks = {}
+    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
+                         tmp_path / "artifacts")
+    agents = [Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
+                    "--memory-budget-mb", 2048, device_id=dev) for dev in ("dev-a", "dev-b")]
     try:
-        for dev in ("dev-a", "dev-b"):
-            socks[dev] = tmp_path / f"{dev}.sock"
-            procs.append(subprocess.Popen(
-                [BIN / "edge-agent", "serve", "--model", v1.path, "--socket", socks[dev], "--state-dir",
-                 tmp_path / dev, "--mqtt", broker.url, "--device-id", dev, "--trusted-key", f"{keys}.pub",
-                 "--memory-budget-mb", "2048"], stderr=open(tmp_path / f"{dev}.log", "w")))
-        for dev, sock in socks.items():
-            wait(lambda: health(sock) is not None, f"{dev} ready")
+        for agent in agents:
+            agent.start()
         wait(lambda: fleet("devices", "--json", db=db).count('"online": true') == 2
              or fleet("devices", "--json", db=db).count('"online": 1') == 2, "both devices online in the fleet")
         target = fleet("publish", v2.path, "--key", keys, "--artifacts-dir", tmp_path / "artifacts",
@@ -77,20 +47,17 @@ def test_two_agents_two_waves(bundles, broker, tmp_path):
         out = subprocess.run([BIN / "edge-fleet", "deploy", target, "--to", "dev-a", "--to", "dev-b", "--wave-size",
                               "1", "--wait", "--timeout", "240", "--min-tokens-per-s", "0", "--db", db],
                              capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout + out.stderr + (tmp_path / "dev-a.log").read_text()[-3000:]
+        assert out.returncode == 0, out.stdout + out.stderr + agents[0].log.read_text()[-3000:]
         assert "SUCCEEDED" in out.stdout
-        for sock in socks.values():
-            wait(lambda: (health(sock) or {}).get("version") == v2.manifest.version, "the new version serving")
-            r = client(sock).post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
+        for agent in agents:
+            wait(lambda: (health(agent.sock) or {}).get("version") == v2.manifest.version, "the new version serving")
+            with client(agent.sock) as c:
+                r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 200
         new = f"tiny@{v2.manifest.version}"
         wait(lambda: sum(r["requests"] for r in json.loads(fleet("tps", "--by", "version", "--json", db=db))
                          if r["version"] == new) >= 2, "telemetry with the new version")
     finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for agent in agents:
+            agent.stop()
+        server.stop()

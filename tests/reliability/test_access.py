@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 
 from processes import Agent
-from quantize.package import build_bundle
-from quantize.precision import QuantSpec
 
 GROUP = "operator"  # a stock Debian group the `nobody` user is not in
 NOBODY = 65534
@@ -34,11 +32,6 @@ print(s.recv(4096).split(b"\\r\\n")[0].decode())
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("acc") / "fp32", name="tiny",
-                        progress=lambda s: None)
-
 
 def probe(sock: Path, extra_groups: list[int]) -> str:
     return subprocess.run(["/usr/bin/python3", "-c", PROBE, str(sock)], user=NOBODY, group=NOBODY,
@@ -47,13 +40,13 @@ def probe(sock: Path, extra_groups: list[int]) -> str:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another user needs root")
-def test_the_socket_admits_its_group_and_refuses_everyone_else(tiny_bundle, tmp_path, figures):
+def test_the_socket_admits_its_group_and_refuses_everyone_else(tiny_fp32_bundle, tmp_path, figures):
     # The socket's directory must be searchable by the other user, or the refusal would prove nothing.
     public = Path(tempfile.mkdtemp(prefix="edge-access-", dir="/tmp"))
     public.chmod(0o755)
     config = tmp_path / "agent.toml"
     config.write_text(f'[api]\nsocket_group = "{GROUP}"\n')
-    agent = Agent(tmp_path, "--model", tiny_bundle.path, "--config", config, "--memory-budget-mb", 2048)
+    agent = Agent(tmp_path, "--model", tiny_fp32_bundle.path, "--config", config, "--memory-budget-mb", 2048)
     agent.sock = public / "agent.sock"
     try:
         agent.start()

@@ -13,17 +13,10 @@ import pytest
 
 from agent.store import max_file_bytes
 from processes import BIN, Agent, client, integrity, rows
-from quantize.package import build_bundle
-from quantize.precision import QuantSpec
 
 REQUESTS = 400
 CAP = 1 << 16  # telemetry's smallest allowed max_bytes: about 60 request records
 
-
-@pytest.fixture(scope="module")
-def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("df") / "fp32", name="tiny",
-                        progress=lambda s: None)
 
 
 def serve_requests(agent: Agent, n: int, clients: int = 4) -> list[int]:
@@ -49,11 +42,11 @@ def dropped_metric(agent: Agent) -> float:
     return float(line.split()[1])
 
 
-def test_the_telemetry_cap_reached_drops_oldest_rows_counts_them_and_serving_goes_on(tiny_bundle, tmp_path,
+def test_the_telemetry_cap_reached_drops_oldest_rows_counts_them_and_serving_goes_on(tiny_fp32_bundle, tmp_path,
                                                                                      figures):
     config = tmp_path / "agent.toml"
     config.write_text(f"[telemetry]\nmax_bytes = {CAP}\nretention_interval_s = 1\nsample_interval_s = 0.5\n")
-    agent = Agent(tmp_path, "--model", tiny_bundle.path, "--config", config, "--memory-budget-mb", 2048)
+    agent = Agent(tmp_path, "--model", tiny_fp32_bundle.path, "--config", config, "--memory-budget-mb", 2048)
     agent.start()
     statuses = serve_requests(agent, REQUESTS)
     assert statuses.count(200) == REQUESTS
@@ -73,14 +66,14 @@ def test_the_telemetry_cap_reached_drops_oldest_rows_counts_them_and_serving_goe
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
-def test_a_really_full_disk_drops_records_counts_them_and_serving_goes_on(tiny_bundle, tmp_path, figures):
+def test_a_really_full_disk_drops_records_counts_them_and_serving_goes_on(tiny_fp32_bundle, tmp_path, figures):
     state = tmp_path / "dev-1"
     state.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", state], check=True)
     try:
         config = tmp_path / "agent.toml"
         config.write_text("[telemetry]\nretention_interval_s = 1\nsample_interval_s = 0.2\n")
-        agent = Agent(tmp_path, "--model", tiny_bundle.path, "--config", config, "--memory-budget-mb", 2048)
+        agent = Agent(tmp_path, "--model", tiny_fp32_bundle.path, "--config", config, "--memory-budget-mb", 2048)
         agent.start()
         statuses = serve_requests(agent, REQUESTS)
         assert statuses.count(200) == REQUESTS  # answered although their records could not all be stored
