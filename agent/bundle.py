@@ -43,8 +43,11 @@ def file_sha256(path: Path) -> str:
 
 def safe_member(root: Path, rel: str) -> Path:
     """root/rel, refusing absolute paths and '..' that would escape the bundle directory."""
-    p = (root / rel).resolve()
-    if Path(rel).is_absolute() or not p.is_relative_to(root.resolve()):
+    if "\x00" in rel:  # no file can have it; resolve() raised ValueError ("embedded null byte"), not BundleError
+        raise BundleError(f"{root}: manifest names a file with a NUL byte: {rel!r}")
+    p, inside = (root / rel).resolve(), root.resolve()
+    # p == inside: '' or 'x/..' named the bundle directory itself, which the updater then tried to unlink()
+    if Path(rel).is_absolute() or not p.is_relative_to(inside) or p == inside:
         raise BundleError(f"{root}: manifest names a file outside the bundle: {rel!r}")
     return p
 

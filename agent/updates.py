@@ -24,6 +24,7 @@ import threading
 import shutil
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,6 +193,9 @@ class UpdateJob:
                 safe_member(staging, rel)
             except BundleError as e:
                 raise JobFailed(JobState.REJECTED, f"unsafe file name in manifest: {rel!r}") from e
+        install = _install_name(m)
+        if not _is_entry_name(install):  # a signed name 'a/b' crashed the final move into models/ ('../x' escaped it)
+            raise JobFailed(JobState.REJECTED, f"unsafe model name or version in manifest: {install!r}")
         weights = sum(f.size_bytes for rel, f in m.files.items() if rel.startswith(wire.GRAPH))
         if weights + RUNTIME_OVERHEAD_BYTES > self.ctx.memory_budget_mb * MB:
             raise JobFailed(JobState.REJECTED, f"model needs about {(weights + RUNTIME_OVERHEAD_BYTES) // MB} MB, "
@@ -212,19 +216,25 @@ class UpdateJob:
         if not self.doc.base_url:
             raise JobFailed(JobState.FAILED, "job has no base_url to download from")
         self.staging = self.ctx.store.staging_root / self._digest()
-        self.staging.mkdir(parents=True, exist_ok=True)
         total = sum(f.size_bytes for f in m.files.values()) or 1
         done = 0
-        for rel, entry in sorted(m.files.items()):
-            self._fetch(rel, entry, lambda n: self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING,
-                                                          percent=round(100 * (done + n) / total, 1)))
-            done += entry.size_bytes
-        (self.staging / wire.MANIFEST).write_text(m.model_dump_json(indent=2))
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            for rel, entry in sorted(m.files.items()):
+                self._fetch(rel, entry, lambda n: self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING,
+                                                              percent=round(100 * (done + n) / total, 1)))
+                done += entry.size_bytes
+            (self.staging / wire.MANIFEST).write_text(m.model_dump_json(indent=2))
+        except OSError as e:  # the local side (_fetch retries the network): a signed 300-character file name
+            # raised ENAMETOOLONG out of the job; 'a' listed beside 'a/b', or a full disk, end here as well
+            raise JobFailed(JobState.FAILED, f"cannot write the download to {self.staging}: {e}") from e
 
     def _fetch(self, rel: str, entry: wire.FileEntry, progress: Callable[[int], None]) -> None:
         path = safe_member(self.staging, rel)
         path.parent.mkdir(parents=True, exist_ok=True)
-        url = f"{self.doc.base_url.rstrip('/')}/{rel}"
+        # Quoted: a signed file name with a control character raised http.client.InvalidURL out of the job, and
+        # a '#', '?' or '%' in a name would change what the URL points at.
+        url = f"{self.doc.base_url.rstrip('/')}/{urllib.parse.quote(rel)}"
         for attempt in range(DOWNLOAD_ATTEMPTS):
             have = path.stat().st_size if path.exists() else 0
             if have == entry.size_bytes:
@@ -271,7 +281,13 @@ class UpdateJob:
         golden = bundle.manifest.golden.continuation_ids
         n = min(self.doc.golden_tokens, len(golden))
         self.status(JobState.IN_PROGRESS, JobStep.HEALTH_CHECK)
-        ids, tps = measure(bundle, max(n, 16))
+        try:
+            ids, tps = measure(bundle, max(n, 16))
+        except Exception as e:  # ONNX Runtime cannot load or run it (a signed manifest without model.onnx, a
+            # golden prompt past the vocabulary): an unhealthy model, FAILED with the reason, not an internal error
+            first_line = (str(e).splitlines() or [""])[0][:300]
+            raise JobFailed(JobState.FAILED, f"health check could not run the model: {type(e).__name__}: "
+                                             f"{first_line}") from e
         if ids[:n] != golden[:n]:
             first = next(i for i in range(n) if ids[i] != golden[i])
             raise JobFailed(JobState.FAILED, f"golden output mismatch at token {first} of {n}")
@@ -292,7 +308,7 @@ class UpdateJob:
     def _activate(self, bundle: Bundle) -> None:
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         m = bundle.manifest
-        final = self.ctx.store.models / f"{m.name}@{m.version}"
+        final = self.ctx.store.models / _install_name(m)
         if final.exists():
             shutil.rmtree(final)
         self.staging.rename(final)
@@ -397,9 +413,23 @@ class UpdateService:
                                                      state=JobState.FAILED, reason="internal error", ts=time.time()))
 
 
+def _install_name(m: wire.Manifest) -> str:
+    return f"{m.name}@{m.version}"  # the bundle's directory under models/
+
+
+def _is_entry_name(name: str) -> bool:
+    """True if name can be a single directory entry: no '/', no NUL, encodable, at most NAME_MAX (255) bytes."""
+    try:
+        return "/" not in name and "\x00" not in name and len(os.fsencode(name)) <= 255
+    except UnicodeEncodeError:
+        return False
+
+
 def _job_id_of(payload: bytes) -> str | None:
+    # RecursionError: json.loads recurses once per nesting level, and a few thousand '[' (far below
+    # MAX_PAYLOAD_BYTES) raised it out of offer()
     try:
         job_id = json.loads(payload).get("job_id")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return job_id if isinstance(job_id, str) and 0 < len(job_id) <= 64 else None

@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # ---- ONNX decoder graph I/O -------------------------------------------------------------------------
 INPUT_IDS = "input_ids"  # int64 [batch, seq]
@@ -289,6 +290,21 @@ class JobDocument(_Frozen):
     min_tokens_per_s: float | None = Field(None, ge=0)  # health-check floor; None: 70% of the current model's
     golden_tokens: int = Field(16, ge=1, le=64)  # golden continuation tokens that must match exactly
     allow_downgrade: bool = False
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """Only what urllib can fetch over HTTP: anything else ('0', 'http://h:abc', a space) raised ValueError
+        or http.client.InvalidURL out of the download, after the signature had been checked."""
+        if url is None:
+            return url
+        parts = urlsplit(url)  # ValueError for an unclosed '[' (an IPv6 host): reported like the rest
+        if (parts.scheme not in ("http", "https") or not parts.hostname or not url.isascii()
+                or any(c.isspace() or not c.isprintable() for c in url)):
+            raise ValueError("base_url must be an http:// or https:// URL with a host, in printable ASCII without "
+                             "spaces (percent-encode the rest)")
+        _ = parts.port  # ValueError for a port that is not a number in 0-65535
+        return url
 
 
 class JobStatusUpdate(_Frozen):

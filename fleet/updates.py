@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import sqlite_utils
 
@@ -185,9 +186,10 @@ class RolloutDriver:
         if job["operation"] == "rollback":
             return JobDocument(job_id=job["id"], operation="rollback")
         model = db["models"].get((job["model"], job["version"]))
+        # quoted: a space or an 'é' in a model name is not a URL (JobDocument refuses it; devices could not fetch it)
+        path = quote(f"{job['model']}@{job['version']}", safe="@")
         return JobDocument(job_id=job["id"], manifest=Manifest.model_validate_json(model["manifest"]),
-                           signature=model["signature"], key_id=model["key_id"],
-                           base_url=f"{self.base_url}/{job['model']}@{job['version']}",
+                           signature=model["signature"], key_id=model["key_id"], base_url=f"{self.base_url}/{path}",
                            min_tokens_per_s=job["min_tokens_per_s"], allow_downgrade=bool(job["allow_downgrade"]))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,60 +12,20 @@ from pathlib import Path
 import pytest
 
 from agent import wire
-from agent.bundle import open_bundle
-from agent.trust import load_trusted_keys
-from agent.updates import ModelStore, UpdateContext, UpdateJob, recover
+from agent.updates import UpdateJob, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
-from fleet.signing import keygen, load_private_key, sign_manifest
-from quantize.package import build_bundle
-from quantize.precision import QuantSpec
+from updates_support import Device, build_bundles, job, make_keys
 
 
 @pytest.fixture(scope="module")
 def bundles(tiny_checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("upd")
-    v1 = build_bundle(tiny_checkpoint, QuantSpec(), root / "v1", name="tiny", progress=lambda s: None)
-    v2 = build_bundle(tiny_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
-                      root / "v2", name="tiny", progress=lambda s: None)
-    return v1, v2
+    return build_bundles(tiny_checkpoint, tmp_path_factory.mktemp("upd"))
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    root = tmp_path_factory.mktemp("keys")
-    keygen(root / "fleet.key")
-    keygen(root / "other.key")
-    return root
-
-
-class Device:
-    """The updater with a real store, serving v1, and a record of every status it reported."""
-
-    def __init__(self, root: Path, v1, keys: Path, budget_mb: int = 4096):
-        self.store = ModelStore(root / "state")
-        dest = self.store.models / f"{v1.manifest.name}@{v1.manifest.version}"
-        shutil.copytree(v1.path, dest)
-        self.store.activate(dest)
-        self.serving = open_bundle(dest)
-        self.reports: list[wire.JobStatusUpdate] = []
-        self.ctx = UpdateContext(device_id="dev1", store=self.store,
-                                 trusted_keys=load_trusted_keys([keys / "fleet.key.pub"]), memory_budget_mb=budget_mb,
-                                 current=lambda: self.serving, report=self.reports.append, swap=self._swap, threads=1)
-
-    def _swap(self, bundle):
-        self.serving = bundle
-
-    def model_dirs(self) -> list[str]:
-        return sorted(p.name for p in self.store.models.iterdir() if p.name != ".staging")
-
-    def staging_empty(self) -> bool:
-        return not any(self.store.staging_root.iterdir())
-
-
-def job(manifest: wire.Manifest, keyfile: Path | None, base_url: str, **kw) -> JobDocument:
-    sig, kid = sign_manifest(manifest, load_private_key(keyfile)) if keyfile else (None, None)
-    return JobDocument(job_id="job-1", manifest=manifest, signature=sig, key_id=kid, base_url=base_url, **kw)
+    return make_keys(tmp_path_factory.mktemp("keys"))
 
 
 @pytest.fixture

@@ -1,0 +1,89 @@
+"""What the update tests share: two versions of the tiny model as bundles, a fleet key pair, a device whose
+updater runs on a real ModelStore, and a job document. Used by tests/agent/test_updates.py and
+tests/reliability/test_fuzz_jobs.py.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+from agent import wire
+from agent.bundle import Bundle, open_bundle
+from agent.trust import load_trusted_keys
+from agent.updates import ModelStore, UpdateContext
+from agent.wire import JobDocument
+from fleet.signing import keygen, load_private_key, sign_manifest
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+
+def build_bundles(checkpoint, root: Path) -> tuple[Bundle, Bundle]:
+    """v1 (fp32) and v2 (int8): the same tiny model, two versions a device can move between."""
+    v1 = build_bundle(checkpoint, QuantSpec(), root / "v1", name="tiny", progress=lambda s: None)
+    v2 = build_bundle(checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
+                      root / "v2", name="tiny", progress=lambda s: None)
+    return v1, v2
+
+
+def make_keys(root: Path) -> Path:
+    """root/fleet.key (the key devices trust) and root/other.key (one they do not), each with its .pub."""
+    keygen(root / "fleet.key")
+    keygen(root / "other.key")
+    return root
+
+
+class Device:
+    """The updater with a real store, serving v1, and a record of every status it reported (thread-safe: an
+    UpdateService reports from its own thread)."""
+
+    def __init__(self, root: Path, v1: Bundle, keys: Path, budget_mb: int = 4096):
+        self.root, self.v1 = root, v1
+        self.reports: list[wire.JobStatusUpdate] = []
+        self.reported = threading.Condition()
+        self.store = self._fresh_store()
+        self.ctx = UpdateContext(device_id="dev1", store=self.store,
+                                 trusted_keys=load_trusted_keys([keys / "fleet.key.pub"]), memory_budget_mb=budget_mb,
+                                 current=lambda: self.serving, report=self._report, swap=self._swap, threads=1)
+
+    def _fresh_store(self) -> ModelStore:
+        store = ModelStore(self.root / "state")
+        dest = store.models / f"{self.v1.manifest.name}@{self.v1.manifest.version}"
+        shutil.copytree(self.v1.path, dest)
+        store.activate(dest)
+        self.serving = open_bundle(dest)
+        return store
+
+    def reset(self) -> None:
+        """Back to a store holding only v1, serving it (between fuzz cases; the updater must be idle)."""
+        shutil.rmtree(self.root / "state")
+        self.store = self.ctx.store = self._fresh_store()
+
+    def _report(self, update: wire.JobStatusUpdate) -> None:
+        with self.reported:
+            self.reports.append(update)
+            self.reported.notify_all()
+
+    def wait_report(self, predicate, timeout_s: float, since: int = 0) -> wire.JobStatusUpdate | None:
+        """The first report from reports[since:] that satisfies predicate, waiting up to timeout_s for it."""
+        def first():
+            return next((r for r in self.reports[since:] if predicate(r)), None)
+
+        with self.reported:
+            self.reported.wait_for(lambda: first() is not None, timeout_s)
+            return first()
+
+    def _swap(self, bundle: Bundle) -> None:
+        self.serving = bundle
+
+    def model_dirs(self) -> list[str]:
+        return sorted(p.name for p in self.store.models.iterdir() if p.name != ".staging")
+
+    def staging_empty(self) -> bool:
+        return not any(self.store.staging_root.iterdir())
+
+
+def job(manifest: wire.Manifest, keyfile: Path | None, base_url: str, job_id: str = "job-1", **kw) -> JobDocument:
+    """An install job for manifest, signed with keyfile (unsigned if None)."""
+    sig, kid = sign_manifest(manifest, load_private_key(keyfile)) if keyfile else (None, None)
+    return JobDocument(job_id=job_id, manifest=manifest, signature=sig, key_id=kid, base_url=base_url, **kw)
