@@ -608,8 +608,11 @@ NAMES = st.one_of(st.sampled_from(COMMANDS), st.text(
     st.characters(exclude_categories=("Cc", "Cs", "Cn", "Co"), exclude_characters="/+#"), min_size=1, max_size=40))
 
 
-def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving(broker, links):
-    """(e) >= 300 bad requests: each is answered with an error, or (no response topic) dropped with a logged
+COMMAND_CASES = 1000
+
+
+def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving(broker, links, figures):
+    """(e) >= 1,000 bad requests: each is answered with an error, or (no response topic) dropped with a logged
     reason; a ping afterwards still works."""
     config = fast_config(broker.url)
     link = links(broker.url, "dev-f", handler=commands_for(config))
@@ -619,7 +622,7 @@ def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving
     logging.getLogger("agent.mqtt").addHandler(logs)
     n = itertools.count()
 
-    @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=COMMAND_CASES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(name=NAMES, payload=PAYLOADS, answer=st.integers(0, 3))
     def bad_request_is_refused(name, payload, answer):
         assume(name not in COMMANDS or not is_valid_request(payload))
@@ -635,13 +638,17 @@ def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving
             fleet.request("dev-f", name, payload, response_topic=None)
             assert wait_until(lambda: logs.count("has no response topic") > before, 5), (name, payload[:80])
 
+    started = time.monotonic()
     try:
         bad_request_is_refused()
     finally:
         logging.getLogger("agent.mqtt").removeHandler(logs)
-    assert next(n) >= 300
+    cases = next(n)
+    assert cases >= COMMAND_CASES
     assert link.is_connected and fleet.call("dev-f", "ping").ok
     fleet.close()
+    figures.append(f"command payloads: {cases} fuzzed MQTT requests through Mosquitto in "
+                   f"{time.monotonic() - started:.0f} s, each refused with a reason, no crash; ping still answered")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
