@@ -43,9 +43,71 @@ GLOBAL_NAMES = {
 def open_reader(path: Path) -> GGUFReader:
     """GGUFReader, with any parse failure (truncated file, bad magic) turned into one clear error."""
     try:
+        check_metadata_bounds(path)
         return GGUFReader(path)
+    except CheckpointError:
+        raise
     except Exception as e:  # the gguf package raises assorted ValueError/IndexError/struct errors
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+# Byte sizes of GGUF's scalar value types (gguf.GGUFValueType): 0-7 u8 i8 u16 i16 u32 i32 f32 bool, 10-12 u64 i64 f64.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def check_metadata_bounds(path: Path) -> None:
+    """Walk the header's key/value section and check every length and count against the file's size.
+
+    GGUFReader trusts array counts: it builds per-element parts in a Python loop and reads past the end
+    of the file as empty arrays, so one corrupted count made it allocate until the machine ran out of
+    memory (found by tests/reliability/test_bad_input.py). Here each count must fit in the bytes left,
+    which also bounds this walk by the file's size.
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        size = len(m)
+
+        def take(offset: int, n: int) -> int:
+            if n < 0 or offset + n > size:
+                raise CheckpointError(f"{path}: not a readable GGUF file (metadata runs past the end of the file "
+                                      f"at byte {offset})")
+            return offset + n
+
+        def u(offset: int, fmt: str) -> tuple[int, int]:
+            end = take(offset, struct.calcsize(fmt))
+            return struct.unpack_from("<" + fmt, m, offset)[0], end
+
+        def value(offset: int, vtype: int, depth: int = 0) -> int:
+            if vtype in _SCALAR_BYTES:
+                return take(offset, _SCALAR_BYTES[vtype])
+            if vtype == _STRING:
+                n, offset = u(offset, "Q")
+                return take(offset, n)
+            if vtype == _ARRAY and depth < 2:
+                itype, offset = u(offset, "I")
+                count, offset = u(offset, "Q")
+                if itype in _SCALAR_BYTES:
+                    return take(offset, count * _SCALAR_BYTES[itype])
+                take(offset, count * 8)  # each string or nested array needs 8 bytes at least
+                for _ in range(count):
+                    offset = value(offset, itype, depth + 1)
+                return offset
+            raise CheckpointError(f"{path}: not a readable GGUF file (unknown metadata value type {vtype})")
+
+        magic, offset = u(0, "I")
+        if magic != 0x46554747:  # "GGUF" little-endian; big-endian files are left to GGUFReader's own check
+            return
+        _version, offset = u(offset, "I")
+        _tensors, offset = u(offset, "Q")
+        kv_count, offset = u(offset, "Q")
+        take(offset, kv_count * 12)  # a key (8-byte length) and a value type (4 bytes) each, at least
+        for _ in range(kv_count):
+            offset = value(offset, _STRING)  # the key
+            vtype, offset = u(offset, "I")
+            offset = value(offset, vtype)
 
 
 _REQUIRED = object()

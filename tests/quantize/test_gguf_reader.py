@@ -40,6 +40,20 @@ def test_truncated_gguf_is_a_clear_error(tiny_gguf, tmp_path):
         load_checkpoint(cut)
 
 
+@pytest.mark.parametrize("count", [2**24, 2**40, 2**64 - 1])
+def test_a_corrupt_array_count_is_a_clear_error_not_a_memory_blowup(tiny_gguf, tmp_path, count):
+    """Found by the reliability fuzz: gguf's reader looped (and allocated) once per claimed array element,
+    reading past the end of the file, until the machine ran out of memory."""
+    data = bytearray(tiny_gguf.read_bytes())
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(key) + len(key) + 4 + 4  # value type ARRAY, then the element type, then the count
+    data[at:at + 8] = count.to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="past the end of the file"):
+        load_checkpoint(bad)
+
+
 def test_unknown_architecture_is_named(tmp_path):
     path = write_tiny_llama(tmp_path / "gpt.gguf", architecture="gptneox")
     with pytest.raises(CheckpointError, match="gptneox"):
