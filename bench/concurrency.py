@@ -7,7 +7,9 @@ Run: .venv/bin/python bench/concurrency.py [--runs 3] [--write-docs]
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from benchdocs import replace_section  # noqa: E402
-from tps import build_artifacts  # noqa: E402
+from tps import PEER_PYTHON, build_artifacts  # noqa: E402
 
 from agent.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402
@@ -51,6 +53,39 @@ def aggregate(e: Engine, streams: int, runs: int) -> tuple[float, float]:
         totals.append(sum(x.figures.completion_tokens for x in results) / wall)
         per_stream += [x.figures.decode_tokens_per_s for x in results]
     return statistics.median(totals), statistics.median(per_stream)
+
+
+# ONNX Runtime GenAI's static batch: all streams' prompts (128 random tokens each, as ours) appended at once,
+# 128 greedy steps; completion tokens over the wall time from the first append, as `aggregate` counts ours.
+GENAI_BATCH = """
+import json, sys, time
+import numpy as np
+import onnxruntime_genai as og
+model, streams, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+config = og.Config(model)
+config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}))
+m = og.Model(config)
+out = []
+for r in range(runs + 1):  # the first is a warm-up
+    prompts = np.random.default_rng(r).integers(100, 40000, (streams, 128)).astype(np.int32)
+    params = og.GeneratorParams(m)
+    params.set_search_options(max_length=264, do_sample=False, batch_size=streams)
+    gen = og.Generator(m, params)
+    t0 = time.perf_counter()
+    gen.append_tokens(prompts)
+    for _ in range(128):
+        gen.generate_next_token()
+    out.append(streams * 128 / (time.perf_counter() - t0))
+print(json.dumps(sorted(out[1:])[len(out[1:]) // 2]))
+"""
+
+
+def genai_static_batch(model: Path, streams: int, runs: int) -> float | None:
+    if not PEER_PYTHON.exists():
+        return None
+    r = subprocess.run([str(PEER_PYTHON), "-c", GENAI_BATCH, str(model), str(streams), str(runs)],
+                       capture_output=True, text=True, timeout=1200)
+    return json.loads(r.stdout) if r.returncode == 0 else None
 
 
 def ttft_cold_warm(bundle, runs: int) -> tuple[float, float]:
@@ -89,15 +124,20 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    bundle = open_bundle(build_artifacts(bundled_gguf_path(), 2, rebuild=False)["ours-int4"])
-    lines = ["| streams | aggregate tok/s | x 1 stream | per-stream decode tok/s (median) |", "|--:|--:|--:|--:|"]
-    e = engine(bundle, speculative_max_batch=1)
-    base = None
+    paths = build_artifacts(bundled_gguf_path(), 2, rebuild=False)
+    bundle = open_bundle(paths["ours-int4"])
+    lines = ["| streams | ours: aggregate tok/s | x 1 stream | per-stream decode tok/s (median) | ours, spin_wait | "
+             "GenAI static batch | ours / GenAI |", "|--:|--:|--:|--:|--:|--:|--:|"]
+    ours = {}
+    for spin in (False, True):
+        e = engine(bundle, speculative_max_batch=1, spin_wait=spin)
+        ours[spin] = {n: aggregate(e, n, args.runs) for n in (1, 2, 4, 8)}
+        e.stop()
     for n in (1, 2, 4, 8):
-        agg, per = aggregate(e, n, args.runs)
-        base = base or agg
-        lines.append(f"| {n} | {agg:.1f} | {agg / base:.2f} | {per:.1f} |")
-    e.stop()
+        (agg, per), spin_agg = ours[False][n], ours[True][n][0]
+        genai = genai_static_batch(paths["genai-int4"], n, args.runs)
+        peer = f"{genai:.1f} | {agg / genai:.2f}" if genai else "- | -"
+        lines.append(f"| {n} | {agg:.1f} | {agg / ours[False][1][0]:.2f} | {per:.1f} | {spin_agg:.1f} | {peer} |")
     cold, warm = ttft_cold_warm(bundle, args.runs)
     lines += ["", "| 400-token cached system prompt | TTFT ms |", "|---|--:|", f"| cold | {cold:.1f} |",
               f"| warm (prefix cache) | {warm:.1f} ({warm / cold:.0%} of cold) |"]
@@ -117,8 +157,10 @@ def write_docs(report: str, args) -> None:
     title = "## Concurrency (bench/concurrency.py)"
     section = (f"{title}\n\nCommand: `.venv/bin/python bench/concurrency.py --runs {args.runs} --write-docs`, "
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, our INT4 bundle, 2 threads, greedy, 128-token "
-               "prompts and 128 tokens a stream, shared 2-core machine. Peers (ONNX Runtime GenAI static batch, "
-               "llama.cpp parallel sequences) are not measured here yet.\n\n" + report + "\n")
+               "prompts and 128 tokens a stream, shared 2-core machine. Aggregate = completion tokens / wall time from "
+               "submission (prefill included). Peer: ONNX Runtime GenAI's static batch (its int4 builder, "
+               "spinning threads: its default), same prompts and lengths. llama.cpp's parallel sequences are "
+               "not measured (llama-cpp-python's high-level API runs one sequence).\n\n" + report + "\n")
     replace_section(title, section)
 
 
