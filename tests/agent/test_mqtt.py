@@ -570,18 +570,6 @@ def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
 
 
 # ---- (e) malformed and oversized commands -----------------------------------------------------------------
-class LogLines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def count(self, text: str) -> int:
-        return sum(text in line for line in list(self.lines))
-
-
 def is_valid_request(payload: bytes) -> bool:
     if len(payload) > MAX_PAYLOAD_BYTES:
         return False
@@ -618,6 +606,8 @@ def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving
     link = links(broker.url, "dev-f", handler=commands_for(config))
     fleet = Fleet(broker, subscribe=["edge/v1/dev-f/cmd/res/#"])
     assert wait_until(lambda: link.is_connected)
+    from loglines import LogLines  # here, not at the top: the SIGKILL child runs this file as a script
+
     logs = LogLines()
     logging.getLogger("agent.mqtt").addHandler(logs)
     n = itertools.count()

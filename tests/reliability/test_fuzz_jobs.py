@@ -32,6 +32,7 @@ from agent.updates import UpdateService
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer
 from fleet.signing import load_private_key, sign_manifest
+from loglines import LogLines
 from updates_support import Device, build_bundles, job, make_keys
 
 ARBITRARY_CASES = 500
@@ -40,15 +41,6 @@ TERMINAL_TIMEOUT_S = 60.0  # a download that keeps failing retries for ~6 s; a h
 COUNT: Counter = Counter()  # what became of each payload: a terminal state's name, or "dropped" (no job id)
 SIGNED: dict[bytes, str] = {}  # canonical manifest bytes -> the trusted key's signature over them
 VALID: dict = {}  # the valid signed job as JSON data, its URL and keys: filled by the `rig` fixture
-
-
-class LogLines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @dataclass
