@@ -25,9 +25,14 @@ class Bundle:
     manifest: wire.Manifest
     config: wire.ModelConfig
 
-    def runner(self, threads: int | None = None, spin_wait: bool = False) -> ModelRunner:
+    def runner(self, threads: int | None = None, spin_wait: bool = False, kv_dtype: str = "fp32") -> ModelRunner:
         c = self.config
-        return ModelRunner(self.path / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
+        graph = self.path / (wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH)
+        if not graph.is_file():
+            raise BundleError(f"{self.manifest.name}@{self.manifest.version} has no int8 KV cache graph "
+                              f"({wire.GRAPH_INT8_KV}): rebuild it with edge-quantize build (which calibrates one), "
+                              f"or set kv_dtype = \"fp32\"")
+        return ModelRunner(graph, c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
     def tokenizer_json(self) -> str:
         return (self.path / wire.TOKENIZER).read_text()

@@ -56,9 +56,11 @@ def cli(verbose: bool) -> None:
 @click.option("--speculative", type=click.Choice(["off", "ngram", "draft"]), default="off", show_default=True,
               help="Speculative decoding: prompt lookup (ngram) or a draft model (draft).")
 @click.option("--draft-model", type=click.Path(path_type=Path), default=None, help="Draft bundle for --speculative draft.")
+@click.option("--kv-cache", "kv_dtype", type=click.Choice(["fp32", "int8"]), default="fp32", show_default=True,
+              help="KV cache type: int8 holds 4x the tokens in the same memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k, seed, stop, threads,
-             memory_budget_mb, ignore_eos, speculative, draft_model, as_json):
+             memory_budget_mb, ignore_eos, speculative, draft_model, kv_dtype, as_json):
     """Generate a completion of PROMPT, streaming it to the terminal, then print the figures.
 
     Example: edge-agent generate --model bundles/smollm2-int4 --chat "Name three rivers."
@@ -72,7 +74,7 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
         if speculative == "draft" and draft_model is None:
             raise ValueError("--speculative draft needs --draft-model BUNDLE")
         engine = Engine(open_bundle(model), EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb,
-                                                         speculative=speculative),
+                                                         speculative=speculative, kv_dtype=kv_dtype),
                         draft=open_bundle(draft_model) if draft_model else None)
         text = prompt
         if chat:

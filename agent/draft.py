@@ -24,7 +24,7 @@ class DraftModel:
 
     def attach(self, target_kv: KVPool) -> None:
         c = self.bundle.config
-        self.kv = target_kv.attach_mirror(c.num_layers, c.num_kv_heads, c.head_dim)
+        self.kv = target_kv.attach_mirror(c.num_layers, c.num_kv_heads, c.head_dim, self.runner.kv_dtype)
 
     def forget(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)

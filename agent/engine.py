@@ -91,7 +91,7 @@ class Engine:
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
         self.eos_ids = set(c.eos_token_ids)
         reset_peak_rss()
-        self.runner = bundle.runner(config.threads, config.spin_wait)
+        self.runner = bundle.runner(config.threads, config.spin_wait, config.kv_dtype)
         self.draft = self._load_draft(draft)
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
@@ -116,10 +116,12 @@ class Engine:
     def _plan_kv(self) -> KVPool:
         """Measure what the model costs with its largest step, then give the rest of the budget to KV."""
         c = self.bundle.config
-        per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+        dtype = self.runner.kv_dtype
+        per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype.itemsize)
         if self.draft is not None:  # the draft's cache mirrors every slot, so a token costs both
             d = self.draft.bundle.config
-            per_token += kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim)
+            per_token += kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim,
+                                            self.draft.runner.kv_dtype.itemsize)
         self._warm_up()
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         budget = self.config.memory_budget_mb * MB
@@ -134,11 +136,11 @@ class Engine:
         prefix_blocks = int(kv_bytes * self.config.prefix_cache_fraction) // (per_token * self.config.prefix_block_tokens)
         classes = plan_slots(kv_bytes - prefix_blocks * per_token * self.config.prefix_block_tokens, per_token,
                              capacities, self.config.min_context)
-        pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim)
+        pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         if self.draft is not None:
             self.draft.attach(pool)
         self.prefix = (PrefixCache(prefix_blocks, self.config.prefix_block_tokens, c.num_layers, c.num_kv_heads,
-                                   c.head_dim) if prefix_blocks > 0 else None)
+                                   c.head_dim, dtype) if prefix_blocks > 0 else None)
         log.info("KV cache: %s (%.0f MB) + prefix cache %d blocks of %d tokens (%.0f MB), budget %d MB",
                  ", ".join(f"{x.num_slots}x{x.capacity_tokens}" for x in classes), pool.nbytes / MB, prefix_blocks,
                  self.config.prefix_block_tokens, self.prefix.nbytes / MB if self.prefix else 0,

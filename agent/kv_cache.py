@@ -63,25 +63,26 @@ class SlotPool:
 class KVPool:
     """All size classes. Sequences get the smallest class whose capacity holds their whole need."""
 
-    def __init__(self, classes: list[SizeClass], num_layers: int, kv_heads: int, head_dim: int):
+    def __init__(self, classes: list[SizeClass], num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: np.dtype = np.dtype(np.float32)):
         self.size_classes = sorted(classes, key=lambda c: c.capacity_tokens)
-        self.classes = [self._make(c, num_layers, kv_heads, head_dim) for c in self.size_classes]
+        self.classes = [self._make(c, num_layers, kv_heads, head_dim, dtype) for c in self.size_classes]
         self.where: dict[int, SlotPool] = {}
         self.mirror: KVPool | None = None  # a draft model's cache, slot for slot
 
-    def attach_mirror(self, num_layers: int, kv_heads: int, head_dim: int) -> "KVPool":
+    def attach_mirror(self, num_layers: int, kv_heads: int, head_dim: int, dtype: np.dtype) -> "KVPool":
         """A pool with the same classes for another model (the speculative draft), allocated and freed in
         lockstep so a sequence has the same slot index in both."""
-        self.mirror = KVPool(self.size_classes, num_layers, kv_heads, head_dim)
+        self.mirror = KVPool(self.size_classes, num_layers, kv_heads, head_dim, dtype)
         return self.mirror
 
     @staticmethod
-    def _make(c: SizeClass, layers: int, kv_heads: int, head_dim: int) -> SlotPool:
+    def _make(c: SizeClass, layers: int, kv_heads: int, head_dim: int, dtype: np.dtype) -> SlotPool:
         shape = (c.num_slots, kv_heads, c.capacity_tokens, head_dim)
         # lazy_zeros: pages become resident 4 KB at a time as tokens are written (no transparent huge pages),
         # so RSS grows with the tokens actually held, not with the slots reserved
-        return SlotPool(c.capacity_tokens, c.num_slots, [lazy_zeros(shape) for _ in range(layers)],
-                        [lazy_zeros(shape) for _ in range(layers)])
+        return SlotPool(c.capacity_tokens, c.num_slots, [lazy_zeros(shape, dtype) for _ in range(layers)],
+                        [lazy_zeros(shape, dtype) for _ in range(layers)])
 
     @property
     def max_capacity(self) -> int:

@@ -18,12 +18,13 @@ from agent.runner import lazy_zeros
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_tokens: int, num_layers: int, kv_heads: int, head_dim: int):
+    def __init__(self, num_blocks: int, block_tokens: int, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: np.dtype = np.dtype(np.float32)):
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
         shape = (num_blocks, kv_heads, block_tokens, head_dim)
-        self.keys = [lazy_zeros(shape) for _ in range(num_layers)]
-        self.values = [lazy_zeros(shape) for _ in range(num_layers)]
+        self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
         # chain key -> (block index, the block's tokens); most recently used last
         self.index: OrderedDict[tuple, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.free = list(range(num_blocks - 1, -1, -1))

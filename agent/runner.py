@@ -61,8 +61,8 @@ class KVCache:
         """Wrap numpy buffers (or contiguous views of a pool) without copying them."""
         for a in keys + values:
             # ORT silently copies a non-contiguous array, and then the graph's writes never reach the pool
-            if not a.flags.c_contiguous or a.dtype != np.float32:
-                raise ValueError("KV buffers must be C-contiguous float32")
+            if not a.flags.c_contiguous or a.dtype not in (np.float32, np.int8) or a.dtype != keys[0].dtype:
+                raise ValueError("KV buffers must be C-contiguous float32 or int8, all of one type")
         as_ort = lambda arrs: [ort.OrtValue.ortvalue_from_numpy(a) for a in arrs]  # noqa: E731
         return cls(keys, values, as_ort(keys), as_ort(values))
 
@@ -82,11 +82,13 @@ class ModelRunner:
         self.session = ort.InferenceSession(str(model_path), session_options(threads or usable_cores(), spin_wait),
                                             providers=["CPUExecutionProvider"])
         self.vocab_size = next(o.shape[2] for o in self.session.get_outputs() if o.name == wire.LOGITS)
+        cache_type = next(i.type for i in self.session.get_inputs() if i.name == wire.past_key(0))
+        self.kv_dtype = np.dtype(np.int8 if cache_type == "tensor(int8)" else np.float32)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
-        keys = [lazy_zeros(shape) for _ in range(self.num_layers)]
-        values = [lazy_zeros(shape) for _ in range(self.num_layers)]
+        keys = [lazy_zeros(shape, self.kv_dtype) for _ in range(self.num_layers)]
+        values = [lazy_zeros(shape, self.kv_dtype) for _ in range(self.num_layers)]
         return KVCache.wrap(keys, values)
 
     def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, query_seqlens: np.ndarray,

@@ -43,6 +43,7 @@ MANIFEST = "manifest.json"
 MODEL_CONFIG = "model_config.json"
 GRAPH = "model.onnx"
 GRAPH_DATA = "model.onnx.data"
+GRAPH_INT8_KV = "model.int8kv.onnx"  # the same graph (and GRAPH_DATA) with an int8 KV cache; optional
 TOKENIZER = "tokenizer.json"
 MANIFEST_SCHEMA_VERSION = 1
 SMOKE_PROMPT = "The capital of France is"  # the golden continuation's prompt, as plain text (no template)

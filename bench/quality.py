@@ -39,6 +39,7 @@ from benchdocs import replace_section  # noqa: E402
 
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
 
+from agent import wire  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 from quantize.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa: E402
@@ -62,6 +63,7 @@ class OnnxConfig:
     spec: QuantSpec
     calibrated: bool = False  # pass calib_en.txt to build_bundle(calibration_text=...)
     group: str = FROM_FP32
+    int8_kv: bool = False  # also a row for the same bundle with its int8 KV cache graph
 
 
 # Our bundles, in table order; the fp32 bundle is always built first (it is the reference).
@@ -74,7 +76,7 @@ CONFIGS = [
     OnnxConfig("int4 search + importance (sym, b64)", QuantSpec(precision="int4", method="search", symmetric=True,
                                                                 block_sizes={}), calibrated=True),
     OnnxConfig("int4 GPTQ (sym, b64)", QuantSpec(precision="int4", symmetric=True, block_sizes={}), calibrated=True),
-    OnnxConfig("int4 default: GPTQ (asym b64, down b128)", QuantSpec(precision="int4"), calibrated=True),
+    OnnxConfig("int4 default: GPTQ (asym b64, down b128)", QuantSpec(precision="int4"), calibrated=True, int8_kv=True),
     OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),
 ]
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
@@ -121,7 +123,9 @@ def logit_chunks(logits: np.ndarray):
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """What a device needs to run the bundle: every file but the optional int8 KV cache graph (an
+    alternative to the main graph, not an addition)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != wire.GRAPH_INT8_KV)
 
 
 # ---- our bundles -------------------------------------------------------------------------------------
@@ -157,6 +161,10 @@ def onnx_rows(ckpt: Checkpoint, ids: list[int], calib_text: str, work: Path, thr
         fig = figures(chunked_logits(bundle.runner(threads), ids), ref_lp, ids)
         rows.append(Row("ORT", cfg.label, cfg.group, dir_bytes(bundle.path), fig, note))
         print(f"  {cfg.label}: mean KL {fig.mean_kl:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+        if cfg.int8_kv:
+            fig = figures(chunked_logits(bundle.runner(threads, kv_dtype="int8"), ids), ref_lp, ids)
+            rows.append(Row("ORT", cfg.label + " + int8 KV cache", cfg.group, dir_bytes(bundle.path), fig, note))
+            print(f"  {cfg.label} + int8 KV cache: mean KL {fig.mean_kl:.4f}", flush=True)
     return rows, ref_lp
 
 

@@ -21,6 +21,7 @@ from quantize.calibrate import Calibration, calibrate
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import compare, greedy
 from quantize.graph import build_graph
+from quantize.kv_int8 import int8_kv_graph, kv_absmax
 from quantize.precision import QuantSpec
 
 GOLDEN_TOKENS = 32
@@ -75,8 +76,9 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
                  eval_text: str | None = None, calibration_text: str | None = None, threads: int | None = None,
                  progress: Callable[[str], None] = print, show_progress: bool = False) -> Bundle:
-    """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4/INT8
-    block search by activation importance."""
+    """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4
+    block search by activation importance and sets the int8 KV cache graph's scales (without one, the
+    bundle has no int8 KV cache graph)."""
     out = Path(out)
     if out.exists() and not force:
         raise PackageError(f"{out} already exists (use --force to replace it)")
@@ -91,7 +93,8 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
             progress("measuring activation statistics over the calibration text")
             calib = calibrate(ckpt, encode(ckpt.tokenizer.tokenizer_json, calibration_text),
                               with_hessians=spec.method == "gptq", threads=threads)
-        _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress, show_progress)
+        calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
+        _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads, progress, show_progress)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -99,7 +102,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     return open_bundle(out)
 
 
-def _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress, show_progress) -> None:
+def _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads, progress, show_progress) -> None:
     progress(f"building {spec.precision} graph")
     report = write_graph(ckpt, spec, tmp, calib, show_progress)
     del calib  # the Hessians are large
@@ -108,6 +111,10 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib, threads, progress, 
     (tmp / wire.MODEL_CONFIG).write_text(model_config(ckpt, spec, name).model_dump_json(indent=2))
     unverified = Bundle(tmp, None, wire.ModelConfig.read(tmp))  # type: ignore[arg-type]
     runner = unverified.runner(threads)
+    if calib_ids:
+        progress("calibrating the int8 KV cache's scales")
+        absmax = kv_absmax(runner, calib_ids, ckpt.geometry.context_length)
+        onnx.save_model(int8_kv_graph(tmp / wire.GRAPH, absmax), str(tmp / wire.GRAPH_INT8_KV))
     progress("recording the golden greedy continuation")
     prompt_ids = encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)
     golden = wire.Golden(prompt=wire.SMOKE_PROMPT, prompt_ids=prompt_ids,

@@ -1,0 +1,123 @@
+"""The int8 KV cache: edge-quantize calibrates a second graph with an int8 cache, the engine runs it when
+config asks (kv_dtype = "int8"), it stays close to the fp32 cache and holds 4x the tokens per budget."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from agent import wire
+from agent.bundle import BundleError
+from agent.config import EngineConfig
+from agent.engine import Engine
+from agent.sampling_params import SamplingParams
+from quantize.cli import default_calibration_text
+from quantize.evaluate import log_softmax, windows
+from quantize.kv_int8 import MARGIN
+from quantize.package import build_bundle, encode
+from quantize.precision import QuantSpec
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("kv8") / "fp32", name="tiny",
+                        calibration_text=default_calibration_text(), progress=lambda s: None)
+
+
+def engine(bundle, kv_dtype: str) -> Engine:
+    return Engine(bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=16,
+                                       kv_dtype=kv_dtype))
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 260, int(rng.integers(20, 60))).tolist() for _ in range(n)]
+
+
+def graph_scales(bundle) -> dict[str, np.ndarray]:
+    graph = onnx.load(str(bundle.path / wire.GRAPH_INT8_KV), load_external_data=False)
+    return {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer if t.name.endswith("_scale")}
+
+
+def test_bundle_carries_a_hashed_int8_kv_graph_scaled_from_the_calibration_text(bundle):
+    assert wire.GRAPH_INT8_KV in bundle.manifest.files
+    assert bundle.runner(2, kv_dtype="int8").kv_dtype == np.int8
+    fp32 = bundle.runner(2)
+    assert fp32.kv_dtype == np.float32
+    ids = encode(bundle.tokenizer_json(), default_calibration_text())
+    absmax = {}  # largest |key| / |value| per layer and channel, each window in one prefill
+    for window in windows(ids, bundle.config.context_length):
+        n, cache = len(window), fp32.new_cache(1, len(window))
+        fp32.forward(np.array([window]), np.array([n - 1]), np.array([n]), np.array([[n - 1]]), cache)
+        for i in range(fp32.num_layers):
+            for kind, buf in (("k", cache.keys[i]), ("v", cache.values[i])):
+                seen = np.abs(buf[0]).max(axis=1).reshape(-1)
+                absmax[i, kind] = np.maximum(absmax.get((i, kind), 0), seen)
+    scales = graph_scales(bundle)
+    for (i, kind), amax in absmax.items():
+        expected = np.maximum(amax, 1e-4) * MARGIN / 127
+        np.testing.assert_allclose(scales[f"/model/layers.{i}/attn/{kind}_scale"], expected, rtol=1e-4)
+
+
+def test_int8_cache_holds_the_fp32_cache_to_half_a_step(bundle):
+    """Each cached int8 value times its channel's scale is the fp32 cache's value within half a step
+    (first layer, where both see the same input), and on held-out prompts almost nothing falls outside
+    the calibrated range."""
+    scales = graph_scales(bundle)
+    fp32, int8 = bundle.runner(2), bundle.runner(2, kv_dtype="int8")
+    ids = prompts(1, seed=9)[0]
+    n = len(ids)
+    caches = fp32.new_cache(1, 64), int8.new_cache(1, 64)
+    for runner, cache in zip((fp32, int8), caches):
+        runner.forward(np.array([ids]), np.array([n - 1]), np.array([n]), np.array([[n - 1]]), cache)
+    clipped = 0
+    for i in range(fp32.num_layers):
+        for kind, ref, got in (("k", caches[0].keys[i], caches[1].keys[i]), ("v", caches[0].values[i], caches[1].values[i])):
+            scale = scales[f"/model/layers.{i}/attn/{kind}_scale"].reshape(1, -1, 1, fp32.head_dim)
+            ref, got = ref[:, :, :n], got[:, :, :n].astype(np.float32)
+            inside = np.abs(ref) <= 127 * scale
+            err = np.abs(got * scale - ref)
+            if i == 0:  # deeper layers' inputs already differ by the int8 cache of the layers before
+                assert (err <= 0.5 * scale * 1.001 + 1e-7)[inside].all(), kind
+            clipped += int((~inside).sum())
+    assert clipped <= 0.001 * n * fp32.num_layers * 2 * fp32.kv_heads * fp32.head_dim
+
+
+def test_int8_cache_stays_close_to_fp32(bundle):
+    """Over held-out prompts (not the calibration text), next-token distributions with the int8 cache
+    agree with the fp32 cache's."""
+    fp32, int8 = bundle.runner(2), bundle.runner(2, kv_dtype="int8")
+    kls, agree, total = [], 0, 0
+    for ids in prompts(4, seed=7):
+        n = len(ids)
+        args = (np.array([ids]), np.array([n - 1]), np.array([n]), np.arange(n)[None])
+        ref = log_softmax(fp32.forward(*args, fp32.new_cache(1, 64))[0])
+        got = log_softmax(int8.forward(*args, int8.new_cache(1, 64))[0])
+        kls.append((np.exp(ref) * (ref - got)).sum(-1))
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        total += n
+    kl = float(np.concatenate(kls).mean())
+    assert 0 < kl < 0.01, kl  # not bit-identical (it is int8), but close
+    assert agree / total >= 0.95, agree / total
+
+
+def test_engine_with_int8_cache_batches_exactly_and_holds_4x_the_tokens(bundle):
+    eng, ref = engine(bundle, "int8"), engine(bundle, "fp32")
+    tokens = lambda e: sum(p.capacity * p.num_slots for p in e.kv.classes)  # noqa: E731
+    assert tokens(eng) >= 3.5 * tokens(ref)
+    assert eng.kv.classes[0].keys[0].dtype == np.int8
+    ps = prompts(4, seed=8)
+    alone = [eng.generate(p, SamplingParams(max_tokens=24, **GREEDY)).token_ids for p in ps]
+    handles = [eng.submit(p, SamplingParams(max_tokens=24, **GREEDY)) for p in ps]
+    while any(not h.seq.is_finished for h in handles):
+        eng.step()
+    assert [h.result().token_ids for h in handles] == alone
+    assert all(len(t) == 24 for t in alone)
+
+
+def test_bundle_without_int8_graph_is_a_clear_error(tiny_fp32_bundle):
+    with pytest.raises(BundleError, match="no int8 KV cache graph"):
+        engine(tiny_fp32_bundle, "int8")
