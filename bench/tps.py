@@ -78,7 +78,7 @@ class Engine:
 
 
 ENGINES = [
-    Engine("ours INT4 (GPTQ, asym b64)", "ours", "ours-int4", is_reference=True),
+    Engine("ours INT4 (default: GPTQ b64)", "ours", "ours-int4", is_reference=True),
     Engine("ours INT4, runner spin_wait=True", "ours-spin", "ours-int4"),
     Engine("ours INT4, int8 KV cache", "ours-kv8", "ours-int4"),
     Engine("ours INT8", "ours", "ours-int8"),

@@ -46,10 +46,12 @@ def cli() -> None:
               help="Quantization block size [default: 64 for int4, 32 for int8].")
 @click.option("--down-block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
               help="Block size of the MLP down projection [default: 128 for int4, the block size for int8].")
-@click.option("--symmetric/--asymmetric", default=False, show_default=True, help="Per-block zero points or not.")
-@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default=None,
+@click.option("--symmetric/--asymmetric", default=None,
+              help="No per-block zero points, or zero points everywhere [default: int4: symmetric o and gate_up "
+                   "projections, asymmetric qkv and down; int8: asymmetric].")
+@click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
               help="rtn: round to nearest; search: per-block error-minimizing scales, importance-weighted; "
-                   "gptq: search plus GPTQ error compensation [default: gptq for int4, search for int8].")
+                   "gptq: search plus GPTQ error compensation.")
 @click.option("--calib-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Calibration text for importance and GPTQ (default: the bundled one; never the eval text).")
 @click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
@@ -76,11 +78,12 @@ def build(source, out, precision, block_size, down_block_size, symmetric, method
     try:
         if out.exists() and not force:
             raise PackageError(f"{out} already exists (use --force to replace it)")
-        # measured defaults (docs/benchmarks.md): int4 GPTQ asym b64 with down b128 at Q4_0's size; int8 b32
+        # measured defaults (docs/benchmarks.md): int4 GPTQ b64 with down b128 at Q4_0's size; int8 GPTQ b32
         block = int(block_size or (64 if precision == "int4" else 32))
         down = int(down_block_size or (128 if precision == "int4" else block))
-        spec = QuantSpec(precision=precision, block_size=block, block_sizes={"down": down}, symmetric=symmetric,
-                         method=method or ("gptq" if precision == "int4" else "search"),
+        kinds = {} if symmetric is None else {"int4_symmetric_kinds": frozenset()}  # a flag applies to all kinds
+        spec = QuantSpec(precision=precision, block_size=block, block_sizes={"down": down}, symmetric=bool(symmetric),
+                         **kinds, method=method,
                          accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
                          keep_source_quant=keep_source_quant)
         click.echo(f"reading {source}")

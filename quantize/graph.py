@@ -65,6 +65,7 @@ class LinearPlan:
 
     precision: Precision
     block_size: int = 32
+    symmetric: bool = False
     source: list[SourceBlocks] | None = None  # the fused rows' blocks, in order
 
 
@@ -87,14 +88,14 @@ def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, p
     bits = 8 if plan.precision == "int8" else 4
     hessian = b.hessians.get(key) if key else None
     if spec.method == "gptq" and hessian is not None:
-        q = nbits.quantize_gptq(w, bits, plan.block_size, spec.symmetric, hessian, importance=importance,
+        q = nbits.quantize_gptq(w, bits, plan.block_size, plan.symmetric, hessian, importance=importance,
                                 act_order=spec.act_order, damp=spec.gptq_damp)
     elif spec.method in ("search", "gptq"):
-        q = nbits.quantize_search(w, bits, plan.block_size, spec.symmetric, importance)
+        q = nbits.quantize_search(w, bits, plan.block_size, plan.symmetric, importance)
     else:
-        q = nbits.quantize_rtn(w, bits, plan.block_size, spec.symmetric)
+        q = nbits.quantize_rtn(w, bits, plan.block_size, plan.symmetric)
     b.report.append(f"{name}: int{bits} {spec.method} block {plan.block_size} "
-                    f"{'sym' if spec.symmetric else 'asym'}{' imatrix' if importance is not None else ''}")
+                    f"{'sym' if plan.symmetric else 'asym'}{' imatrix' if importance is not None else ''}")
     return _matmul_nbits(b, name, x, q, spec.accuracy_level)
 
 
@@ -188,9 +189,11 @@ def tied_fp32(b: GraphBuilder, table: np.ndarray) -> tuple[str, Callable[[str], 
 
 
 def head_block_size(spec: QuantSpec, hidden: int) -> int:
-    """The spec's head block size, or else the largest that divides hidden (padding would waste space)."""
+    """The spec's head block size, or else QuantSpec.head_block_size's measured default."""
     if spec.head_block_size:
         return spec.head_block_size
+    if spec.precision == "int8":
+        return 32
     return next((bs for bs in (128, 64, 32, 16) if hidden % bs == 0), 16)
 
 
@@ -287,17 +290,18 @@ def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plan
                   plans["down"][i], p + "down_proj.weight")
 
 
-def plan_linears(ckpt: Checkpoint, spec: QuantSpec, precision_of: Callable[[str, int], Precision]) -> dict:
+def plan_linears(ckpt: Checkpoint, spec: QuantSpec) -> dict:
     """Per layer, a LinearPlan for each fused projection (qkv, o, gate_up, down)."""
     groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
               "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
     plans: dict[str, list[LinearPlan]] = {k: [] for k in groups}
     for i in range(ckpt.geometry.num_layers):
         for kind, names in groups.items():
-            precision = precision_of(kind, i)
+            precision = spec.precision_of(kind, i)
             src = [ckpt.source_blocks.get(f"model.layers.{i}.{n}.weight") for n in names]
             keep = spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
-            plans[kind].append(LinearPlan(precision, spec.block_sizes.get(kind, spec.block_size), src if keep else None))
+            plans[kind].append(LinearPlan(precision, spec.block_sizes.get(kind, spec.block_size), spec.is_symmetric(kind),
+                                          src if keep else None))
     return plans
 
 
@@ -333,7 +337,6 @@ def io_spec(g: Geometry) -> tuple[list, list]:
 
 def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
                 hessians: dict[str, np.ndarray] | None = None,
-                precision_of: Callable[[str, int], Precision] | None = None,
                 capture: bool = False, show_progress: bool = False) -> tuple[onnx.ModelProto, list[str]]:
     """The decoder ModelProto and a line per weight saying what precision it got.
 
@@ -341,8 +344,7 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     (for calibration); such a graph is for measuring, not for a bundle.
     """
     g = ckpt.geometry
-    precision_of = precision_of or (lambda kind, i: spec.precision)
-    plans = plan_linears(ckpt, spec, precision_of)
+    plans = plan_linears(ckpt, spec)
     b = GraphBuilder(importance=importance or {}, hessians=hessians or {})
     rotary_cache(b, g)
     table = ckpt.weights["model.embed_tokens.weight"]
@@ -352,7 +354,7 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
         x, lm_head = tied_fp32(b, table)
     else:
         x = embedding(b, table, spec.embedding_precision, spec)
-        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision, spec.block_size))  # noqa: E731
+        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision, spec.block_size, spec.symmetric))  # noqa: E731
     residual = x
     x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
               ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",

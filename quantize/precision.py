@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Precision = Literal["fp32", "int8", "int4"]
+Kind = Literal["qkv", "o", "gate_up", "down"]  # a layer's fused projections
 
 
 class QuantSpec(BaseModel):
@@ -16,13 +17,20 @@ class QuantSpec(BaseModel):
 
     precision: Precision = "fp32"
     # The defaults are the measured best INT4 recipe at no more than llama.cpp Q4_0's size for SmolLM2
-    # (docs/benchmarks.md): asymmetric blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for the
-    # zero points, GPTQ with activation order when a calibration text is given.
+    # (docs/benchmarks.md): blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for zero points,
+    # GPTQ with activation order when a calibration text is given. For INT8, GPTQ in blocks of 32.
     block_size: Literal[16, 32, 64, 128] = 64
     # Per-projection overrides of block_size, by fused kind: "qkv", "o", "gate_up", "down". A block that
     # does not divide K pads the row, so keep these to divisors of the projection's input size.
-    block_sizes: dict[Literal["qkv", "o", "gate_up", "down"], Literal[16, 32, 64, 128]] = {"down": 128}
+    block_sizes: dict[Kind, Literal[16, 32, 64, 128]] = {"down": 128}
     symmetric: bool = False
+    # INT4 only: kinds quantized symmetric whatever `symmetric` says, and projections kept at 8 bits as
+    # {kind: [layer index, ...]} (indices past the model's last layer are ignored). Measured on SmolLM2
+    # (mean KL over eval_en.txt / a held-out GPL-3 excerpt, bundle MB): all asymmetric 0.1364 / 0.1937,
+    # 91.84 (over Q4_0's 91.7); o and gate_up symmetric 0.1437 / 0.1980, 91.28; that plus layer 18's qkv
+    # at 8 bits (found by a search over single projections) 0.1330 / 0.1921, 91.56.
+    int4_symmetric_kinds: frozenset[Kind] = frozenset({"o", "gate_up"})
+    int4_int8_layers: dict[Kind, list[int]] = {"qkv": [18]}
     # MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (fast int8 kernels on CPU),
     # 0 keeps them in fp32. Per-block activation scales keep quality (unlike per-tensor dynamic quantization).
     accuracy_level: Literal[0, 1, 4] = 4
@@ -35,9 +43,10 @@ class QuantSpec(BaseModel):
     # small damping overfits them: SmolLM2 INT4 mean KL over eval_en.txt was 0.177 at 0.01, 0.145 at 0.1,
     # 0.137 at 0.2, 0.141 at 1.0, and on a held-out text 0.166 / 0.133 / 0.135 at 0.01 / 0.2 / 1.0.
     gptq_damp: float = Field(0.2, ge=0, le=10)
-    # Block size of the 8-bit embedding / lm_head (stored once when tied). None: the largest that divides
-    # the hidden size (large blocks cost least space, 8 bits leave little to gain from small ones, and a
-    # block that does not divide the row pads it).
+    # Block size of the 8-bit embedding / lm_head (stored once when tied). None: 32 for an INT8 bundle
+    # (the lm_head's activations are quantized per block too, and on SmolLM2 INT8 mean KL was 0.0037 with
+    # blocks of 64, 0.0028 with 32); for INT4 the largest that divides the hidden size, as space is
+    # what INT4 is for (and a block that does not divide the row pads it).
     head_block_size: Literal[16, 32, 64, 128] | None = None
     embedding: Precision | None = None  # None: same as `precision` but never below int8
     lm_head: Precision | None = None  # None: int8 when precision is int4 (the lm_head is ~1/5 of the weights)
@@ -61,6 +70,14 @@ class QuantSpec(BaseModel):
         if self.lm_head:
             return self.lm_head
         return "fp32" if self.precision == "fp32" else "int8"
+
+    def is_symmetric(self, kind: Kind) -> bool:
+        return self.symmetric or (self.precision == "int4" and kind in self.int4_symmetric_kinds)
+
+    def precision_of(self, kind: Kind, layer: int) -> Precision:
+        if self.precision == "int4" and layer in self.int4_int8_layers.get(kind, ()):
+            return "int8"
+        return self.precision
 
     @property
     def bits(self) -> int:

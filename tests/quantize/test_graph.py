@@ -66,6 +66,28 @@ def test_node_names_are_readable(tiny_checkpoint):
     assert "/model/layers.1/attn/GroupQueryAttention" in names
 
 
+def test_int4_recipe_sets_bits_and_zero_points_per_projection(tiny_checkpoint):
+    """int4_symmetric_kinds drops those kinds' zero points; int4_int8_layers keeps the named ones at 8 bits."""
+    spec = QuantSpec(precision="int4", method="rtn", block_size=16, block_sizes={},
+                     int4_symmetric_kinds=frozenset({"o"}), int4_int8_layers={"qkv": [1]})
+    model, _ = build_graph(tiny_checkpoint, spec)
+    nodes = {n.name: n for n in model.graph.node if n.op_type == "MatMulNBits"}
+
+    def bits(name: str) -> int:
+        return next(a.i for a in nodes[name].attribute if a.name == "bits")
+
+    def has_zero_points(name: str) -> bool:
+        return len(nodes[name].input) == 4
+    assert [bits(f"/model/layers.{i}/attn/qkv_proj/MatMulNBits") for i in (0, 1)] == [4, 8]
+    assert bits("/model/layers.1/mlp/down_proj/MatMulNBits") == 4
+    assert not has_zero_points("/model/layers.0/attn/o_proj/MatMulNBits")
+    assert has_zero_points("/model/layers.0/attn/qkv_proj/MatMulNBits")
+    assert has_zero_points("/model/layers.0/mlp/gate_up_proj/MatMulNBits")
+    # an int8 bundle ignores the INT4-only fields
+    model, _ = build_graph(tiny_checkpoint, spec.model_copy(update={"precision": "int8"}))
+    assert all(len(n.input) == 4 for n in model.graph.node if n.op_type == "MatMulNBits" and "layers" in n.name)
+
+
 def test_k_quant_and_bf16_tensors_load_and_match_reference(tmp_path):
     """BF16, Q4_K, Q5_K and Q6_K tensors (256-wide rows) go through the same reader, graph and reference."""
     from gguf import GGMLQuantizationType as QT

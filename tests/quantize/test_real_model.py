@@ -44,7 +44,7 @@ def test_fp32_greedy_chat_matches_numpy_reference_for_32_tokens(real_checkpoint,
 
 
 def test_int8_quality(real_checkpoint, tmp_path):
-    b = build_bundle(real_checkpoint, QuantSpec(precision="int8", method="search", block_size=32, block_sizes={}),
+    b = build_bundle(real_checkpoint, QuantSpec(precision="int8", block_size=32, block_sizes={}),
                      tmp_path / "int8", name="smollm2",
                      eval_text=default_eval_text(), calibration_text=default_calibration_text())
     q = b.manifest.quality
