@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -276,6 +277,7 @@ class Engine:
         pool = self.kv.classes[idx]
         n = len(pool.owners)
         decoding = {s.seq_id: s for s in seqs}
+        t0 = time.perf_counter()
         drafts = {s.seq_id: self._draft(s, len(seqs)) for s in seqs}
         # GQA needs room for the whole padded row in every slot: cached tokens + width <= capacity
         cached = [decoding[o].num_computed if o in decoding else max(pool.lengths[o], 1) for o in pool.owners]
@@ -293,9 +295,10 @@ class Engine:
                 seqlens[row] = max(pool.lengths[owner] - 1, 0)
         positions = np.minimum(np.arange(width)[None, :], np.maximum(q, 1)[:, None] - 1)  # [n, width]
         logits = self.runner.forward(ids, seqlens, q, positions, pool.view(0, n))
+        seconds = time.perf_counter() - t0  # drafting and the model call: what speculation must pay for
         rows = {owner: row for row, owner in enumerate(pool.owners)}
         for s in seqs:
-            self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]])
+            self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
 
     def _draft(self, seq: Sequence, batch: int) -> list[int]:
         """Prompt-lookup draft for this step, or [] when speculation is off, paused or not worth it."""
@@ -310,16 +313,17 @@ class Engine:
             return self.draft.propose(seq.seq_id, seq.all_ids, k)
         return ngram_draft(seq.all_ids, k)
 
-    def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray) -> None:
+    def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray, seconds: float) -> None:
         """Account for the tokens the step computed and append what verification accepted."""
         if draft:
             tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
             accepted = len(tokens) - 1
             seq.drafted_tokens += len(draft)
             seq.accepted_tokens += accepted
-            seq.draft_length.update(len(draft), accepted)
+            seq.draft_length.update(len(draft), accepted, seconds)
         else:
             tokens = [self._sample(seq, logits[0])]
+            seq.draft_length.observe_plain(seconds)
         seq.num_computed += len(tokens)  # the last token + the accepted drafts now have valid KV
         if self.draft is not None:
             self.draft.accepted(seq.seq_id, seq.num_computed)

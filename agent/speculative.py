@@ -40,16 +40,23 @@ def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = 4, min_ngram: int =
 
 @dataclass
 class DraftLength:
-    """Adapts k to the acceptance rate; backs off to 0 (no speculation) when drafts keep failing.
+    """Adapts k to the acceptance rate, and turns speculation off while it does not pay.
 
-    A verify step costs more than a plain decode step (k+1 rows through the model), so speculation only
-    pays while most of a draft is accepted.
+    A verify step costs more than a plain decode step (k+1 rows through the model, plus the draft model's
+    own steps), so speculation only pays while enough of each draft is accepted. Acceptance alone cannot
+    tell: a draft model nearly as slow as the target loses even when most of its tokens are accepted. So
+    the seconds per emitted token are measured both ways, and when speculating is the slower of the two
+    it pauses, for twice as long each time it fails again (plain steps refresh the plain figure).
     """
 
     k_max: int = 5
     k: int = 3
     acceptance: float = 0.6  # exponential moving average of accepted / drafted
-    pause_steps: int = 0
+    pause_steps: int = 3  # the first steps run plain: their cost is the yardstick
+    spec_cost: float | None = None  # moving averages of seconds per emitted token
+    plain_cost: float | None = None
+    spec_steps: int = 0  # speculative steps since the last pause
+    backoff: int = 16  # the next pause's length
 
     def current(self) -> int:
         if self.pause_steps > 0:
@@ -57,14 +64,33 @@ class DraftLength:
             return 0
         return self.k
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def observe_plain(self, seconds: float) -> None:
+        self.plain_cost = _ema(self.plain_cost, seconds)
+
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         if drafted == 0:
             return
         self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
-        if self.acceptance < 0.25:
-            self.pause_steps, self.k, self.acceptance = 16, 2, 0.5  # rest, then probe with short drafts
-        else:
-            self.k = max(1, min(self.k_max, round(1 + self.acceptance * self.k_max)))
+        self.spec_steps += 1
+        if seconds is not None:
+            self.spec_cost = _ema(self.spec_cost, seconds / (accepted + 1))
+        slower = (self.spec_steps >= 4 and self.spec_cost is not None and self.plain_cost is not None
+                  and self.spec_cost > self.plain_cost)
+        if self.acceptance < 0.25 or slower:
+            self._pause()
+            return
+        if self.spec_steps >= 4 and self.plain_cost is not None:
+            self.backoff = 16  # it pays: the next failure rests briefly again
+        self.k = max(1, min(self.k_max, round(1 + self.acceptance * self.k_max)))
+
+    def _pause(self) -> None:
+        """Rest, then probe with short drafts."""
+        self.pause_steps, self.backoff = self.backoff, min(2 * self.backoff, 256)
+        self.k, self.acceptance, self.spec_cost, self.spec_steps = 2, 0.5, None, 0
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else 0.7 * old + 0.3 * new
 
 
 def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],

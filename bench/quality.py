@@ -66,6 +66,8 @@ class OnnxConfig:
     int8_kv: bool = False  # also a row for the same bundle with its int8 KV cache graph
 
 
+PLAIN = {"int4_int8_layers": {}}  # every projection at 4 bits, as the row's label says
+
 # Our bundles, in table order; the fp32 bundle is always built first (it is the reference).
 CONFIGS = [
     OnnxConfig("int8 default: GPTQ (b32, head b32)", QuantSpec(precision="int8", block_size=32, block_sizes={}),
@@ -75,12 +77,12 @@ CONFIGS = [
     OnnxConfig("int8 (rtn, b16)", QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={})),
     # RTN as the peers do it: symmetric blocks of 32 everywhere
     OnnxConfig("int4 RTN (sym, block 32)", QuantSpec(precision="int4", method="rtn", symmetric=True, block_size=32,
-                                                    block_sizes={})),
+                                                    block_sizes={}, **PLAIN)),
     OnnxConfig("int4 search + importance (sym, b64)", QuantSpec(precision="int4", method="search", symmetric=True,
-                                                                block_sizes={}), calibrated=True),
-    OnnxConfig("int4 GPTQ (sym, b64)", QuantSpec(precision="int4", symmetric=True, block_sizes={}), calibrated=True),
+                                                                block_sizes={}, **PLAIN), calibrated=True),
+    OnnxConfig("int4 GPTQ (sym, b64)", QuantSpec(precision="int4", symmetric=True, block_sizes={}, **PLAIN), calibrated=True),
     OnnxConfig("int4 GPTQ (asym b64, down b128)", QuantSpec(precision="int4", int4_symmetric_kinds=frozenset(),
-                                                           int4_int8_layers={}), calibrated=True),
+                                                           **PLAIN), calibrated=True),
     OnnxConfig("int4 default: GPTQ (b64, down b128, o+gate_up sym, L18 qkv int8)", QuantSpec(precision="int4"),
                calibrated=True, int8_kv=True),
     OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),

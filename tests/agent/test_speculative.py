@@ -22,13 +22,50 @@ def test_ngram_draft_follows_the_latest_match():
 
 
 def test_draft_length_backs_off_and_grows():
-    dl = DraftLength()
+    dl = DraftLength(pause_steps=0)
     for _ in range(10):
         dl.update(4, 4)
     assert dl.current() == dl.k_max
     for _ in range(6):
         dl.update(4, 0)
     assert dl.current() == 0  # paused
+
+
+def plain_steps(dl: DraftLength, n: int, seconds: float) -> None:
+    for _ in range(n):
+        assert dl.current() == 0
+        dl.observe_plain(seconds)
+
+
+def test_the_first_steps_run_plain_to_measure_the_yardstick():
+    dl = DraftLength()
+    plain_steps(dl, 3, 0.010)
+    assert dl.current() > 0 and dl.plain_cost == pytest.approx(0.010)
+
+
+def test_speculation_pauses_when_it_is_slower_even_if_mostly_accepted():
+    """A draft model nearly as slow as the target: 3 of 4 tokens accepted, but 5 plain steps' time per step."""
+    dl = DraftLength()
+    plain_steps(dl, 3, 0.010)
+    pauses = []
+    for _ in range(3):
+        for _ in range(4):
+            k = dl.current()
+            assert k > 0
+            dl.update(k, k - 1, 0.050)  # k accepted tokens cost 0.050 s: 0.0125 s a token, plain takes 0.010
+        pauses.append(dl.pause_steps)
+        plain_steps(dl, dl.pause_steps, 0.010)
+    assert pauses == [16, 32, 64]  # each failed probe rests twice as long
+
+
+def test_speculation_that_pays_keeps_going():
+    dl = DraftLength()
+    plain_steps(dl, 3, 0.010)
+    for _ in range(50):
+        k = dl.current()
+        assert k > 0
+        dl.update(k, k - 1, 0.015)  # k tokens for 1.5 plain steps' time
+    assert dl.k == dl.k_max
 
 
 @pytest.fixture(scope="module")
