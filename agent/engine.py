@@ -28,7 +28,7 @@ from agent.sampler import make_rng, sample
 from agent.sampling_params import SamplingParams
 from agent.scheduler import Scheduler
 from agent.sequence import FinishReason, Sequence, Status
-from agent.speculative import ngram_draft, verify
+from agent.speculative import learned_backoff, next_draft_length, ngram_draft, verify
 from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
 from agent.wire import RequestFigures
 
@@ -102,6 +102,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._kv_utilization = 0.0
+        self._spec_backoff: dict[str, int] = {}  # speculative mode -> the last finished sequence's backoff
         self._wake_interval_s = idle_wait_s  # idle loop period: also the heartbeat's period when there is no work
         self._thread: threading.Thread | None = None
 
@@ -170,6 +171,7 @@ class Engine:
             raise RequestError(f"overloaded: {self.num_waiting} requests are already waiting", "overloaded")
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
+        seq.draft_length = next_draft_length(self._spec_backoff.get(self._spec_mode(seq)))
         handle = RequestHandle(seq)
         self._inbox.put(handle)
         self._wake.set()
@@ -300,9 +302,12 @@ class Engine:
         for s in seqs:
             self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
 
+    def _spec_mode(self, seq: Sequence) -> str:
+        return seq.params.speculative or self.config.speculative
+
     def _draft(self, seq: Sequence, batch: int) -> list[int]:
         """Prompt-lookup draft for this step, or [] when speculation is off, paused or not worth it."""
-        mode = seq.params.speculative or self.config.speculative
+        mode = self._spec_mode(seq)
         if mode == "off" or batch > self.config.speculative_max_batch:
             return []
         room = min(seq.params.max_tokens - len(seq.output_ids), seq.max_total_tokens - seq.num_tokens) - 1
@@ -357,6 +362,8 @@ class Engine:
     def _finish_stream(self, seq: Sequence) -> None:
         if self.draft is not None:
             self.draft.forget(seq.seq_id)
+        if seq.num_computed > len(seq.prompt_ids):  # it decoded: what it learned about speculating counts
+            self._spec_backoff[self._spec_mode(seq)] = learned_backoff(seq.draft_length, seq.drafted_tokens > 0)
         handle, detok = self.streams.pop(seq.seq_id)
         tail = detok.flush()  # held-back text that turned out not to be a stop string
         if tail:

@@ -89,6 +89,24 @@ class DraftLength:
         self.k, self.acceptance, self.spec_cost, self.spec_steps = 2, 0.5, None, 0
 
 
+def next_draft_length(last_backoff: int | None) -> DraftLength:
+    """A new sequence's controller, starting from what the engine's previous one in the same mode learned.
+
+    When speculation kept failing there (a long backoff), the new sequence starts paused for half that
+    long: each probe costs, and a draft model's first probe also catches up on the whole prompt, so a mode
+    that does not pay on this machine stays off across requests instead of being relearned by each one.
+    """
+    if not last_backoff or last_backoff <= DraftLength.backoff:
+        return DraftLength()
+    return DraftLength(pause_steps=last_backoff // 2, backoff=last_backoff)
+
+
+def learned_backoff(dl: DraftLength, drafted: bool) -> int:
+    """What a finished sequence hands to the next one: its backoff, halved if it never drafted (so that a
+    run of short requests, each ending inside its pause, still lets speculation be tried again)."""
+    return dl.backoff if drafted else max(DraftLength.backoff, dl.backoff // 2)
+
+
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else 0.7 * old + 0.3 * new
 

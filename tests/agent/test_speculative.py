@@ -8,7 +8,7 @@ import pytest
 from agent.config import EngineConfig
 from agent.engine import Engine
 from agent.sampling_params import SamplingParams
-from agent.speculative import DraftLength, ngram_draft, verify
+from agent.speculative import DraftLength, learned_backoff, next_draft_length, ngram_draft, verify
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
@@ -66,6 +66,24 @@ def test_speculation_that_pays_keeps_going():
         assert k > 0
         dl.update(k, k - 1, 0.015)  # k tokens for 1.5 plain steps' time
     assert dl.k == dl.k_max
+
+
+def test_a_new_sequence_starts_from_what_the_last_one_learned():
+    failed = DraftLength()
+    plain_steps(failed, 3, 0.010)
+    for _ in range(2):  # two failed probes: paused 16, then 32 steps; the next pause would be 64
+        for _ in range(4):
+            k = failed.current()
+            failed.update(k, k - 1, 0.050)
+        plain_steps(failed, failed.pause_steps, 0.010)
+    assert learned_backoff(failed, drafted=True) == 64
+    nxt = next_draft_length(64)
+    plain_steps(nxt, 32, 0.010)  # starts paused for half as long
+    assert nxt.current() > 0
+    # a sequence that ended inside its pause, never drafting, hands on half its backoff: probes come back
+    assert learned_backoff(next_draft_length(64), drafted=False) == 32
+    assert learned_backoff(next_draft_length(32), drafted=False) == 16
+    assert next_draft_length(16).pause_steps == DraftLength().pause_steps == 3
 
 
 @pytest.fixture(scope="module")
