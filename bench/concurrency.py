@@ -1,6 +1,7 @@
 """Serving several clients at once: aggregate decode tokens/s at 1, 2, 4 and 8 streams, prefix-cache
 warm vs cold TTFT, and the inter-token latency of running streams while a 2,000-token prompt arrives,
-with and without chunked prefill. The bundled SmolLM2 INT4 bundle, 2 threads, greedy, in one process.
+with and without chunked prefill. The bundled SmolLM2 INT4 bundle, 2 threads, greedy, in one process;
+the peers (ONNX Runtime GenAI's static batch, llama.cpp's parallel sequences) in the peer venv.
 
 Run: .venv/bin/python bench/concurrency.py [--runs 3] [--write-docs]
 """
@@ -80,12 +81,58 @@ print(json.dumps(sorted(out[1:])[len(out[1:]) // 2]))
 """
 
 
-def genai_static_batch(model: Path, streams: int, runs: int) -> float | None:
+# llama.cpp with one sequence per stream in one context, as llama-server's parallel slots run them, through
+# llama-cpp-python's low-level API (its high-level Llama runs one sequence): all prompts in one llama_decode
+# (logits at each prompt's last token), then one batch of a token per stream a step, greedy; counted as above.
+LLAMA_PARALLEL = """
+import json, sys, time, ctypes
+import numpy as np
+import llama_cpp as L
+model, streams, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+m = L.llama_model_load_from_file(model.encode(), mp)
+vocab = L.llama_model_get_vocab(m)
+n_vocab = L.llama_vocab_n_tokens(vocab)
+cp = L.llama_context_default_params()
+cp.n_ctx = streams * 256 + 64
+cp.n_batch = cp.n_ubatch = max(512, streams * 128)
+cp.n_seq_max = streams
+cp.n_threads = cp.n_threads_batch = 2
+ctx = L.llama_init_from_model(m, cp)
+batch = L.llama_batch_init(streams * 128, 0, streams)
+def fill(entries):  # (token, pos, seq, wants_logits)
+    batch.n_tokens = len(entries)
+    for i, (t, p, s, lg) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, p, 1
+        batch.seq_id[i][0] = s
+        batch.logits[i] = lg
+def argmax(i):
+    return int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+out = []
+for r in range(runs + 1):  # the first is a warm-up
+    prompts = np.random.default_rng(r).integers(100, 40000, (streams, 128)).tolist()
+    L.llama_memory_clear(L.llama_get_memory(ctx), True)
+    t0 = time.perf_counter()
+    fill([(t, p, s, p == 127) for s in range(streams) for p, t in enumerate(prompts[s])])
+    assert L.llama_decode(ctx, batch) == 0
+    last = [argmax(s * 128 + 127) for s in range(streams)]
+    for step in range(127):  # 128 tokens a stream: the first came from the prefill
+        fill([(last[s], 128 + step, s, True) for s in range(streams)])
+        assert L.llama_decode(ctx, batch) == 0
+        last = [argmax(s) for s in range(streams)]
+    out.append(streams * 128 / (time.perf_counter() - t0))
+print(json.dumps(sorted(out[1:])[len(out[1:]) // 2]))
+"""
+
+
+def peer_figure(script: str, model: Path, streams: int, runs: int) -> float | None:
+    """Run a peer worker in the peer venv; its last stdout line is the aggregate tokens/s (None if unavailable)."""
     if not PEER_PYTHON.exists():
         return None
-    r = subprocess.run([str(PEER_PYTHON), "-c", GENAI_BATCH, str(model), str(streams), str(runs)],
+    r = subprocess.run([str(PEER_PYTHON), "-c", script, str(model), str(streams), str(runs)],
                        capture_output=True, text=True, timeout=1200)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
 
 def ttft_cold_warm(bundle, runs: int) -> tuple[float, float]:
@@ -127,7 +174,8 @@ def main() -> int:
     paths = build_artifacts(bundled_gguf_path(), 2, rebuild=False)
     bundle = open_bundle(paths["ours-int4"])
     lines = ["| streams | ours: aggregate tok/s | x 1 stream | per-stream decode tok/s (median) | ours, spin_wait | "
-             "GenAI static batch | ours / GenAI |", "|--:|--:|--:|--:|--:|--:|--:|"]
+             "GenAI static batch | ours / GenAI | llama.cpp Q4_0 parallel | ours / llama.cpp |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     ours = {}
     for spin in (False, True):
         e = engine(bundle, speculative_max_batch=1, spin_wait=spin)
@@ -135,9 +183,10 @@ def main() -> int:
         e.stop()
     for n in (1, 2, 4, 8):
         (agg, per), spin_agg = ours[False][n], ours[True][n][0]
-        genai = genai_static_batch(paths["genai-int4"], n, args.runs)
-        peer = f"{genai:.1f} | {agg / genai:.2f}" if genai else "- | -"
-        lines.append(f"| {n} | {agg:.1f} | {agg / ours[False][1][0]:.2f} | {per:.1f} | {spin_agg:.1f} | {peer} |")
+        peers = [peer_figure(script, paths[artifact], n, args.runs)
+                 for script, artifact in ((GENAI_BATCH, "genai-int4"), (LLAMA_PARALLEL, "q4_0.gguf"))]
+        cells = " | ".join(f"{x:.1f} | {agg / x:.2f}" if x else "- | -" for x in peers)
+        lines.append(f"| {n} | {agg:.1f} | {agg / ours[False][1][0]:.2f} | {per:.1f} | {spin_agg:.1f} | {cells} |")
     cold, warm = ttft_cold_warm(bundle, args.runs)
     lines += ["", "| 400-token cached system prompt | TTFT ms |", "|---|--:|", f"| cold | {cold:.1f} |",
               f"| warm (prefix cache) | {warm:.1f} ({warm / cold:.0%} of cold) |"]
@@ -159,8 +208,9 @@ def write_docs(report: str, args) -> None:
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, our INT4 bundle, 2 threads, greedy, 128-token "
                "prompts and 128 tokens a stream, shared 2-core machine. Aggregate = completion tokens / wall time from "
                "submission (prefill included). Peer: ONNX Runtime GenAI's static batch (its int4 builder, "
-               "spinning threads: its default), same prompts and lengths. llama.cpp's parallel sequences are "
-               "not measured (llama-cpp-python's high-level API runs one sequence).\n\n" + report + "\n")
+               "spinning threads: its default), and llama.cpp Q4_0 of the same fp32 weights with one sequence "
+               "per stream in one context (llama-cpp-python's low-level batch API, as llama-server's parallel "
+               "slots), same prompts and lengths.\n\n" + report + "\n")
     replace_section(title, section)
 
 
