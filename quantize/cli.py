@@ -49,6 +49,9 @@ def cli() -> None:
 @click.option("--symmetric/--asymmetric", default=None,
               help="No per-block zero points, or zero points everywhere [default: int4: symmetric o and gate_up "
                    "projections, asymmetric qkv and down; int8: asymmetric].")
+@click.option("--int8-layers", default=None, metavar="KIND:LAYER,...|none",
+              help="INT4 only: projections kept at 8 bits, e.g. qkv:18,down:28 (kinds: qkv, o, gate_up, down), "
+                   "or none [default: qkv:18, measured on SmolLM2].")
 @click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
               help="rtn: round to nearest; search: per-block error-minimizing scales, importance-weighted; "
                    "gptq: search plus GPTQ error compensation.")
@@ -65,7 +68,7 @@ def cli() -> None:
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
 @click.option("--threads", type=int, default=None)
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
-def build(source, out, precision, block_size, down_block_size, symmetric, method, calib_text, accuracy_level,
+def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
           embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
@@ -82,6 +85,8 @@ def build(source, out, precision, block_size, down_block_size, symmetric, method
         block = int(block_size or (64 if precision == "int4" else 32))
         down = int(down_block_size or (128 if precision == "int4" else block))
         kinds = {} if symmetric is None else {"int4_symmetric_kinds": frozenset()}  # a flag applies to all kinds
+        if int8_layers is not None:
+            kinds["int4_int8_layers"] = parse_int8_layers(int8_layers)
         spec = QuantSpec(precision=precision, block_size=block, block_sizes={"down": down}, symmetric=bool(symmetric),
                          **kinds, method=method,
                          accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
@@ -96,6 +101,19 @@ def build(source, out, precision, block_size, down_block_size, symmetric, method
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)
+
+
+def parse_int8_layers(text: str) -> dict[str, list[int]]:
+    """"qkv:18,down:28" -> {"qkv": [18], "down": [28]}; "none" -> {}."""
+    if text.strip().lower() == "none":
+        return {}
+    layers: dict[str, list[int]] = {}
+    for item in text.split(","):
+        kind, _, layer = item.strip().partition(":")
+        if kind not in ("qkv", "o", "gate_up", "down") or not layer.isdigit():
+            raise ValueError(f"--int8-layers: {item.strip()!r} is not KIND:LAYER with KIND one of qkv, o, gate_up, down")
+        layers.setdefault(kind, []).append(int(layer))
+    return layers
 
 
 def _name_of(source: Path) -> str:

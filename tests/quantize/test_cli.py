@@ -63,6 +63,20 @@ def test_existing_output_is_refused_and_left_alone(built, tiny_gguf):
     assert (root / "fp32" / "manifest.json").read_bytes() == before
 
 
+def test_int8_layers_option(tmp_path, tiny_gguf):
+    out = tmp_path / "int4"
+    r = run("build", str(tiny_gguf), "--precision", "int4", "--block-size", "16", "--no-eval", "--int8-layers",
+            "qkv:1,down:0", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    report = (out / "quant_report.txt").read_text()
+    assert "layers.1/attn/qkv_proj: int8" in report and "layers.0/mlp/down_proj: int8" in report
+    assert "layers.0/attn/qkv_proj: int4" in report
+    assert json.loads((out / "model_config.json").read_text())["quant"]["int4_int8_layers"] == {"qkv": [1], "down": [0]}
+    assert_one_line_error(run("build", str(tiny_gguf), "--int8-layers", "mlp:3", "--out", str(tmp_path / "bad")),
+                          "mlp:3")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_truncated_gguf(tmp_path, tiny_gguf):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes()[:3000])
