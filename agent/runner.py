@@ -140,8 +140,11 @@ def session_options(threads: int, spin_wait: bool = False) -> ort.SessionOptions
     A decode step is ~300 small kernels and a sleeping worker is woken for each one: on an idle 2-core
     machine spinning made decode ~1.25x faster. But when other processes want the cores, a spinner
     waits on a partner the scheduler has descheduled, and decode was ~1.6x slower than sleeping
-    (bench/tps.py, docs/benchmarks.md). Spinning stops when Run() returns (force_spinning_stop), so
-    between steps the engine thread and the rest of the service get the cores.
+    (bench/tps.py, docs/benchmarks.md). A spinning worker keeps spinning for a bounded while after Run()
+    returns, which bridges the engine's few hundred microseconds between steps: forcing the spin to stop
+    at every return (session.force_spinning_stop) lost ~10% of decode speed (measured 2026-12-03, separate
+    processes, 3 rounds: ~118 vs ~131 tok/s on a loaded 2-core host). With one worker on two cores the
+    engine thread keeps a core of its own meanwhile.
     """
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -149,5 +152,4 @@ def session_options(threads: int, spin_wait: bool = False) -> ort.SessionOptions
     opts.inter_op_num_threads = 1
     spin = spin_wait and threads <= usable_cores()  # more threads than cores: spinners starve each other
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
