@@ -34,8 +34,9 @@ class EngineConfig(BaseModel):
     kv_dtype: Literal["fp32", "int8"] = Field("fp32", description="KV cache type: int8 holds 4x the tokens in a "
                                               "budget (static per-channel scales calibrated by edge-quantize; mean KL "
                                               "~0.01 against fp32 on SmolLM2, docs/benchmarks.md)")
-    spin_wait: bool = Field(False, description="ONNX Runtime threads spin between kernels: 1.2x faster decode on an "
-                                               "otherwise idle box, 0.6x when other processes compete for the cores")
+    spin_wait: bool = Field(False, description="ONNX Runtime threads spin between kernels and steps: ~1.5x faster "
+                                               "decode on an otherwise idle box, 0.6-0.7x when other processes "
+                                               "compete for the cores (docs/benchmarks.md)")
     speculative: Literal["off", "ngram", "draft"] = Field("off", description="default speculative decoding mode")
     speculative_max_batch: int = Field(2, ge=1, description="no drafts when more sequences than this decode at once")
 
