@@ -84,11 +84,11 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         # measured defaults (docs/benchmarks.md): int4 GPTQ b64 with down b128 at Q4_0's size; int8 GPTQ b32
         block = int(block_size or (64 if precision == "int4" else 32))
         down = int(down_block_size or (128 if precision == "int4" else block))
-        kinds = {} if symmetric is None else {"int4_symmetric_kinds": frozenset()}  # a flag applies to all kinds
+        overrides = {} if symmetric is None else {"int4_symmetric_kinds": frozenset()}  # a flag applies to all kinds
         if int8_layers is not None:
-            kinds["int4_int8_layers"] = parse_int8_layers(int8_layers)
+            overrides["int4_int8_layers"] = parse_int8_layers(int8_layers)
         spec = QuantSpec(precision=precision, block_size=block, block_sizes={"down": down}, symmetric=bool(symmetric),
-                         **kinds, method=method,
+                         **overrides, method=method,
                          accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
                          keep_source_quant=keep_source_quant)
         click.echo(f"reading {source}")

@@ -10,10 +10,9 @@ from agent.config import EngineConfig
 from agent.engine import Engine, Finished, RequestError, TextDelta
 from agent.memory import MemoryBudgetError
 from agent.sampling_params import SamplingParams
+from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +41,8 @@ def test_greedy_equals_numpy_reference_for_32_tokens(engine, tiny_checkpoint):
 def test_concurrent_requests_equal_one_at_a_time(engine):
     ps = prompts(6, seed=1)
     alone = [engine.generate(p, SamplingParams(max_tokens=20, **GREEDY)).token_ids for p in ps]
-    handles = [engine.submit(p, SamplingParams(max_tokens=20, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in handles):
-        engine.step()
-    assert [h.result().token_ids for h in handles] == alone
+    results = run_together(engine, ps, 20)
+    assert [r.token_ids for r in results] == alone
 
 
 def test_in_place_cache_decode_equals_recompute(tiny_bundle):

@@ -12,13 +12,12 @@ from agent.bundle import BundleError
 from agent.config import EngineConfig
 from agent.engine import Engine
 from agent.sampling_params import SamplingParams
+from batching import GREEDY, run_together
 from quantize.cli import default_calibration_text
 from quantize.evaluate import log_softmax, windows
 from quantize.kv_int8 import MARGIN
 from quantize.package import build_bundle, encode
 from quantize.precision import QuantSpec
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +110,8 @@ def test_engine_with_int8_cache_batches_exactly_and_holds_4x_the_tokens(bundle):
     assert eng.kv.classes[0].keys[0].dtype == np.int8
     ps = prompts(4, seed=8)
     alone = [eng.generate(p, SamplingParams(max_tokens=24, **GREEDY)).token_ids for p in ps]
-    handles = [eng.submit(p, SamplingParams(max_tokens=24, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in handles):
-        eng.step()
-    assert [h.result().token_ids for h in handles] == alone
+    results = run_together(eng, ps, 24)
+    assert [r.token_ids for r in results] == alone
     assert all(len(t) == 24 for t in alone)
 
 

@@ -13,10 +13,9 @@ from agent.memory import SizeClass
 from agent.sampling_params import SamplingParams
 from agent.scheduler import AGING_S, Scheduler
 from agent.sequence import FinishReason, Sequence, Status
+from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +161,5 @@ def test_real_model_concurrent_equals_sequential(real_fp32_bundle):
     questions = ["What is 2 + 2?", "Name a color.", "Say hello in French.", "What is the largest ocean?"]
     ps = [tok.encode(tok.render_chat([{"role": "user", "content": q}])) for q in questions]
     alone = [engine.generate(p, SamplingParams(max_tokens=16, **GREEDY)).token_ids for p in ps]
-    hs = [engine.submit(p, SamplingParams(max_tokens=16, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in hs):
-        engine.step()
-    assert [h.result().token_ids for h in hs] == alone
+    results = run_together(engine, ps, 16)
+    assert [r.token_ids for r in results] == alone

@@ -9,10 +9,9 @@ from agent.config import EngineConfig
 from agent.engine import Engine
 from agent.sampling_params import SamplingParams
 from agent.speculative import DraftLength, learned_backoff, next_draft_length, ngram_draft, verify
+from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def test_ngram_draft_follows_the_latest_match():
@@ -108,10 +107,7 @@ def test_ngram_greedy_equals_plain_greedy_tiny(tiny_bundle, batch):
     plain = Engine(tiny_bundle, EngineConfig(**cfg))
     spec = Engine(tiny_bundle, EngineConfig(speculative="ngram", **cfg))
     want = [plain.generate(p, SamplingParams(max_tokens=40, **GREEDY)).token_ids for p in ps]
-    hs = [spec.submit(p, SamplingParams(max_tokens=40, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in hs):
-        spec.step()
-    results = [h.result() for h in hs]
+    results = run_together(spec, ps, 40)
     assert [r.token_ids for r in results] == want
     assert sum(r.figures.drafted_tokens for r in results) > 0
 
@@ -129,10 +125,7 @@ def test_ngram_greedy_equals_plain_greedy_real(real_fp32_bundle, batch):
                  "Copy the text word for word."][:batch]
     ps = [tok.encode(tok.render_chat([{"role": "user", "content": passage + q}])) for q in questions]
     want = [plain.generate(p, SamplingParams(max_tokens=32, **GREEDY)).token_ids for p in ps]
-    hs = [spec.submit(p, SamplingParams(max_tokens=32, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in hs):
-        spec.step()
-    results = [h.result() for h in hs]
+    results = run_together(spec, ps, 32)
     assert [r.token_ids for r in results] == want
     print("accepted/drafted", sum(r.figures.accepted_tokens for r in results),
           sum(r.figures.drafted_tokens for r in results))
@@ -167,10 +160,7 @@ def test_draft_model_greedy_equals_plain_greedy_tiny(tiny_bundle, tiny_int8_bund
     plain = Engine(tiny_bundle, EngineConfig(**cfg))
     spec = Engine(tiny_bundle, EngineConfig(speculative="draft", **cfg), draft=tiny_int8_bundle)
     want = [plain.generate(p, SamplingParams(max_tokens=40, **GREEDY)).token_ids for p in ps]
-    hs = [spec.submit(p, SamplingParams(max_tokens=40, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in hs):
-        spec.step()
-    results = [h.result() for h in hs]
+    results = run_together(spec, ps, 40)
     assert [r.token_ids for r in results] == want
     drafted = sum(r.figures.drafted_tokens for r in results)
     accepted = sum(r.figures.accepted_tokens for r in results)
@@ -188,10 +178,7 @@ def test_draft_model_greedy_equals_plain_greedy_real(real_fp32_bundle, real_q4_b
     questions = ["Name three planets.", "What is a river?", "Give me a synonym for happy.", "Count to five."][:batch]
     ps = [tok.encode(tok.render_chat([{"role": "user", "content": q}])) for q in questions]
     want = [plain.generate(p, SamplingParams(max_tokens=24, **GREEDY)).token_ids for p in ps]
-    hs = [spec.submit(p, SamplingParams(max_tokens=24, **GREEDY)) for p in ps]
-    while any(not h.seq.is_finished for h in hs):
-        spec.step()
-    results = [h.result() for h in hs]
+    results = run_together(spec, ps, 24)
     assert [r.token_ids for r in results] == want
     accepted = sum(r.figures.accepted_tokens for r in results)
     drafted = sum(r.figures.drafted_tokens for r in results)
