@@ -96,7 +96,8 @@ class Engine:
         self.draft = self._load_draft(draft)
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
-        self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s)
+        self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s,
+                                   self.prefix.retire if self.prefix is not None else None)
         self.streams: dict[int, tuple[RequestHandle, IncrementalDetokenizer]] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -141,8 +142,8 @@ class Engine:
         pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         if self.draft is not None:
             self.draft.attach(pool)
-        self.prefix = (PrefixCache(prefix_blocks, self.config.prefix_block_tokens, c.num_layers, c.num_kv_heads,
-                                   c.head_dim, dtype) if prefix_blocks > 0 else None)
+        self.prefix = (PrefixCache(prefix_blocks, self.config.prefix_block_tokens, pool, c.num_layers,
+                                   c.num_kv_heads, c.head_dim, dtype) if prefix_blocks > 0 else None)
         log.info("KV cache: %s (%.0f MB) + prefix cache %d blocks of %d tokens (%.0f MB), budget %d MB",
                  ", ".join(f"{x.num_slots}x{x.capacity_tokens}" for x in classes), pool.nbytes / MB, prefix_blocks,
                  self.config.prefix_block_tokens, self.prefix.nbytes / MB if self.prefix else 0,
@@ -269,7 +270,7 @@ class Engine:
         pool.lengths[seq.seq_id] = seq.num_computed
         if seq.num_uncomputed == 0:  # prompt (and any recomputed output) done: sample the next token
             if self.prefix is not None:
-                self.prefix.store(seq.prompt_ids, pool, slot)
+                self.prefix.store(seq.seq_id, seq.prompt_ids)
             seq.start_decoding()
             self._accept(seq, self._sample(seq, logits[0, 0]))
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.memory import SizeClass
-from agent.runner import KVCache, lazy_zeros
+from agent.runner import KVCache, lazy_zeros, release_pages
 
 
 @dataclass
@@ -48,7 +48,10 @@ class SlotPool:
         return len(self.owners) - 1
 
     def free(self, seq_id: int) -> None:
-        """Release a slot; the last live sequence moves into it so live slots stay 0..n-1."""
+        """Release a slot; the last live sequence moves into it so live slots stay 0..n-1.
+
+        The vacated slot's pages go back to the OS, so RSS follows the tokens held, not their high water.
+        """
         hole, last = self.slot_of(seq_id), len(self.owners) - 1
         del self.lengths[seq_id]
         if hole != last:
@@ -57,6 +60,8 @@ class SlotPool:
             for buf in self.keys + self.values:
                 buf[hole, :, :n] = buf[last, :, :n]
             self.owners[hole] = moved
+        for buf in self.keys + self.values:
+            release_pages(buf[last])
         self.owners.pop()
 
 

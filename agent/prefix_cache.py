@@ -2,10 +2,15 @@
 
 Blocks are `block_tokens` tokens, identified by a hash chain (a block's key is its parent's key and its
 own tokens, as in vLLM and nano-vllm), so a block matches only at the same position after the same
-prefix. The store is its own preallocated buffer per layer, [blocks, kv_heads, block_tokens, head_dim],
-counted in the memory budget. A hit copies the blocks into the new sequence's slot (a memcpy, a few MB,
-instead of a prefill); a finished prefill copies its prompt's new full blocks in. Blocks are evicted
-least recently used. Because blocks are copied, never shared, a running sequence never pins one.
+prefix. A block lives in one of two places:
+- in the slot of the running sequence that computed it: indexed when its prefill ends, not copied, since a
+  sequence only appends and its prompt positions stay valid while it runs;
+- in the store, its own preallocated buffer per layer, [blocks, kv_heads, block_tokens, head_dim], counted
+  in the memory budget: when that sequence leaves, its blocks move there (copied, then the slot's pages go
+  back to the OS layer by layer, so a prompt is never held twice).
+A hit copies the blocks into the new sequence's slot (a memcpy, a few MB, instead of a prefill). Store
+blocks are evicted least recently used. Because blocks are copied, never shared, a running sequence never
+pins one.
 """
 from __future__ import annotations
 
@@ -13,20 +18,24 @@ from collections import OrderedDict
 
 import numpy as np
 
-from agent.kv_cache import SlotPool
-from agent.runner import lazy_zeros
+from agent.kv_cache import KVPool, SlotPool
+from agent.runner import lazy_zeros, release_pages
+
+Live = tuple[int, int]  # (sequence id, first token position) of a block still in that sequence's slot
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_tokens: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: np.dtype = np.dtype(np.float32)):
+    def __init__(self, num_blocks: int, block_tokens: int, kv: KVPool, num_layers: int, kv_heads: int,
+                 head_dim: int, dtype: np.dtype = np.dtype(np.float32)):
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
+        self.kv = kv
         shape = (num_blocks, kv_heads, block_tokens, head_dim)
         self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
         self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
-        # chain key -> (block index, the block's tokens); most recently used last
-        self.index: OrderedDict[tuple, tuple[int, tuple[int, ...]]] = OrderedDict()
+        # chain key -> (store block index or Live, the block's tokens); most recently used last
+        self.index: OrderedDict[tuple, tuple[int | Live, tuple[int, ...]]] = OrderedDict()
+        self.live: dict[int, list[tuple]] = {}  # sequence id -> chain keys of blocks living in its slot
         self.free = list(range(num_blocks - 1, -1, -1))
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -60,37 +69,58 @@ class PrefixCache:
             if hit is None or hit[1] != tokens:
                 break
             self.index.move_to_end(key)
-            self._copy_block(hit[0], pool, slot, n, into_slot=True)
+            self._copy_in(hit[0], pool, slot, n)
             n += self.block_tokens
         self.hit_tokens += n
         return n
 
-    def store(self, prompt_ids: list[int], pool: SlotPool, slot: int) -> None:
-        """Copy the prompt's full blocks that are not cached yet out of the slot (after its prefill)."""
+    def _copy_in(self, where: int | Live, pool: SlotPool, slot: int, start: int) -> None:
+        end = start + self.block_tokens
+        if isinstance(where, int):
+            sources = [store[where] for store in self.keys + self.values]
+        else:
+            seq_id, src_start = where
+            src_pool = self.kv.where[seq_id]
+            src_slot = src_pool.slot_of(seq_id)
+            sources = [buf[src_slot, :, src_start:src_start + self.block_tokens]
+                       for buf in src_pool.keys + src_pool.values]
+        for src, buf in zip(sources, pool.keys + pool.values):
+            buf[slot, :, start:end] = src  # [kv_heads, block_tokens, head_dim]
+
+    def store(self, seq_id: int, prompt_ids: list[int]) -> None:
+        """Index the prompt's full blocks that are not cached yet where they are: in seq_id's slot."""
         n_blocks = len(prompt_ids) // self.block_tokens
         for b, (key, tokens) in enumerate(self._chain(prompt_ids, n_blocks)):
             if key in self.index:
                 self.index.move_to_end(key)
                 continue
+            self.index[key] = ((seq_id, b * self.block_tokens), tokens)
+            self.live.setdefault(seq_id, []).append(key)
+
+    def retire(self, seq_id: int, pool: SlotPool) -> None:
+        """Before seq_id's slot is freed: move the blocks living in it to the store (as many as fit)."""
+        keys = [k for k in self.live.pop(seq_id, []) if k in self.index]
+        moves = []  # (key, first token position in the slot, store block)
+        for key in keys:
             block = self._take_block()
             if block is None:
-                return
-            self._copy_block(block, pool, slot, b * self.block_tokens, into_slot=False)
-            self.index[key] = (block, tokens)
+                del self.index[key]
+                continue
+            moves.append((key, self.index[key][0][1], block))
+        slot = pool.slot_of(seq_id)
+        for store, buf in zip(self.keys + self.values, pool.keys + pool.values):
+            for _, start, block in moves:
+                store[block] = buf[slot, :, start:start + self.block_tokens]
+            release_pages(buf[slot])  # this layer's copy is done: never hold the prompt twice
+        for key, _, block in moves:
+            self.index[key] = (block, self.index[key][1])
 
     def _take_block(self) -> int | None:
+        """A free store block, evicting the least recently used stored (not living) block if need be."""
         if self.free:
             return self.free.pop()
-        if not self.index:
+        victim = next((k for k, (where, _) in self.index.items() if isinstance(where, int)), None)
+        if victim is None:
             return None
-        _, (block, _) = self.index.popitem(last=False)  # least recently used
+        block, _ = self.index.pop(victim)
         return block
-
-    def _copy_block(self, block: int, pool: SlotPool, slot: int, start: int, into_slot: bool) -> None:
-        end = start + self.block_tokens
-        for store, buf in zip(self.keys + self.values, pool.keys + pool.values):
-            # store[block]: [kv_heads, block_tokens, head_dim]; buf[slot, :, start:end]: the same shape
-            if into_slot:
-                buf[slot, :, start:end] = store[block]
-            else:
-                store[block] = buf[slot, :, start:end]

@@ -9,6 +9,7 @@ prompt arrives.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.kv_cache import KVPool, SlotPool
@@ -29,8 +30,10 @@ AGING_S = 10.0  # a waiting request gains one priority level per this many secon
 
 
 class Scheduler:
-    def __init__(self, kv: KVPool, prefill_chunk_tokens: int, max_queue_wait_s: float = 60.0):
+    def __init__(self, kv: KVPool, prefill_chunk_tokens: int, max_queue_wait_s: float = 60.0,
+                 retire: Callable[[int, SlotPool], None] | None = None):
         self.kv = kv
+        self.retire = retire  # called with (sequence id, its pool) just before its slot is freed
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_queue_wait_s = max_queue_wait_s
         self.waiting: list[Sequence] = []  # short (bounded by max_queue): scanned, not heaped, because priorities age
@@ -97,6 +100,8 @@ class Scheduler:
         """Finish a running sequence and free its slot at once."""
         seq.finish(reason)
         self.running.remove(seq)
+        if self.retire is not None:
+            self.retire(seq.seq_id, self.kv.where[seq.seq_id])
         self.kv.free(seq.seq_id)
 
     def reap_cancelled(self) -> list[Sequence]:

@@ -55,6 +55,30 @@ def test_prefix_cache_hit_is_exact_and_computes_only_the_suffix(tiny_bundle):
     assert engine.prefix_cache_hit_ratio() > 0
 
 
+def test_prefix_hit_from_a_running_sequence_is_exact_and_never_held_twice(tiny_bundle):
+    """Blocks are indexed in the slot that computed them, and move to the store only when it leaves."""
+    config = dict(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=32)
+    engine = Engine(tiny_bundle, EngineConfig(**config))
+    cold = Engine(tiny_bundle, EngineConfig(**config, prefix_cache_fraction=0.0))
+    system = np.random.default_rng(3).integers(3, 260, 100).tolist()
+    a, b = system + [11, 12, 13], system + [21, 22, 23, 24, 25]
+    expected = [cold.generate(p, SamplingParams(max_tokens=n, **GREEDY)).token_ids for p, n in ((a, 40), (b, 12))]
+    first = engine.submit(a, SamplingParams(max_tokens=40, **GREEDY))
+    while first.seq.status is not Status.DECODING:
+        engine.step()
+    store = engine.prefix
+    assert len(store.index) == 6 and len(store.free) == store.num_blocks  # indexed where they are, not copied
+    second = engine.submit(b, SamplingParams(max_tokens=12, **GREEDY))
+    while engine.step():
+        pass
+    results = [first.result(), second.result()]
+    assert [r.token_ids for r in results] == expected
+    assert results[1].figures.cached_prompt_tokens == 96  # copied from the running sequence's slot
+    assert all(isinstance(where, int) for where, _ in store.index.values())  # moved to the store on finish
+    assert store.num_blocks - len(store.free) == 6
+    assert not any(buf[:2].any() for p in engine.kv.classes for buf in p.keys + p.values)  # slots' pages released
+
+
 def test_small_budget_sixteen_concurrent_requests(tiny_bundle):
     """Few slots, a short queue: the rest are refused as overloaded, every admitted request finishes."""
     engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, max_context=256, min_context=64,

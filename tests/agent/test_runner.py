@@ -1,0 +1,30 @@
+"""Runner memory hygiene: dropping clean weight-file pages and freed KV pages loses nothing."""
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from agent.runner import lazy_zeros, release_clean_file_pages, release_pages
+
+
+def test_release_pages_gives_back_whole_pages_as_zeros():
+    buf = lazy_zeros((4, 1024))  # 4 pages of float32
+    buf[:] = 1.0
+    release_pages(buf[1:3])
+    assert buf[0].all() and buf[3].all() and not buf[1:3].any()
+
+
+def test_clean_file_pages_are_dropped_and_read_back_modified_mappings_are_kept(tmp_path):
+    data = np.random.default_rng(0).integers(0, 255, 8 * mmap.PAGESIZE, dtype=np.uint8).tobytes()
+    (tmp_path / "clean.bin").write_bytes(data)
+    (tmp_path / "dirty.bin").write_bytes(data)
+    with open(tmp_path / "clean.bin", "rb") as f1, open(tmp_path / "dirty.bin", "rb") as f2:
+        clean = mmap.mmap(f1.fileno(), 0, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, as ONNX Runtime maps weights
+        dirty = mmap.mmap(f2.fileno(), 0, access=mmap.ACCESS_COPY)
+    assert clean[:] == data  # every page now resident
+    dirty[:] = data
+    dirty[0] = data[0] ^ 0xFF  # one copy-on-write page: that mapping must not be dropped
+    released = release_clean_file_pages(tmp_path)
+    assert released == len(data)  # the clean mapping only
+    assert clean[:] == data and dirty[0] == data[0] ^ 0xFF and dirty[1:] == data[1:]
