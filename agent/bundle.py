@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agent import wire
-from agent.runner import ModelRunner
+from agent.runner import ModelRunner, SpinWait
 
 
 class BundleError(ValueError):
@@ -25,7 +25,7 @@ class Bundle:
     manifest: wire.Manifest
     config: wire.ModelConfig
 
-    def runner(self, threads: int | None = None, spin_wait: bool = False, kv_dtype: str = "fp32") -> ModelRunner:
+    def runner(self, threads: int | None = None, spin_wait: SpinWait = False, kv_dtype: str = "fp32") -> ModelRunner:
         c = self.config
         graph = self.path / (wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH)
         if not graph.is_file():

@@ -34,9 +34,11 @@ class EngineConfig(BaseModel):
     kv_dtype: Literal["fp32", "int8"] = Field("fp32", description="KV cache type: int8 holds 4x the tokens in a "
                                               "budget (static per-channel scales calibrated by edge-quantize; mean KL "
                                               "~0.01 against fp32 on SmolLM2, docs/benchmarks.md)")
-    spin_wait: bool = Field(False, description="ONNX Runtime threads spin between kernels and steps: ~1.5x faster "
-                                               "decode on an otherwise idle box, 0.6-0.7x when other processes "
-                                               "compete for the cores (docs/benchmarks.md)")
+    spin_wait: bool | Literal["auto"] = Field(
+        "auto", description="ONNX Runtime threads spin between kernels and steps: ~1.3-1.5x faster decode on an "
+                            "otherwise idle box, 0.6-0.7x when other processes compete for the cores "
+                            "(docs/benchmarks.md). \"auto\" measures the cores' use by others at start and spins "
+                            "only when they are idle and no cgroup CPU quota is set")
     speculative: Literal["off", "ngram", "draft"] = Field("off", description="default speculative decoding mode")
     speculative_max_batch: int = Field(2, ge=1, description="no drafts when more sequences than this decode at once")
 

@@ -8,16 +8,24 @@ binding, so a step rebinds only the five small inputs and the logits, not the 4 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
 
 from agent import wire
 
+log = logging.getLogger(__name__)
+SpinWait = bool | Literal["auto"]
+# "auto" spins only when other processes used less than this many cores' worth of this process's CPUs
+# while it measured: a spinner next to a busy neighbour lost 30-40% of decode speed (docs/benchmarks.md)
+SPIN_MAX_BUSY_ELSEWHERE = 0.25
 
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota if one is set."""
@@ -29,6 +37,41 @@ def usable_cores() -> int:
     except (OSError, ValueError):
         pass  # no cgroup v2 CPU controller visible: affinity is the limit
     return max(1, cores)
+
+
+def cpu_busy_elsewhere(seconds: float = 0.25) -> float:
+    """Cores' worth of CPU that others used on this process's CPUs over `seconds` (hypervisor steal included)."""
+    cpus, hz = os.sched_getaffinity(0), os.sysconf("SC_CLK_TCK")
+
+    def sample() -> tuple[float, float]:
+        busy = 0
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+        own = os.times()
+        return busy / hz, own.user + own.system
+
+    (busy0, own0), t0 = sample(), time.monotonic()
+    time.sleep(seconds)
+    (busy1, own1), elapsed = sample(), time.monotonic() - t0
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed
+
+
+def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
+    """Whether ONNX Runtime's workers spin. "auto" decides by measuring the box now (see session_options)."""
+    cores = usable_cores()
+    if threads > cores:  # more threads than cores: spinners starve each other
+        return False
+    if spin_wait != "auto":
+        return bool(spin_wait)
+    if cores < len(os.sched_getaffinity(0)):  # a cgroup CPU quota: spinning would burn it and get throttled
+        return False
+    busy = cpu_busy_elsewhere()
+    log.info("others used %.2f cores of ours while measuring: workers will %s", busy,
+             "spin" if busy < SPIN_MAX_BUSY_ELSEWHERE else "sleep")
+    return busy < SPIN_MAX_BUSY_ELSEWHERE
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
@@ -127,9 +170,11 @@ class KVCache:
 
 class ModelRunner:
     def __init__(self, model_path: Path, num_layers: int, kv_heads: int, head_dim: int, threads: int | None = None,
-                 spin_wait: bool = False):
+                 spin_wait: SpinWait = False):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.session = ort.InferenceSession(str(model_path), session_options(threads or usable_cores(), spin_wait),
+        threads = threads or usable_cores()
+        self.spinning = choose_spinning(spin_wait, threads)
+        self.session = ort.InferenceSession(str(model_path), session_options(threads, self.spinning),
                                             providers=["CPUExecutionProvider"])
         self.released_bytes = release_clean_file_pages(Path(model_path).resolve().parent)
         self.vocab_size = next(o.shape[2] for o in self.session.get_outputs() if o.name == wire.LOGITS)
@@ -185,8 +230,8 @@ class ModelRunner:
         return binding
 
 
-def session_options(threads: int, spin_wait: bool = False) -> ort.SessionOptions:
-    """CPU session options. spin_wait: worker threads spin between kernels instead of sleeping.
+def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
+    """CPU session options. spin: worker threads spin between kernels instead of sleeping.
 
     A decode step is ~300 small kernels and a sleeping worker is woken for each one: on an idle 2-core
     machine spinning made decode ~1.25x faster. But when other processes want the cores, a spinner
@@ -201,6 +246,5 @@ def session_options(threads: int, spin_wait: bool = False) -> ort.SessionOptions
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    spin = spin_wait and threads <= usable_cores()  # more threads than cores: spinners starve each other
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return opts

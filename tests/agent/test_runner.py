@@ -1,11 +1,15 @@
-"""Runner memory hygiene: dropping clean weight-file pages and freed KV pages loses nothing."""
+"""Runner: dropping clean weight-file pages and freed KV pages loses nothing; spinning is chosen by measurement."""
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
+import time
 
 import numpy as np
 
-from agent.runner import lazy_zeros, release_clean_file_pages, release_pages
+from agent.runner import (choose_spinning, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages, release_pages,
+                          usable_cores)
 
 
 def test_release_pages_gives_back_whole_pages_as_zeros():
@@ -28,3 +32,19 @@ def test_clean_file_pages_are_dropped_and_read_back_modified_mappings_are_kept(t
     released = release_clean_file_pages(tmp_path)
     assert released == len(data)  # the clean mapping only
     assert clean[:] == data and dirty[0] == data[0] ^ 0xFF and dirty[1:] == data[1:]
+
+
+def test_spinning_is_as_configured_unless_threads_outnumber_cores():
+    assert choose_spinning(True, 1) and not choose_spinning(False, 1)
+    assert not choose_spinning(True, usable_cores() + 1)
+
+
+def test_auto_does_not_spin_next_to_a_busy_neighbour():
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # inherits this process's CPUs
+    try:
+        time.sleep(0.3)  # let it start
+        assert cpu_busy_elsewhere() > 0.5
+        assert not choose_spinning("auto", 1)
+    finally:
+        hog.kill()
+        hog.wait()
