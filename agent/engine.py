@@ -33,6 +33,8 @@ from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
 from agent.wire import RequestFigures
 
 log = logging.getLogger(__name__)
+# idle seconds between re-measurements of spin_wait "auto" (0.25 s each; a rebuild, ~1-2 s, only on a change)
+SPIN_RECHECK_S = 600.0
 
 
 class RequestError(ValueError):
@@ -106,6 +108,7 @@ class Engine:
         self._spec_backoff: dict[str, int] = {}  # speculative mode -> the last finished sequence's backoff
         self._wake_interval_s = idle_wait_s  # idle loop period: also the heartbeat's period when there is no work
         self._thread: threading.Thread | None = None
+        self._spin_checked = time.monotonic()
 
     def _load_draft(self, draft: Bundle | None) -> DraftModel | None:
         if draft is None:
@@ -213,8 +216,17 @@ class Engine:
                 self._fail_running("internal error")
                 busy = True
             if not busy:
+                self._recheck_spinning()
                 self._wake.wait(self._wake_interval_s)
                 self._wake.clear()
+
+    def _recheck_spinning(self) -> None:
+        """Every SPIN_RECHECK_S of idle time, let the runner re-measure whether its workers should spin."""
+        if time.monotonic() - self._spin_checked < SPIN_RECHECK_S or self.scheduler.has_work():
+            return
+        if self.runner.recheck_spinning():
+            log.info("other load changed: the runner's workers now %s", "spin" if self.runner.spinning else "sleep")
+        self._spin_checked = time.monotonic()
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):

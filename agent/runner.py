@@ -12,6 +12,7 @@ import logging
 import mmap
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -138,7 +139,7 @@ def release_clean_file_pages(directory: Path) -> int:
     return released
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the runner keeps a weak set of the caches it has bound
 class KVCache:
     """Per-layer key/value buffers [batch, kv_heads, capacity, head_dim], updated in place by the graph."""
 
@@ -172,14 +173,36 @@ class ModelRunner:
     def __init__(self, model_path: Path, num_layers: int, kv_heads: int, head_dim: int, threads: int | None = None,
                  spin_wait: SpinWait = False):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        threads = threads or usable_cores()
-        self.spinning = choose_spinning(spin_wait, threads)
-        self.session = ort.InferenceSession(str(model_path), session_options(threads, self.spinning),
-                                            providers=["CPUExecutionProvider"])
-        self.released_bytes = release_clean_file_pages(Path(model_path).resolve().parent)
+        self.model_path, self.threads, self.spin_wait = Path(model_path), threads or usable_cores(), spin_wait
+        self._bound: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches holding a binding to the session
+        self._load(choose_spinning(spin_wait, self.threads))
         self.vocab_size = next(o.shape[2] for o in self.session.get_outputs() if o.name == wire.LOGITS)
         cache_type = next(i.type for i in self.session.get_inputs() if i.name == wire.past_key(0))
         self.kv_dtype = np.dtype(np.int8 if cache_type == "tensor(int8)" else np.float32)
+
+    def _load(self, spin: bool) -> None:
+        self.spinning = spin
+        self.session = ort.InferenceSession(str(self.model_path), session_options(self.threads, spin),
+                                            providers=["CPUExecutionProvider"])
+        self.released_bytes = release_clean_file_pages(self.model_path.resolve().parent)
+
+    def recheck_spinning(self) -> bool:
+        """With spin_wait "auto", call while idle: measure the box again and, if the answer changed, rebuild the
+        session (ONNX Runtime fixes spinning when a session is made). Returns whether it rebuilt.
+
+        A box busy at boot would otherwise sleep its workers for months, or one idle at boot spin next to a
+        workload that arrived later.
+        """
+        if self.spin_wait != "auto":
+            return False
+        spin = choose_spinning("auto", self.threads)
+        if spin == self.spinning:
+            return False
+        for cache in list(self._bound):
+            cache.bindings.clear()  # they hold the old session
+        self.session = None  # free the old weights before the new session prepacks its own: one copy at a time
+        self._load(spin)
+        return True
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
@@ -219,6 +242,7 @@ class ModelRunner:
         held = cache.bindings.get(id(self.session))
         if held is None or held[0] is not self.session:
             held = cache.bindings[id(self.session)] = (self.session, self._bind_cache(self.session.io_binding(), cache))
+            self._bound.add(cache)
         return held[1]
 
     def _bind_cache(self, binding: ort.IOBinding, cache: KVCache) -> ort.IOBinding:

@@ -1,10 +1,12 @@
 """Runner: dropping clean weight-file pages and freed KV pages loses nothing; spinning is chosen by measurement."""
 from __future__ import annotations
 
+import gc
 import mmap
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 
@@ -48,3 +50,23 @@ def test_auto_does_not_spin_next_to_a_busy_neighbour():
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
+    runner = tiny_fp32_bundle.runner(1, "auto")
+    cache = runner.new_cache(1, 32)
+    ids, seqlens, q, last = np.array([[5, 6, 7]]), np.array([2]), np.array([3]), np.array([[2]])
+    before = runner.forward(ids, seqlens, q, last, cache).copy()
+    runner.spinning = True  # as if the box had been idle at start
+    old = weakref.ref(runner.session)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert runner.recheck_spinning() and not runner.spinning
+    finally:
+        hog.kill()
+        hog.wait()
+    gc.collect()
+    assert old() is None  # the old session (and its weights) is gone, not held by the cache's binding
+    assert np.array_equal(runner.forward(ids, seqlens, q, last, cache), before)  # same cache, new session
+    assert not tiny_fp32_bundle.runner(1, False).recheck_spinning()  # a fixed choice is never re-measured
