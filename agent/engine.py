@@ -33,7 +33,8 @@ from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
 from agent.wire import RequestFigures
 
 log = logging.getLogger(__name__)
-# idle seconds between re-measurements of spin_wait "auto" (0.25 s each; a rebuild, ~1-2 s, only on a change)
+# spin_wait "auto" is re-measured at the first idle moment this many seconds after the last measurement
+# (0.25 s each; a rebuild, ~1-2 s, only when the answer changes)
 SPIN_RECHECK_S = 600.0
 
 
@@ -221,7 +222,7 @@ class Engine:
                 self._wake.clear()
 
     def _recheck_spinning(self) -> None:
-        """Every SPIN_RECHECK_S of idle time, let the runner re-measure whether its workers should spin."""
+        """When idle and SPIN_RECHECK_S after the last time, let the runner re-measure whether its workers spin."""
         if time.monotonic() - self._spin_checked < SPIN_RECHECK_S or self.scheduler.has_work():
             return
         if self.runner.recheck_spinning():

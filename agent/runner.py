@@ -28,6 +28,7 @@ SpinWait = bool | Literal["auto"]
 # while it measured: a spinner next to a busy neighbour lost 30-40% of decode speed (docs/benchmarks.md)
 SPIN_MAX_BUSY_ELSEWHERE = 0.25
 
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota if one is set."""
     cores = len(os.sched_getaffinity(0))
@@ -95,12 +96,15 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_DONTNEED = 4  # Linux: drop the pages; anonymous ones read back as zeros, clean file ones from the file
 
 
-def _drop_pages(start: int, end: int) -> None:
-    """madvise(MADV_DONTNEED) over the whole pages inside [start, end)."""
+def _drop_pages(start: int, end: int) -> bool:
+    """madvise(MADV_DONTNEED) over the whole pages inside [start, end). False if the kernel refused (e.g. the
+    pages are locked): they stay resident, which costs memory but loses nothing, so callers carry on."""
     page = mmap.PAGESIZE
     lo, hi = -(-start // page) * page, end // page * page
     if hi > lo and _libc.madvise(lo, hi - lo, MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+        log.debug("madvise(MADV_DONTNEED) refused: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
 
 
 def release_pages(arr: np.ndarray) -> None:
@@ -123,18 +127,17 @@ def release_clean_file_pages(directory: Path) -> int:
     """
     released, current, spans = 0, None, []
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's header line
-            path = head[5] if len(head) > 5 else ""
+        head = line.split(None, 5)  # a mapping's header: range perms offset dev inode [path, may hold spaces]
+        if ":" not in head[0]:
             lo, hi = (int(x, 16) for x in head[0].split("-"))
-            current = [lo, hi, 0, 0] if path and Path(path).parent == directory else None
+            path = head[5] if len(head) > 5 else ""
+            current = [lo, hi, 0, 0] if path.startswith("/") and Path(path).parent == directory else None
             if current is not None:
                 spans.append(current)
         elif current is not None and head[0] in ("Rss:", "Anonymous:"):
             current[2 if head[0] == "Rss:" else 3] = int(head[1]) * 1024
     for lo, hi, rss, anonymous in spans:
-        if anonymous == 0 and rss > 0:
-            _drop_pages(lo, hi)
+        if anonymous == 0 and rss > 0 and _drop_pages(lo, hi):
             released += rss
     return released
 

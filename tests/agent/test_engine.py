@@ -2,6 +2,8 @@
 seeds reproduce, stop strings are honoured, and bad budgets / prompts get clear errors."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,29 @@ def test_figures_are_consistent(engine):
     assert f.ttft_ms >= f.queue_ms >= 0 and f.e2e_ms >= f.ttft_ms
     assert f.decode_tokens_per_s > 0 and f.prefill_tokens_per_s > 0 and f.itl_p95_ms >= f.itl_p50_ms
     assert f.kv_bytes > 0
+
+
+def test_idle_loop_remeasures_spinning_and_keeps_serving(tiny_bundle, monkeypatch):
+    import agent.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)  # re-measure at every idle moment
+    e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, spin_wait="auto"),
+               idle_wait_s=0.05)
+    checks, recheck = [], e.runner.recheck_spinning
+
+    def counting() -> bool:
+        checks.append(e.scheduler.has_work())
+        return recheck()
+
+    e.runner.recheck_spinning = counting
+    expected = e.generate(prompts(1, seed=9)[0], SamplingParams(max_tokens=8, **GREEDY)).token_ids
+    e.start()
+    try:
+        time.sleep(1.0)
+        assert checks and not any(checks)  # measured while idle, never with work in hand
+        e.runner.spinning = not e.runner.spinning  # whatever the box says now differs: the next check rebuilds
+        time.sleep(1.0)
+        out = e.submit(prompts(1, seed=9)[0], SamplingParams(max_tokens=8, **GREEDY)).result()
+    finally:
+        e.stop()
+    assert out.token_ids == expected
