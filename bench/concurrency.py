@@ -24,11 +24,13 @@ from tps import PEER_PYTHON, build_artifacts  # noqa: E402
 
 from agent.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402
+from agent import engine as engine_module  # noqa: E402
 from agent.engine import Engine  # noqa: E402
 from agent.sampling_params import SamplingParams  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+STREAMS = (1, 2, 4, 8)
 
 
 def engine(bundle, **kw) -> Engine:
@@ -42,18 +44,14 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(100, 40000, length).tolist() for _ in range(n)]
 
 
-def aggregate(e: Engine, streams: int, runs: int) -> tuple[float, float]:
-    """(aggregate completion tokens/s over the wall time, median per-stream decode tokens/s)."""
-    totals, per_stream = [], []
-    for r in range(runs):
-        ps = prompts(streams, 128, seed=r)
-        t0 = time.perf_counter()
-        hs = [e.submit(p, SamplingParams(max_tokens=128, **GREEDY)) for p in ps]
-        results = [h.result() for h in hs]
-        wall = time.perf_counter() - t0
-        totals.append(sum(x.figures.completion_tokens for x in results) / wall)
-        per_stream += [x.figures.decode_tokens_per_s for x in results]
-    return statistics.median(totals), statistics.median(per_stream)
+def aggregate(e: Engine, streams: int, seed: int) -> tuple[float, list[float]]:
+    """(aggregate completion tokens/s over the wall time, per-stream decode tokens/s) of one round."""
+    ps = prompts(streams, 128, seed=seed)
+    t0 = time.perf_counter()
+    hs = [e.submit(p, SamplingParams(max_tokens=128, **GREEDY)) for p in ps]
+    results = [h.result() for h in hs]
+    wall = time.perf_counter() - t0
+    return sum(x.figures.completion_tokens for x in results) / wall, [x.figures.decode_tokens_per_s for x in results]
 
 
 # ONNX Runtime GenAI's static batch: all streams' prompts (128 random tokens each, as ours) appended at once,
@@ -62,13 +60,13 @@ GENAI_BATCH = """
 import json, sys, time
 import numpy as np
 import onnxruntime_genai as og
-model, streams, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model, streams, runs, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 config = og.Config(model)
 config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}))
 m = og.Model(config)
 out = []
 for r in range(runs + 1):  # the first is a warm-up
-    prompts = np.random.default_rng(r).integers(100, 40000, (streams, 128)).astype(np.int32)
+    prompts = np.random.default_rng(seed + r - 1 if r else 1000).integers(100, 40000, (streams, 128)).astype(np.int32)
     params = og.GeneratorParams(m)
     params.set_search_options(max_length=264, do_sample=False, batch_size=streams)
     gen = og.Generator(m, params)
@@ -88,7 +86,7 @@ LLAMA_PARALLEL = """
 import json, sys, time, ctypes
 import numpy as np
 import llama_cpp as L
-model, streams, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model, streams, runs, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 L.llama_backend_init()
 mp = L.llama_model_default_params()
 m = L.llama_model_load_from_file(model.encode(), mp)
@@ -111,7 +109,7 @@ def argmax(i):
     return int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
 out = []
 for r in range(runs + 1):  # the first is a warm-up
-    prompts = np.random.default_rng(r).integers(100, 40000, (streams, 128)).tolist()
+    prompts = np.random.default_rng(seed + r - 1 if r else 1000).integers(100, 40000, (streams, 128)).tolist()
     L.llama_memory_clear(L.llama_get_memory(ctx), True)
     t0 = time.perf_counter()
     fill([(t, p, s, p == 127) for s in range(streams) for p, t in enumerate(prompts[s])])
@@ -126,11 +124,11 @@ print(json.dumps(sorted(out[1:])[len(out[1:]) // 2]))
 """
 
 
-def peer_figure(script: str, model: Path, streams: int, runs: int) -> float | None:
+def peer_figure(script: str, model: Path, streams: int, runs: int, seed: int = 0) -> float | None:
     """Run a peer worker in the peer venv; its last stdout line is the aggregate tokens/s (None if unavailable)."""
     if not PEER_PYTHON.exists():
         return None
-    r = subprocess.run([str(PEER_PYTHON), "-c", script, str(model), str(streams), str(runs)],
+    r = subprocess.run([str(PEER_PYTHON), "-c", script, str(model), str(streams), str(runs), str(seed)],
                        capture_output=True, text=True, timeout=1200)
     return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
@@ -174,21 +172,40 @@ def main() -> int:
     paths = build_artifacts(bundled_gguf_path(), 2, rebuild=False)
     bundle = open_bundle(paths["ours-int4"])
     lines = ["| streams | ours: aggregate tok/s | x 1 stream | per-stream decode tok/s (median) | ours, sleeping threads | "
-             "GenAI static batch | ours / GenAI | llama.cpp Q4_0 parallel | ours / llama.cpp |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    ours, spinning = {}, None
-    for spin in ("auto", False):  # the default (spins when it finds the box idle at start), then sleeping threads
-        e = engine(bundle, speculative_max_batch=1, spin_wait=spin)
-        spinning = e.runner.spinning if spin == "auto" else spinning
-        ours[spin] = {n: aggregate(e, n, args.runs) for n in (1, 2, 4, 8)}
+             "ours, int8 KV cache | GenAI static batch | ours / GenAI | int8 KV / GenAI | llama.cpp Q4_0 parallel | "
+             "ours / llama.cpp |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    # ours: the default (spin_wait "auto": spins when it finds the box idle at start), sleeping threads, int8 KV
+    configs = {"auto": {}, "sleep": dict(spin_wait=False), "int8kv": dict(kv_dtype="int8")}
+    engine_module.SPIN_RECHECK_S = float("inf")  # engines take turns here: a re-measurement would see the others
+    engines = {label: engine(bundle, speculative_max_batch=1, **kw) for label, kw in configs.items()}
+    peers = {"genai": (GENAI_BATCH, "genai-int4"), "llama": (LLAMA_PARALLEL, "q4_0.gguf")}
+    totals: dict[tuple[str, int], list[float]] = {}
+    per_stream: dict[int, list[float]] = {}
+    for r in range(args.runs):  # rounds interleave every engine and peer, so the host's drift falls on all alike
+        for n in STREAMS:
+            for label, e in engines.items():
+                total, per = aggregate(e, n, seed=r)
+                totals.setdefault((label, n), []).append(total)
+                per_stream.setdefault(n, []).extend(per if label == "auto" else [])
+            for label, (script, artifact) in peers.items():
+                figure = peer_figure(script, paths[artifact], n, 1, seed=r)
+                totals.setdefault((label, n), []).extend([figure] if figure else [])
+        print(f"round {r + 1}/{args.runs} done", flush=True)
+    spinning = engines["auto"].runner.spinning
+    for e in engines.values():
         e.stop()
-    for n in (1, 2, 4, 8):
-        (agg, per), sleep_agg = ours["auto"][n], ours[False][n][0]
-        peers = [peer_figure(script, paths[artifact], n, args.runs)
-                 for script, artifact in ((GENAI_BATCH, "genai-int4"), (LLAMA_PARALLEL, "q4_0.gguf"))]
-        cells = " | ".join(f"{x:.1f} | {agg / x:.2f}" if x else "- | -" for x in peers)
-        lines.append(f"| {n} | {agg:.1f} | {agg / ours['auto'][1][0]:.2f} | {per:.1f} | {sleep_agg:.1f} | {cells} |")
-    lines += ["", f"Ours: spin_wait \"auto\" (the default) chose {'spinning' if spinning else 'sleeping'} threads."]
+    med = {k: statistics.median(v) if v else 0.0 for k, v in totals.items()}
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"  # noqa: E731
+    for n in STREAMS:
+        agg = med["auto", n]
+        lines.append(f"| {n} | {agg:.1f} | {agg / med['auto', 1]:.2f} | {statistics.median(per_stream[n]):.1f} | "
+                     f"{med['sleep', n]:.1f} | {med['int8kv', n]:.1f} | {med['genai', n]:.1f} | "
+                     f"{ratio(agg, med['genai', n])} | {ratio(med['int8kv', n], med['genai', n])} | "
+                     f"{med['llama', n]:.1f} | {ratio(agg, med['llama', n])} |")
+    lines += ["", f"Ours: spin_wait \"auto\" (the default) chose {'spinning' if spinning else 'sleeping'} threads. "
+              f"Each figure is the median of {args.runs} rounds; a round runs every engine and peer once at each "
+              "stream count, in turn."]
     cold, warm = ttft_cold_warm(bundle, args.runs)
     lines += ["", "| 400-token cached system prompt | TTFT ms |", "|---|--:|", f"| cold | {cold:.1f} |",
               f"| warm (prefix cache) | {warm:.1f} ({warm / cold:.0%} of cold) |"]
