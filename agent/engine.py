@@ -223,11 +223,15 @@ class Engine:
 
     def _recheck_spinning(self) -> None:
         """When idle and SPIN_RECHECK_S after the last time, let the runner re-measure whether its workers spin."""
-        if time.monotonic() - self._spin_checked < SPIN_RECHECK_S or self.scheduler.has_work():
+        if (time.monotonic() - self._spin_checked < SPIN_RECHECK_S or self.scheduler.has_work()
+                or not self._inbox.empty()):
             return
-        if self.runner.recheck_spinning():
-            log.info("other load changed: the runner's workers now %s", "spin" if self.runner.spinning else "sleep")
         self._spin_checked = time.monotonic()
+        try:
+            if self.runner.recheck_spinning():
+                log.info("other load changed: the runner's workers now %s", "spin" if self.runner.spinning else "sleep")
+        except Exception:  # the loop must outlive a failed measurement or rebuild
+            log.exception("re-measuring spin_wait failed")
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):
@@ -313,6 +317,8 @@ class Engine:
         logits = self.runner.forward(ids, seqlens, q, positions, pool.view(0, n))
         seconds = time.perf_counter() - t0  # drafting and the model call: what speculation must pay for
         rows = {owner: row for row, owner in enumerate(pool.owners)}
+        for s in seqs:  # positions this step wrote: a slot that a finish below moves must carry them along
+            pool.lengths[s.seq_id] = s.num_computed + 1 + len(drafts[s.seq_id])
         for s in seqs:
             self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
 

@@ -187,3 +187,23 @@ def test_real_model_concurrent_equals_sequential(real_fp32_bundle):
     alone = [engine.generate(p, SamplingParams(max_tokens=16, **GREEDY)).token_ids for p in ps]
     results = run_together(engine, ps, 16)
     assert [r.token_ids for r in results] == alone
+
+
+def test_a_slot_moved_when_another_finishes_keeps_the_kv_of_this_step(tiny_bundle):
+    """A finished sequence's slot is refilled by the last one, which must bring the token this step wrote."""
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefix_cache_fraction=0.0)
+    engine, alone = Engine(tiny_bundle, config), Engine(tiny_bundle, config)
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(3, 260, 10).tolist() for _ in range(3)]
+    hs = [engine.submit(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(ps, (5, 20, 20))]
+    while not hs[0].seq.is_finished:
+        engine.step()
+    moved = hs[2].seq
+    pool = engine.kv.where[moved.seq_id]
+    assert pool.slot_of(moved.seq_id) == 0  # it took the finished one's slot
+    ref = alone.submit(ps[2], SamplingParams(max_tokens=20, **GREEDY))
+    while ref.seq.num_computed < moved.num_computed:
+        alone.step()
+    ref_pool, n = alone.kv.where[ref.seq.seq_id], moved.num_computed
+    for buf, ref_buf in zip(pool.keys + pool.values, ref_pool.keys + ref_pool.values):
+        np.testing.assert_allclose(buf[0, :, :n], ref_buf[ref_pool.slot_of(ref.seq.seq_id), :, :n], atol=1e-4)
