@@ -29,16 +29,34 @@ SpinWait = bool | Literal["auto"]
 SPIN_MAX_BUSY_ELSEWHERE = 0.25
 
 
+PROC_STAT = Path("/proc/stat")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cpu_quota_cores() -> float | None:
+    """The tightest cgroup v2 CPU quota (cpu.max) on this process's cgroup and its parents, in cores."""
+    try:
+        own = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
+    except (OSError, StopIteration):
+        own = "/"
+    quotas, group = [], CGROUP_ROOT / own.strip().lstrip("/")
+    while True:  # a systemd service's CPUQuota= sits on its own cgroup, not on the root's
+        try:
+            quota, period = (group / "cpu.max").read_text().split()
+            if quota != "max":
+                quotas.append(int(quota) / int(period))
+        except (OSError, ValueError):
+            pass  # no CPU controller here
+        if group == CGROUP_ROOT or CGROUP_ROOT not in group.parents:
+            break
+        group = group.parent
+    return min(quotas) if quotas else None
+
+
 def usable_cores() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota if one is set."""
-    cores = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 CPU controller visible: affinity is the limit
-    return max(1, cores)
+    cores, quota = len(os.sched_getaffinity(0)), cpu_quota_cores()
+    return max(1, min(cores, int(quota)) if quota is not None else cores)
 
 
 def cpu_busy_elsewhere(seconds: float = 0.25) -> float:
@@ -47,7 +65,7 @@ def cpu_busy_elsewhere(seconds: float = 0.25) -> float:
 
     def sample() -> tuple[float, float]:
         busy = 0
-        for line in Path("/proc/stat").read_text().splitlines():
+        for line in PROC_STAT.read_text().splitlines():
             name, *fields = line.split()
             if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
                 user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
@@ -68,9 +86,14 @@ def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
         return False
     if spin_wait != "auto":
         return bool(spin_wait)
-    if cores < len(os.sched_getaffinity(0)):  # a cgroup CPU quota: spinning would burn it and get throttled
+    quota = cpu_quota_cores()
+    if quota is not None and quota < threads:  # spinning would burn the quota and get the workers throttled
         return False
-    busy = cpu_busy_elsewhere()
+    try:
+        busy = cpu_busy_elsewhere()
+    except OSError as e:  # e.g. systemd's ProcSubset=pid hides /proc/stat
+        log.warning("cannot measure other load (%s): workers will sleep; set spin_wait = true to spin", e)
+        return False
     log.info("others used %.2f cores of ours while measuring: workers will %s", busy,
              "spin" if busy < SPIN_MAX_BUSY_ELSEWHERE else "sleep")
     return busy < SPIN_MAX_BUSY_ELSEWHERE
@@ -184,9 +207,9 @@ class ModelRunner:
         self.kv_dtype = np.dtype(np.int8 if cache_type == "tensor(int8)" else np.float32)
 
     def _load(self, spin: bool) -> None:
-        self.spinning = spin
         self.session = ort.InferenceSession(str(self.model_path), session_options(self.threads, spin),
                                             providers=["CPUExecutionProvider"])
+        self.spinning = spin
         self.released_bytes = release_clean_file_pages(self.model_path.resolve().parent)
 
     def recheck_spinning(self) -> bool:
@@ -204,7 +227,12 @@ class ModelRunner:
         for cache in list(self._bound):
             cache.bindings.clear()  # they hold the old session
         self.session = None  # free the old weights before the new session prepacks its own: one copy at a time
-        self._load(spin)
+        try:
+            self._load(spin)
+        except Exception:  # e.g. out of memory mid-build: back to the session that worked (raises if that fails too)
+            log.exception("rebuilding the session failed; keeping workers that %s", "spin" if not spin else "sleep")
+            self._load(not spin)
+            return False
         return True
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

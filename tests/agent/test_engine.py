@@ -146,3 +146,24 @@ def test_idle_loop_remeasures_spinning_and_keeps_serving(tiny_bundle, monkeypatc
     finally:
         e.stop()
     assert out.token_ids == expected
+
+
+def test_a_failing_remeasurement_does_not_stop_the_loop(tiny_bundle, monkeypatch):
+    import agent.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)
+    e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
+    failures = []
+
+    def failing() -> bool:
+        failures.append(1)
+        raise OSError("no /proc/stat")
+
+    e.runner.recheck_spinning = failing
+    e.start()
+    try:
+        time.sleep(0.5)
+        out = e.submit(prompts(1, seed=3)[0], SamplingParams(max_tokens=4, **GREEDY)).result()
+    finally:
+        e.stop()
+    assert failures and out.figures.finish_reason == "length" and len(out.token_ids) == 4

@@ -70,3 +70,20 @@ def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
     assert old() is None  # the old session (and its weights) is gone, not held by the cache's binding
     assert np.array_equal(runner.forward(ids, seqlens, q, last, cache), before)  # same cache, new session
     assert not tiny_fp32_bundle.runner(1, False).recheck_spinning()  # a fixed choice is never re-measured
+
+
+def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch):
+    import agent.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
+    assert not choose_spinning("auto", 1)
+
+
+def test_a_cgroup_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
+    import agent.runner as runner_module
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # CPUQuota=150%
+    monkeypatch.setattr(runner_module, "CGROUP_ROOT", tmp_path)
+    assert runner_module.cpu_quota_cores() == 1.5
+    assert usable_cores() == 1
+    assert not choose_spinning("auto", 2) and not choose_spinning(True, 2)
