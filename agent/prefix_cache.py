@@ -36,6 +36,7 @@ class PrefixCache:
         # chain key -> (store block index or Live, the block's tokens); most recently used last
         self.index: OrderedDict[tuple, tuple[int | Live, tuple[int, ...]]] = OrderedDict()
         self.live: dict[int, list[tuple]] = {}  # sequence id -> chain keys of blocks living in its slot
+        self.chains: dict[int, list[tuple]] = {}  # sequence id -> chain keys of all its prompt's full blocks
         self.free = list(range(num_blocks - 1, -1, -1))
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -90,7 +91,9 @@ class PrefixCache:
     def store(self, seq_id: int, prompt_ids: list[int]) -> None:
         """Index the prompt's full blocks that are not cached yet where they are: in seq_id's slot."""
         n_blocks = len(prompt_ids) // self.block_tokens
+        self.chains[seq_id] = []
         for b, (key, tokens) in enumerate(self._chain(prompt_ids, n_blocks)):
+            self.chains[seq_id].append(key)
             if key in self.index:
                 self.index.move_to_end(key)
                 continue
@@ -98,11 +101,19 @@ class PrefixCache:
             self.live.setdefault(seq_id, []).append(key)
 
     def retire(self, seq_id: int, pool: SlotPool) -> None:
-        """Before seq_id's slot is freed: move the blocks living in it to the store (as many as fit)."""
+        """Before seq_id's slot is freed: move the blocks living in it to the store (as many as fit).
+
+        The prompt was in use until now, so its whole chain becomes the most recently used, and no block of
+        it is evicted to make room for its own later blocks (that would orphan them): the tail is dropped.
+        """
+        chain = self.chains.pop(seq_id, [])
+        for key in chain:
+            if key in self.index:
+                self.index.move_to_end(key)
         keys = [k for k in self.live.pop(seq_id, []) if k in self.index]
         moves = []  # (key, first token position in the slot, store block)
         for key in keys:
-            block = self._take_block()
+            block = self._take_block(protect=set(chain))
             if block is None:
                 del self.index[key]
                 continue
@@ -115,11 +126,12 @@ class PrefixCache:
         for key, _, block in moves:
             self.index[key] = (block, self.index[key][1])
 
-    def _take_block(self) -> int | None:
-        """A free store block, evicting the least recently used stored (not living) block if need be."""
+    def _take_block(self, protect: set[tuple]) -> int | None:
+        """A free store block, evicting the least recently used stored (not living, not protected) block."""
         if self.free:
             return self.free.pop()
-        victim = next((k for k, (where, _) in self.index.items() if isinstance(where, int)), None)
+        victim = next((k for k, (where, _) in self.index.items() if isinstance(where, int) and k not in protect),
+                      None)
         if victim is None:
             return None
         block, _ = self.index.pop(victim)

@@ -163,6 +163,7 @@ def test_a_failing_remeasurement_does_not_stop_the_loop(tiny_bundle, monkeypatch
     e.start()
     try:
         time.sleep(0.5)
+        assert failures and e.is_running  # the loop thread survived the failures
         out = e.submit(prompts(1, seed=3)[0], SamplingParams(max_tokens=4, **GREEDY)).result()
     finally:
         e.stop()

@@ -10,6 +10,7 @@ from agent.config import EngineConfig
 from agent.engine import Engine, RequestError
 from agent.kv_cache import KVPool
 from agent.memory import SizeClass
+from agent.prefix_cache import PrefixCache
 from agent.sampling_params import SamplingParams
 from agent.scheduler import AGING_S, Scheduler
 from agent.sequence import FinishReason, Sequence, Status
@@ -207,3 +208,28 @@ def test_a_slot_moved_when_another_finishes_keeps_the_kv_of_this_step(tiny_bundl
     ref_pool, n = alone.kv.where[ref.seq.seq_id], moved.num_computed
     for buf, ref_buf in zip(pool.keys + pool.values, ref_pool.keys + ref_pool.values):
         np.testing.assert_allclose(buf[0, :, :n], ref_buf[ref_pool.slot_of(ref.seq.seq_id), :, :n], atol=1e-4)
+
+
+def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
+    """A full store drops a prompt's last blocks rather than evicting its first ones (which would orphan all)."""
+    kv = KVPool([SizeClass(128, 3)], num_layers=1, kv_heads=1, head_dim=4)
+    cache = PrefixCache(5, 16, kv, num_layers=1, kv_heads=1, head_dim=4)
+    system = list(range(100, 164))  # 4 blocks
+    b = system + list(range(200, 232)) + [2]  # 6 blocks and one token
+
+    def run(seq_id: int, prompt: list[int]) -> int:
+        pool = kv.allocate(seq_id, 128)
+        slot = pool.slot_of(seq_id)
+        hit = cache.load(prompt, pool, slot)
+        for buf in pool.keys + pool.values:  # "prefill" the rest: position p holds the token at p
+            buf[slot, 0, hit:len(prompt)] = np.array(prompt[hit:], np.float32)[:, None]
+        cache.store(seq_id, prompt)
+        cache.retire(seq_id, pool)
+        kv.free(seq_id)
+        return hit
+
+    assert run(1, system + [1]) == 0
+    assert run(2, b) == 64  # the 4 system blocks; its 2 own blocks fit 1 free store block: the last is dropped
+    pool = kv.allocate(3, 128)
+    assert cache.load(b, pool, pool.slot_of(3)) == 80  # the whole stored chain is still reachable
+    assert np.array_equal(pool.keys[0][pool.slot_of(3), 0, :80, 0], np.array(b[:80], np.float32))
