@@ -35,7 +35,6 @@ class PrefixCache:
         self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
         # chain key -> (store block index or Live, the block's tokens); most recently used last
         self.index: OrderedDict[tuple, tuple[int | Live, tuple[int, ...]]] = OrderedDict()
-        self.live: dict[int, list[tuple]] = {}  # sequence id -> chain keys of blocks living in its slot
         self.chains: dict[int, list[tuple]] = {}  # sequence id -> chain keys of all its prompt's full blocks
         self.free = list(range(num_blocks - 1, -1, -1))
         self.queried_tokens = 0
@@ -98,7 +97,6 @@ class PrefixCache:
                 self.index.move_to_end(key)
                 continue
             self.index[key] = ((seq_id, b * self.block_tokens), tokens)
-            self.live.setdefault(seq_id, []).append(key)
 
     def retire(self, seq_id: int, pool: SlotPool) -> None:
         """Before seq_id's slot is freed: move the blocks living in it to the store (as many as fit).
@@ -106,14 +104,15 @@ class PrefixCache:
         The prompt was in use until now, so its whole chain becomes the most recently used, and no block of
         it is evicted to make room for its own later blocks (that would orphan them): the tail is dropped.
         """
-        chain = self.chains.pop(seq_id, [])
+        chain = [k for k in self.chains.pop(seq_id, []) if k in self.index]
         for key in chain:
-            if key in self.index:
-                self.index.move_to_end(key)
-        keys = [k for k in self.live.pop(seq_id, []) if k in self.index]
+            self.index.move_to_end(key)
+        where = [self.index[k][0] for k in chain]
+        living = [k for k, w in zip(chain, where) if not isinstance(w, int) and w[0] == seq_id]  # in this slot
         moves = []  # (key, first token position in the slot, store block)
-        for key in keys:
-            block = self._take_block(protect=set(chain))
+        protect = set(chain)
+        for key in living:
+            block = self._take_block(protect)
             if block is None:
                 del self.index[key]
                 continue
