@@ -1,13 +1,16 @@
 """The two ONNX Runtime paths for INT8 projections, timed on SmolLM2's shapes: which one should INT8 use?
+And, for batched decode, how INT4's MatMulNBits grows with rows at each accuracy level.
 
 - MatMulNBits, 8 bits, blocks of 32, accuracy_level 4: activations quantized to int8 per block of 32 inside
   the kernel (what edge-quantize writes);
+- MatMulNBits, 4 bits, blocks of 64 (INT4's), accuracy_level 4 and 0 (fp32 activations): whether the fp32
+  kernel, slower for one row, stays flatter as a batch's rows grow;
 - MatMulInteger u8 x s8 with a per-row (per-token) activation scale computed in the graph (Abs, ReduceMax,
   Div, Round, Cast around it) and a per-output-channel weight scale. Per-tensor DynamicQuantizeLinear is
   faster still but shares one scale across every token of a call, which the quality measurements ruled out.
 
 30 layers of qkv (960x576), o (576x576), gate_up (3072x576) and down (576x1536), M rows, 2 threads, threads
-sleeping between kernels as the agent's default. Random weights: only the time matters here.
+sleeping between kernels (spin_wait=false: the same for every path). Random weights: only the time matters here.
 
 Run: .venv/bin/python bench/int8_paths.py [--threads 2] [--reps 5]   # ~1 min
 """
@@ -29,7 +32,7 @@ from quantize import nbits  # noqa: E402
 
 HIDDEN, INTER = 576, 1536
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * 30
-ROWS = (1, 4, 8)
+ROWS = (1, 2, 4, 8)
 
 
 def session(nodes, inits, outs, threads: int) -> ort.InferenceSession:
@@ -48,14 +51,15 @@ def input_of(k: int) -> str:
     return "X" if k == HIDDEN else "X2"
 
 
-def matmul_nbits(weights: list[np.ndarray], threads: int) -> ort.InferenceSession:
+def matmul_nbits(weights: list[np.ndarray], threads: int, bits: int = 8, block_size: int = 32,
+                 accuracy_level: int = 4) -> ort.InferenceSession:
     nodes, inits, outs = [], [], []
     for i, w in enumerate(weights):
-        q = nbits.quantize_rtn(w, 8, 32, symmetric=True)
+        q = nbits.quantize_rtn(w, bits, block_size, symmetric=True)
         n, k = w.shape
         inits += [nh.from_array(q.packed, f"W{i}"), nh.from_array(q.scales.astype(np.float32), f"S{i}")]
         nodes.append(helper.make_node("MatMulNBits", [input_of(k), f"W{i}", f"S{i}"], [f"Y{i}"], domain="com.microsoft",
-                                      K=k, N=n, bits=8, block_size=32, accuracy_level=4))
+                                      K=k, N=n, bits=bits, block_size=block_size, accuracy_level=accuracy_level))
         outs.append(f"Y{i}")
     return session(nodes, inits, outs, threads)
 
@@ -104,7 +108,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     weights = [rng.standard_normal(s).astype(np.float32) * 0.05 for s in SHAPES]
     paths = {"MatMulNBits 8-bit, b32 (ours)": matmul_nbits(weights, a.threads),
-             "MatMulInteger u8s8, per-row scale": matmul_integer_per_row(weights, a.threads)}
+             "MatMulInteger u8s8, per-row scale": matmul_integer_per_row(weights, a.threads),
+             "MatMulNBits 4-bit, b64, accuracy 4 (INT4's)": matmul_nbits(weights, a.threads, 4, 64, 4),
+             "MatMulNBits 4-bit, b64, fp32 activations (accuracy 0)": matmul_nbits(weights, a.threads, 4, 64, 0)}
     x, x2 = rng.standard_normal((max(ROWS), HIDDEN)).astype(np.float32), rng.standard_normal((max(ROWS), INTER)).astype(np.float32)
     ms: dict[tuple[str, int], list[float]] = {}
     for _ in range(a.reps):  # interleaved, so that the shared machine's load falls on both paths alike
@@ -114,9 +120,13 @@ def main() -> int:
     print(f"| path | {' | '.join(f'{m} row(s) ms' for m in ROWS)} |\n|---|{'--:|' * len(ROWS)}")
     for name in paths:
         print(f"| {name} | {' | '.join(f'{statistics.median(ms[name, m]):.2f}' for m in ROWS)} |")
-    first, second = list(paths)
-    print("ratio MatMulInteger / MatMulNBits: "
-          + ", ".join(f"{m} row(s) {statistics.median(ms[second, m]) / statistics.median(ms[first, m]):.2f}" for m in ROWS))
+    first, second, int4, int4_fp32 = list(paths)
+    ratios = lambda a, b: ", ".join(f"{m} row(s) {statistics.median(ms[a, m]) / statistics.median(ms[b, m]):.2f}"  # noqa: E731
+                                    for m in ROWS)
+    print(f"ratio MatMulInteger / MatMulNBits 8-bit: {ratios(second, first)}")
+    print(f"ratio INT4 accuracy 0 / accuracy 4: {ratios(int4_fp32, int4)}")
+    print("INT4 accuracy 4, m rows / 1 row: "
+          + ", ".join(f"{m} {statistics.median(ms[int4, m]) / statistics.median(ms[int4, 1]):.2f}" for m in ROWS))
     return 0
 
 
