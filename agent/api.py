@@ -238,8 +238,8 @@ class ChatKind:
 
     @staticmethod
     def default_max_tokens(engine: Engine) -> int:
-        # OpenAI: no limit but the context. The engine reserves KV for the whole limit at admission, so we
-        # use the configured default (clamped to the context by the engine) instead of the full context.
+        # OpenAI: no limit but the context. We use the configured default (clamped to the context by the
+        # engine), so that a generation that never ends does not hold a full-context slot until it does.
         return engine.config.default_max_tokens
 
     @staticmethod

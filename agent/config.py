@@ -25,9 +25,8 @@ class EngineConfig(BaseModel):
     kv_smallest_class: int = Field(256, ge=16, description="capacity of the smallest KV slot class, in tokens")
     prefill_chunk_tokens: int = Field(256, ge=16, le=8192, description="prompt tokens computed per engine step")
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot before 'overloaded'")
-    default_max_tokens: int = Field(1024, ge=1, description="completion limit of a chat request that sets none; a "
-                                    "request reserves KV for its whole limit, so 'the whole context' would queue "
-                                    "every such request for the largest slot")
+    default_max_tokens: int = Field(1024, ge=1, description="completion limit of a chat request that sets none "
+                                    "(OpenAI's is the whole context): where a runaway generation stops")
     max_queue_wait_s: float = Field(60.0, gt=0, description="a request waiting longer ends as 'overloaded'")
     prefix_cache_fraction: float = Field(0.2, ge=0, lt=1, description="share of the KV budget kept for prefix blocks")
     prefix_block_tokens: int = Field(16, ge=1, le=1024, description="prefix-cache granularity, in tokens")

@@ -250,6 +250,10 @@ class Engine:
                 self._finish_stream(seq)
             elif self.prefix is not None:
                 self._load_prefix(seq)
+        for seq in self.scheduler.grow():  # preempted: back in the queue, its stream open, its KV to recompute
+            log.info("request %d preempted at %d tokens: no larger KV slot free", seq.seq_id, seq.num_tokens)
+            if self.draft is not None:
+                self.draft.forget(seq.seq_id)
         plan = self.scheduler.plan()
         self._kv_utilization = self.kv.utilization()
         if plan.is_empty:
@@ -330,7 +334,8 @@ class Engine:
         mode = self._spec_mode(seq)
         if mode == "off" or batch > self.config.speculative_max_batch:
             return []
-        room = min(seq.params.max_tokens - len(seq.output_ids), seq.max_total_tokens - seq.num_tokens) - 1
+        capacity = self.scheduler.pool_of(seq).capacity  # a draft model writes its tokens into its own slot
+        room = min(seq.params.max_tokens - len(seq.output_ids), min(seq.max_total_tokens, capacity) - seq.num_tokens) - 1
         k = min(seq.draft_length.current(), room)
         if k <= 0:
             return []

@@ -66,7 +66,8 @@ class SlotPool:
 
 
 class KVPool:
-    """All size classes. Sequences get the smallest class whose capacity holds their whole need."""
+    """All size classes. A sequence gets the smallest class with a free slot that holds what it needs now, and
+    moves to a larger class when it outgrows it."""
 
     def __init__(self, classes: list[SizeClass], num_layers: int, kv_heads: int, head_dim: int,
                  dtype: np.dtype = np.dtype(np.float32)):
@@ -121,6 +122,24 @@ class KVPool:
         self.where.pop(seq_id).free(seq_id)
         if self.mirror is not None:
             self.mirror.free(seq_id)
+
+    def move(self, seq_id: int, tokens: int) -> SlotPool | None:
+        """Move a sequence that outgrew its slot to a free one of a larger class that holds `tokens`, with the
+        KV it has so far (a copy of its written positions; the old slot is freed). None if no slot is free."""
+        old = self.where[seq_id]
+        new = next((p for p in self.classes if p.capacity >= tokens and p.capacity > old.capacity and p.num_free > 0),
+                   None)
+        if new is None:
+            return None
+        n, src, dst = old.lengths[seq_id], old.slot_of(seq_id), new.allocate(seq_id)
+        for a, b in zip(old.keys + old.values, new.keys + new.values):
+            b[dst, :, :n] = a[src, :, :n]
+        new.lengths[seq_id] = n
+        old.free(seq_id)
+        self.where[seq_id] = new
+        if self.mirror is not None:  # the same steps, so the draft's slot index stays the target's
+            self.mirror.move(seq_id, tokens)
+        return new
 
     def utilization(self) -> float:
         """Tokens held / tokens allocated (over all slots of all classes)."""

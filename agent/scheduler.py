@@ -1,10 +1,13 @@
 """Scheduling policy: which sequences run in the next step, and how many prompt tokens each prefills.
 
 Pure bookkeeping over Sequence objects and the KV pool; it runs nothing. Admission is first come, first
-served within a priority: the head of the queue is admitted when a slot that holds its whole budget
-(prompt + max_tokens) is free, and nothing behind it jumps ahead, so no request starves. Prompts are
-prefilled in chunks under a per-step token budget so that running streams keep decoding while a long
-prompt arrives.
+served within a priority: the head of the queue is admitted when a slot that holds its tokens so far plus
+the next one is free, and nothing behind it jumps ahead, so no request starves. A sequence that fills its
+slot moves to a free slot of a larger class; when none is free, the sequence that came last (by queue
+order) among it and the holders of large-enough slots is preempted: its slot is freed, it waits again
+with its tokens kept, and it recomputes their KV when readmitted (vLLM's recompute preemption). Slots are
+sized by what requests use, not by their max_tokens. Prompts are prefilled in chunks under a per-step
+token budget so that running streams keep decoding while a long prompt arrives.
 """
 from __future__ import annotations
 
@@ -49,9 +52,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def _order_key(now: float):
+        """Queue order: effective priority (lower first, aged by time since submission), then arrival."""
+        return lambda s: (s.priority - (now - s.t_submit) // AGING_S, s.t_submit, s.seq_id)
+
     def _queue_order(self, now: float) -> list[Sequence]:
-        """Waiting sequences by effective priority (lower first, aged by waiting time), then arrival."""
-        return sorted(self.waiting, key=lambda s: (s.priority - (now - s.t_submit) // AGING_S, s.t_submit, s.seq_id))
+        return sorted(self.waiting, key=self._order_key(now))
+
+    @staticmethod
+    def admission_need(seq: Sequence) -> int:
+        """Tokens a slot must hold to admit seq: its prompt (and, after a preemption, its output so far) and
+        the token the first decode writes, never more than the request can reach."""
+        return min(seq.num_tokens + 1, seq.max_total_tokens)
 
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into KV slots in queue order. Returns them, and any that ended in the queue
@@ -62,20 +75,22 @@ class Scheduler:
         """
         now, admitted, ceiling = time.perf_counter(), [], None
         for seq in self._queue_order(now):
-            if seq.cancelled or now - seq.t_submit > self.max_queue_wait_s:
+            waited_too_long = seq.t_admit is None and now - seq.t_submit > self.max_queue_wait_s  # not a preempted one
+            if seq.cancelled or waited_too_long:
                 self.waiting.remove(seq)
                 seq.finish(FinishReason.CANCELLED if seq.cancelled else FinishReason.ERROR,
                            None if seq.cancelled else "overloaded: no capacity within the queue's maximum wait")
                 admitted.append(seq)
                 continue
-            pool = self.kv.fitting(seq.max_total_tokens)
+            need = self.admission_need(seq)
+            pool = self.kv.fitting(need)
             if pool is None or (ceiling is not None and pool.capacity >= ceiling):
                 if ceiling is None:
-                    ceiling = self.kv.smallest_capacity_for(seq.max_total_tokens)
+                    ceiling = self.kv.smallest_capacity_for(need)
                 continue
             self.waiting.remove(seq)
-            self.kv.allocate(seq.seq_id, seq.max_total_tokens)
-            seq.kv_bytes = pool.keys[0][0].nbytes * 2 * len(pool.keys)
+            self.kv.allocate(seq.seq_id, need)
+            seq.kv_bytes = max(seq.kv_bytes, slot_bytes(pool))
             seq.admit()
             self.running.append(seq)
             admitted.append(seq)
@@ -93,6 +108,35 @@ class Scheduler:
                 plan.decodes.setdefault(idx, []).append(seq)
         return plan
 
+    def grow(self) -> list[Sequence]:
+        """Before planning a step: every decoding sequence whose slot is full moves to a larger one, preempting
+        the last-come holder of a large-enough slot if none is free. Returns the preempted sequences."""
+        preempted: list[Sequence] = []
+        for seq in [s for s in self.running if s.status is Status.DECODING]:
+            if seq.status is not Status.DECODING or seq.num_tokens <= self.kv.where[seq.seq_id].capacity:
+                continue  # preempted by an earlier one this round, or the next step still fits
+            need = seq.num_tokens + 1  # (<= max_total_tokens, which the largest class holds: it is still running)
+            while self.kv.move(seq.seq_id, need) is None:
+                victim = self._victim(seq, need)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                seq.kv_bytes = max(seq.kv_bytes, slot_bytes(self.kv.where[seq.seq_id]))
+        return preempted
+
+    def _victim(self, grower: Sequence, need: int) -> Sequence:
+        """The last in queue order among grower and the running holders of slots that hold `need` tokens."""
+        holders = [s for s in self.running if s is grower or self.kv.where[s.seq_id].capacity >= need]
+        return max(holders, key=self._order_key(time.perf_counter()))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.preempt()
+        self.waiting.append(seq)
+
     def pool_of(self, seq: Sequence) -> SlotPool:
         return self.kv.where[seq.seq_id]
 
@@ -100,6 +144,9 @@ class Scheduler:
         """Finish a running sequence and free its slot at once."""
         seq.finish(reason)
         self.running.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         if self.retire is not None:
             self.retire(seq.seq_id, self.kv.where[seq.seq_id])
         self.kv.free(seq.seq_id)
@@ -109,3 +156,8 @@ class Scheduler:
         for s in gone:
             self.finish(s, FinishReason.CANCELLED)
         return gone
+
+
+def slot_bytes(pool: SlotPool) -> int:
+    """KV bytes one slot of pool reserves (keys and values, every layer)."""
+    return pool.keys[0][0].nbytes * 2 * len(pool.keys)

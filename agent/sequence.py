@@ -38,7 +38,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     rng: np.random.Generator
-    max_total_tokens: int  # prompt + completion limit the slot must hold
+    max_total_tokens: int  # prompt + completion limit (at most the largest slot)
     seq_id: int = field(default_factory=lambda: next(_ids))
     priority: int = 0  # lower first; FCFS within a priority
     output_ids: list[int] = field(default_factory=list)

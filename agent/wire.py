@@ -144,7 +144,7 @@ class RequestFigures(_Frozen):
     itl_p50_ms: float  # inter-token latency percentiles over the decode
     itl_p95_ms: float
     e2e_ms: float  # submission -> finished
-    kv_bytes: int  # KV-cache bytes the request's slot reserved
+    kv_bytes: int  # KV-cache bytes of the largest slot the request held
     finish_reason: str  # stop | length | cancelled | error
     preemptions: int = 0
     drafted_tokens: int = 0  # speculative decoding: tokens proposed, and those the model accepted

@@ -146,8 +146,10 @@ def test_cancel_frees_the_slot(tiny_bundle):
     assert engine.num_running == 0 and h.result().figures.finish_reason == "cancelled"
 
 
-def make_seq(tokens: int, priority: int = 0, t_submit: float | None = None) -> Sequence:
-    s = Sequence([1] * 4, SamplingParams(max_tokens=tokens - 4), np.random.default_rng(0), tokens, priority=priority)
+def make_seq(tokens: int, priority: int = 0, t_submit: float | None = None, prompt: int = 4) -> Sequence:
+    """A sequence of `prompt` tokens that may reach `tokens` in all."""
+    s = Sequence([1] * prompt, SamplingParams(max_tokens=tokens - prompt), np.random.default_rng(0), tokens,
+                 priority=priority)
     if t_submit is not None:
         s.t_submit = t_submit
     return s
@@ -167,10 +169,10 @@ def test_fcfs_within_priority_and_aging():
 def test_a_blocked_head_is_never_overtaken_for_its_slot():
     kv = KVPool([SizeClass(64, 2), SizeClass(512, 1)], num_layers=1, kv_heads=1, head_dim=4)
     sched = Scheduler(kv, 16)
-    big_running = make_seq(400)
+    big_running = make_seq(450, prompt=400)
     sched.add(big_running)
     assert sched.admit() == [big_running]
-    big_waiting, small, medium = make_seq(300), make_seq(40), make_seq(60)
+    big_waiting, small, medium = make_seq(350, prompt=300), make_seq(50, prompt=40), make_seq(63, prompt=60)
     for s in (big_waiting, small, medium):
         sched.add(s)
     # the 512 slot is busy: the big head waits; small requests use the 64 class, which the head cannot use
@@ -233,3 +235,82 @@ def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
     pool = kv.allocate(3, 128)
     assert cache.load(b, pool, pool.slot_of(3)) == 80  # the whole stored chain is still reachable
     assert np.array_equal(pool.keys[0][pool.slot_of(3), 0, :80, 0], np.array(b[:80], np.float32))
+
+
+def decoding(sched: Scheduler, prompt: int, total: int, t_submit: float) -> Sequence:
+    """Admit a sequence and mark its prompt computed, as the engine does before its first decode. t_submit:
+    seconds from now (the queue order)."""
+    seq = make_seq(total, prompt=prompt, t_submit=time.perf_counter() + t_submit)
+    sched.add(seq)
+    assert seq in sched.admit()
+    seq.start_decoding()
+    seq.num_computed = prompt
+    sched.pool_of(seq).lengths[seq.seq_id] = prompt
+    return seq
+
+
+def fill_slot(sched: Scheduler, seq: Sequence) -> None:
+    """Decode until the slot is full: position p of every layer holds p + seq_id / 10."""
+    pool = sched.pool_of(seq)
+    while seq.num_tokens <= pool.capacity:
+        seq.append_token(1)
+    seq.num_computed = pool.capacity
+    pool.lengths[seq.seq_id] = pool.capacity
+    for buf in pool.keys + pool.values:
+        buf[pool.slot_of(seq.seq_id), 0, :, 0] = np.arange(pool.capacity) + seq.seq_id / 10
+
+
+def test_a_full_slot_moves_to_a_larger_class_with_its_kv():
+    kv = KVPool([SizeClass(8, 2), SizeClass(32, 1)], num_layers=2, kv_heads=1, head_dim=2)
+    sched = Scheduler(kv, 16)
+    seq = decoding(sched, prompt=6, total=30, t_submit=0.0)
+    assert sched.pool_of(seq).capacity == 8  # admitted by what it holds, not by what it may reach
+    fill_slot(sched, seq)
+    assert sched.grow() == []
+    pool = sched.pool_of(seq)
+    assert pool.capacity == 32 and kv.classes[0].num_free == 2
+    for buf in pool.keys + pool.values:
+        np.testing.assert_allclose(buf[pool.slot_of(seq.seq_id), 0, :8, 0], np.arange(8) + seq.seq_id / 10, rtol=1e-6)
+    assert seq.kv_bytes == 32 * 2 * 2 * 2 * 4  # tokens x (keys, values) x layers x head_dim x float32
+
+
+@pytest.mark.parametrize("older_grows", [True, False])
+def test_no_larger_slot_free_preempts_the_last_come(older_grows):
+    """The slot goes to the earlier request; the later one is preempted (requeued, its KV dropped), never failed."""
+    kv = KVPool([SizeClass(8, 2), SizeClass(32, 1)], num_layers=1, kv_heads=1, head_dim=2)
+    sched = Scheduler(kv, 16, max_queue_wait_s=0.001)
+    old = decoding(sched, prompt=6, total=30, t_submit=1.0)
+    new = decoding(sched, prompt=5, total=30, t_submit=2.0)
+    first, second = (new, old) if older_grows else (old, new)
+    fill_slot(sched, first)
+    assert sched.grow() == [] and sched.pool_of(first).capacity == 32  # the large slot was free
+    fill_slot(sched, second)
+    assert sched.grow() == [new]
+    assert new.status is Status.WAITING and new.preemptions == 1 and new.num_computed == 0 and new in sched.waiting
+    assert sched.pool_of(old).capacity == 32 and new.seq_id not in kv.where and kv.classes[0].num_free == 2
+    if older_grows:  # the old one took over the slot the new one held, with its own KV
+        np.testing.assert_allclose(kv.classes[1].keys[0][0, 0, :8, 0], np.arange(8) + old.seq_id / 10, rtol=1e-6)
+    time.sleep(0.01)  # past max_queue_wait_s: a preempted request still waits (it was admitted once)
+    assert sched.admit() == []  # needs 14 tokens now: only the 32 class holds that, and it is busy
+    assert new.status is Status.WAITING and new.finish_reason is None
+    sched.finish(old, FinishReason.STOP)
+    assert sched.admit() == [new] and sched.pool_of(new).capacity == 32 and new.output_ids
+
+
+def test_preempted_requests_recompute_and_equal_solo_runs(tiny_bundle):
+    """Three requests that outgrow small slots share one large one: preemptions happen, outputs are unchanged."""
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefix_cache_fraction=0.0)
+    engine = Engine(tiny_bundle, config)
+    g = tiny_bundle.config
+    engine.kv = engine.scheduler.kv = KVPool([SizeClass(64, 3), SizeClass(256, 1)], g.num_layers, g.num_kv_heads,
+                                             g.head_dim)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 260, n).tolist() for n in (30, 20, 40)]
+    results = run_together(engine, prompts, max_tokens=90)
+    assert engine.num_running == 0 and engine.kv.utilization() == 0.0
+    assert sum(r.figures.preemptions for r in results) >= 1
+    solo = Engine(tiny_bundle, config)
+    for p, r in zip(prompts, results):
+        alone = solo.generate(p, SamplingParams(max_tokens=90, **GREEDY))
+        assert r.token_ids == alone.token_ids and r.figures.finish_reason == "length"
+    print("preemptions per request:", [r.figures.preemptions for r in results])
