@@ -172,8 +172,9 @@ class Engine:
                                "context_length_exceeded")
         if params.speculative == "draft" and self.draft is None:
             raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)")
-        if self.num_waiting >= self.config.max_queue:
-            raise RequestError(f"overloaded: {self.num_waiting} requests are already waiting", "overloaded")
+        queued = self.scheduler.num_queued + self._inbox.qsize()  # preempted requests wait too, but were admitted
+        if queued >= self.config.max_queue:
+            raise RequestError(f"overloaded: {queued} requests are already waiting", "overloaded")
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
         seq.draft_length = next_draft_length(self._spec_backoff.get(self._spec_mode(seq)))
@@ -245,15 +246,16 @@ class Engine:
         self._drain_inbox()
         for seq in self.scheduler.reap_cancelled():
             self._finish_stream(seq)
+        # running sequences that outgrew their slots first: a request admitted now is never preempted unrun
+        for seq in self.scheduler.grow():  # preempted: back in the queue, its stream open, its KV to recompute
+            log.info("request %d preempted at %d tokens: no larger KV slot free", seq.seq_id, seq.num_tokens)
+            if self.draft is not None:
+                self.draft.forget(seq.seq_id)
         for seq in self.scheduler.admit():
             if seq.is_finished:  # cancelled, or waited too long
                 self._finish_stream(seq)
             elif self.prefix is not None:
                 self._load_prefix(seq)
-        for seq in self.scheduler.grow():  # preempted: back in the queue, its stream open, its KV to recompute
-            log.info("request %d preempted at %d tokens: no larger KV slot free", seq.seq_id, seq.num_tokens)
-            if self.draft is not None:
-                self.draft.forget(seq.seq_id)
         plan = self.scheduler.plan()
         self._kv_utilization = self.kv.utilization()
         if plan.is_empty:
@@ -276,8 +278,11 @@ class Engine:
 
     def _load_prefix(self, seq: Sequence) -> None:
         pool = self.scheduler.pool_of(seq)
-        n = self.prefix.load(seq.prompt_ids, pool, pool.slot_of(seq.seq_id))
-        seq.num_computed = seq.cached_prompt_tokens = n
+        first = seq.preemptions == 0  # a readmission finds its own retired blocks: not a hit for the figures
+        n = self.prefix.load(seq.prompt_ids, pool, pool.slot_of(seq.seq_id), count=first)
+        seq.num_computed = n
+        if first:
+            seq.cached_prompt_tokens = n
         pool.lengths[seq.seq_id] = n
 
     def _prefill(self, seq: Sequence, n: int) -> None:

@@ -123,13 +123,14 @@ class KVPool:
         if self.mirror is not None:
             self.mirror.free(seq_id)
 
-    def move(self, seq_id: int, tokens: int) -> SlotPool | None:
-        """Move a sequence that outgrew its slot to a free one of a larger class that holds `tokens`, with the
-        KV it has so far (a copy of its written positions; the old slot is freed). None if no slot is free."""
+    def move(self, seq_id: int, tokens: int, target: SlotPool | None = None) -> SlotPool | None:
+        """Move a sequence that outgrew its slot to a free one of a larger class (`target`, or the smallest that
+        holds `tokens`), with the KV it has so far (a copy of its written positions; the old slot is freed).
+        None if there is no such slot free."""
         old = self.where[seq_id]
-        new = next((p for p in self.classes if p.capacity >= tokens and p.capacity > old.capacity and p.num_free > 0),
-                   None)
-        if new is None:
+        new = target or next((p for p in self.classes if p.capacity >= tokens and p.capacity > old.capacity
+                              and p.num_free > 0), None)
+        if new is None or new.num_free == 0 or new.capacity <= old.capacity:
             return None
         n, src, dst = old.lengths[seq_id], old.slot_of(seq_id), new.allocate(seq_id)
         for a, b in zip(old.keys + old.values, new.keys + new.values):
@@ -138,7 +139,8 @@ class KVPool:
         old.free(seq_id)
         self.where[seq_id] = new
         if self.mirror is not None:  # the same steps, so the draft's slot index stays the target's
-            self.mirror.move(seq_id, tokens)
+            index = next(i for i, p in enumerate(self.classes) if p is new)
+            self.mirror.move(seq_id, tokens, self.mirror.classes[index])
         return new
 
     def utilization(self) -> float:

@@ -56,13 +56,14 @@ class PrefixCache:
             key = (hash(key), tokens)
             yield key, tokens
 
-    def load(self, prompt_ids: list[int], pool: SlotPool, slot: int) -> int:
+    def load(self, prompt_ids: list[int], pool: SlotPool, slot: int, count: bool = True) -> int:
         """Copy the longest cached prefix of prompt_ids into the slot; returns the tokens it covers.
 
         At least one prompt token is always left to compute: its logits give the first output token.
+        count=False keeps the lookup out of the hit ratio (a preempted request reloading its own blocks).
         """
         usable = (len(prompt_ids) - 1) // self.block_tokens
-        self.queried_tokens += len(prompt_ids)
+        self.queried_tokens += len(prompt_ids) if count else 0
         n = 0
         for key, tokens in self._chain(prompt_ids, usable):
             hit = self.index.get(key)
@@ -71,7 +72,7 @@ class PrefixCache:
             self.index.move_to_end(key)
             self._copy_in(hit[0], pool, slot, n)
             n += self.block_tokens
-        self.hit_tokens += n
+        self.hit_tokens += n if count else 0
         return n
 
     def _copy_in(self, where: int | Live, pool: SlotPool, slot: int, start: int) -> None:

@@ -3,9 +3,10 @@
 Pure bookkeeping over Sequence objects and the KV pool; it runs nothing. Admission is first come, first
 served within a priority: the head of the queue is admitted when a slot that holds its tokens so far plus
 the next one is free, and nothing behind it jumps ahead, so no request starves. A sequence that fills its
-slot moves to a free slot of a larger class; when none is free, the sequence that came last (by queue
-order) among it and the holders of large-enough slots is preempted: its slot is freed, it waits again
-with its tokens kept, and it recomputes their KV when readmitted (vLLM's recompute preemption). Slots are
+slot moves to a free slot of a larger class (never one that a waiting request ahead of it needs); when
+none is free, a holder of a large-enough slot that came after it is preempted (the smallest such slot,
+then the last come), or the sequence itself when there is none: its slot is freed, it waits again with
+its tokens kept, and it recomputes their KV when readmitted (vLLM's recompute preemption). Slots are thus
 sized by what requests use, not by their max_tokens. Prompts are prefilled in chunks under a per-step
 token budget so that running streams keep decoding while a long prompt arrives.
 """
@@ -45,6 +46,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests never admitted (the bounded queue's depth; preempted ones were admitted once)."""
+        return sum(1 for s in self.waiting if s.t_admit is None)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,15 +115,21 @@ class Scheduler:
         return plan
 
     def grow(self) -> list[Sequence]:
-        """Before planning a step: every decoding sequence whose slot is full moves to a larger one, preempting
-        the last-come holder of a large-enough slot if none is free. Returns the preempted sequences."""
+        """Before admitting and planning a step: every decoding sequence whose slot is full moves to a larger one,
+        earliest first. With none free, the last come among it and the holders of large-enough slots is
+        preempted. A sequence behind the queue's head takes no slot the head could use, as in admit().
+        Returns the preempted sequences."""
         preempted: list[Sequence] = []
-        for seq in [s for s in self.running if s.status is Status.DECODING]:
+        key = self._order_key(time.perf_counter())
+        head = min(self.waiting, key=key, default=None)
+        for seq in sorted((s for s in self.running if s.status is Status.DECODING), key=key):
             if seq.status is not Status.DECODING or seq.num_tokens <= self.kv.where[seq.seq_id].capacity:
                 continue  # preempted by an earlier one this round, or the next step still fits
             need = seq.num_tokens + 1  # (<= max_total_tokens, which the largest class holds: it is still running)
-            while self.kv.move(seq.seq_id, need) is None:
-                victim = self._victim(seq, need)
+            behind = head is not None and key(head) < key(seq)
+            head_need = self.admission_need(head) if behind else 0
+            while not self._move_up(seq, need, head_need):
+                victim = self._victim(seq, need, self.kv.smallest_capacity_for(head_need) if behind else None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -126,10 +138,33 @@ class Scheduler:
                 seq.kv_bytes = max(seq.kv_bytes, slot_bytes(self.kv.where[seq.seq_id]))
         return preempted
 
-    def _victim(self, grower: Sequence, need: int) -> Sequence:
-        """The last in queue order among grower and the running holders of slots that hold `need` tokens."""
-        holders = [s for s in self.running if s is grower or self.kv.where[s.seq_id].capacity >= need]
-        return max(holders, key=self._order_key(time.perf_counter()))
+    def _move_up(self, seq: Sequence, need: int, head_need: int) -> bool:
+        """Move seq to the smallest free slot of a larger class that holds `need` tokens, unless that slot is the
+        last free one that holds `head_need` (a waiting request ahead of seq; 0: none). Returns whether it moved."""
+        current = self.kv.where[seq.seq_id].capacity
+        target = next((p for p in self.kv.classes if p.capacity >= need and p.capacity > current and p.num_free), None)
+        if target is None:
+            return False
+        if head_need and target.capacity >= head_need:
+            if sum(p.num_free for p in self.kv.classes if p.capacity >= head_need) <= 1:
+                return False
+        return self.kv.move(seq.seq_id, need, target) is not None
+
+    def _victim(self, grower: Sequence, need: int, ceiling: int | None) -> Sequence:
+        """Whom grower's growth preempts: a running sequence that came after it and holds a slot of at least `need`
+        tokens (below `ceiling`, the class a waiting request ahead of grower needs, if any), the smallest such
+        slot (the least recompute) and of those the last come; grower itself when there is none."""
+        key = self._order_key(time.perf_counter())
+
+        def fits(s: Sequence) -> bool:
+            c = self.kv.where[s.seq_id].capacity
+            return c >= need and (ceiling is None or c < ceiling)
+
+        later = [s for s in self.running if s is not grower and key(s) > key(grower) and fits(s)]
+        if not later:
+            return grower
+        smallest = min(self.kv.where[s.seq_id].capacity for s in later)
+        return max((s for s in later if self.kv.where[s.seq_id].capacity == smallest), key=key)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

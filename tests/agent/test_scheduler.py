@@ -299,18 +299,48 @@ def test_no_larger_slot_free_preempts_the_last_come(older_grows):
 
 def test_preempted_requests_recompute_and_equal_solo_runs(tiny_bundle):
     """Three requests that outgrow small slots share one large one: preemptions happen, outputs are unchanged."""
-    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefix_cache_fraction=0.0)
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
     engine = Engine(tiny_bundle, config)
     g = tiny_bundle.config
-    engine.kv = engine.scheduler.kv = KVPool([SizeClass(64, 3), SizeClass(256, 1)], g.num_layers, g.num_kv_heads,
-                                             g.head_dim)
+    engine.kv = engine.scheduler.kv = engine.prefix.kv = KVPool([SizeClass(64, 3), SizeClass(256, 1)], g.num_layers,
+                                                                g.num_kv_heads, g.head_dim)
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 260, n).tolist() for n in (30, 20, 40)]
+    prompts = [rng.integers(3, 260, n).tolist() for n in (30, 20, 40)]  # no common prefix
     results = run_together(engine, prompts, max_tokens=90)
     assert engine.num_running == 0 and engine.kv.utilization() == 0.0
     assert sum(r.figures.preemptions for r in results) >= 1
-    solo = Engine(tiny_bundle, config)
+    # a readmission reloads its own retired blocks: that is no prefix-cache hit in the figures
+    assert all(r.figures.cached_prompt_tokens == 0 for r in results) and engine.prefix_cache_hit_ratio() == 0.0
+    solo = Engine(tiny_bundle, config.model_copy(update={"prefix_cache_fraction": 0.0}))
     for p, r in zip(prompts, results):
         alone = solo.generate(p, SamplingParams(max_tokens=90, **GREEDY))
         assert r.token_ids == alone.token_ids and r.figures.finish_reason == "length"
     print("preemptions per request:", [r.figures.preemptions for r in results])
+
+
+def test_growth_never_takes_the_slot_a_waiting_earlier_request_needs():
+    """FCFS holds for moves too: a sequence that came after the queue's head gives way instead of taking its class."""
+    kv = KVPool([SizeClass(8, 2), SizeClass(32, 1), SizeClass(128, 1)], num_layers=1, kv_heads=1, head_dim=2)
+    sched = Scheduler(kv, 16)
+    a = decoding(sched, prompt=20, total=120, t_submit=1.0)  # in the 32 slot
+    d = decoding(sched, prompt=40, total=120, t_submit=2.0)  # in the 128 slot
+    head = make_seq(120, prompt=20, t_submit=time.perf_counter() + 3.0)  # needs the 32 class: waits
+    sched.add(head)
+    assert sched.admit() == []
+    b = decoding(sched, prompt=6, total=120, t_submit=4.0)  # an 8 slot (below the head's class)
+    fill_slot(sched, a)
+    fill_slot(sched, b)
+    assert sched.grow() == [d, b]  # a takes d's 128 slot; b, behind the head, does not take the 32 one a left
+    assert sched.pool_of(a).capacity == 128 and b.status is Status.WAITING
+    assert sched.admit() == [head] and sched.pool_of(head).capacity == 32
+
+
+def test_growth_preempts_the_holder_of_the_smallest_slot_that_fits():
+    """Of the later holders of large-enough slots, the one with the least to recompute goes."""
+    kv = KVPool([SizeClass(8, 1), SizeClass(32, 1), SizeClass(128, 1)], num_layers=1, kv_heads=1, head_dim=2)
+    sched = Scheduler(kv, 16)
+    g = decoding(sched, prompt=6, total=120, t_submit=1.0)
+    v1 = decoding(sched, prompt=20, total=120, t_submit=2.0)
+    v2 = decoding(sched, prompt=100, total=120, t_submit=3.0)  # later, but in the 128 class
+    fill_slot(sched, g)
+    assert sched.grow() == [v1] and sched.pool_of(g).capacity == 32 and sched.pool_of(v2).capacity == 128
