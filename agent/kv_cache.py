@@ -31,6 +31,11 @@ class SlotPool:
     def num_free(self) -> int:
         return self.num_slots - len(self.owners)
 
+    @property
+    def slot_nbytes(self) -> int:
+        """KV bytes one slot holds (keys and values, every layer)."""
+        return self.keys[0][0].nbytes * 2 * len(self.keys)
+
     def slot_of(self, seq_id: int) -> int:
         return self.owners.index(seq_id)
 
@@ -123,15 +128,16 @@ class KVPool:
         if self.mirror is not None:
             self.mirror.free(seq_id)
 
-    def move(self, seq_id: int, tokens: int, target: SlotPool | None = None) -> SlotPool | None:
-        """Move a sequence that outgrew its slot to a free one of a larger class (`target`, or the smallest that
-        holds `tokens`), with the KV it has so far (a copy of its written positions; the old slot is freed).
-        None if there is no such slot free."""
+    def larger_free(self, seq_id: int, tokens: int) -> SlotPool | None:
+        """The smallest class larger than seq_id's with a free slot that holds `tokens`, else None."""
+        current = self.where[seq_id].capacity
+        return next((p for p in self.classes if p.capacity >= tokens and p.capacity > current and p.num_free > 0),
+                    None)
+
+    def move(self, seq_id: int, new: SlotPool) -> None:
+        """Move a sequence that outgrew its slot to a free slot of `new` (a larger class: see larger_free), with
+        the KV it has so far (a copy of its written positions); the old slot is freed."""
         old = self.where[seq_id]
-        new = target or next((p for p in self.classes if p.capacity >= tokens and p.capacity > old.capacity
-                              and p.num_free > 0), None)
-        if new is None or new.num_free == 0 or new.capacity <= old.capacity:
-            return None
         n, src, dst = old.lengths[seq_id], old.slot_of(seq_id), new.allocate(seq_id)
         for a, b in zip(old.keys + old.values, new.keys + new.values):
             b[dst, :, :n] = a[src, :, :n]
@@ -140,8 +146,7 @@ class KVPool:
         self.where[seq_id] = new
         if self.mirror is not None:  # the same steps, so the draft's slot index stays the target's
             index = next(i for i, p in enumerate(self.classes) if p is new)
-            self.mirror.move(seq_id, tokens, self.mirror.classes[index])
-        return new
+            self.mirror.move(seq_id, self.mirror.classes[index])
 
     def utilization(self) -> float:
         """Tokens held / tokens allocated (over all slots of all classes)."""

@@ -96,7 +96,7 @@ class Scheduler:
                 continue
             self.waiting.remove(seq)
             self.kv.allocate(seq.seq_id, need)
-            seq.kv_bytes = max(seq.kv_bytes, slot_bytes(pool))
+            seq.kv_bytes = max(seq.kv_bytes, pool.slot_nbytes)
             seq.admit()
             self.running.append(seq)
             admitted.append(seq)
@@ -119,52 +119,54 @@ class Scheduler:
         earliest first. With none free, the last come among it and the holders of large-enough slots is
         preempted. A sequence behind the queue's head takes no slot the head could use, as in admit().
         Returns the preempted sequences."""
+        full = [s for s in self.running if s.status is Status.DECODING and s.num_tokens > self.pool_of(s).capacity]
+        if not full:  # the common step
+            return []
         preempted: list[Sequence] = []
         key = self._order_key(time.perf_counter())
         head = min(self.waiting, key=key, default=None)
-        for seq in sorted((s for s in self.running if s.status is Status.DECODING), key=key):
-            if seq.status is not Status.DECODING or seq.num_tokens <= self.kv.where[seq.seq_id].capacity:
-                continue  # preempted by an earlier one this round, or the next step still fits
+        for seq in sorted(full, key=key):
+            if seq.status is not Status.DECODING:
+                continue  # preempted by an earlier one this round
             need = seq.num_tokens + 1  # (<= max_total_tokens, which the largest class holds: it is still running)
             behind = head is not None and key(head) < key(seq)
             head_need = self.admission_need(head) if behind else 0
             while not self._move_up(seq, need, head_need):
-                victim = self._victim(seq, need, self.kv.smallest_capacity_for(head_need) if behind else None)
+                victim = self._victim(seq, need, self.kv.smallest_capacity_for(head_need) if behind else None, key)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                seq.kv_bytes = max(seq.kv_bytes, slot_bytes(self.kv.where[seq.seq_id]))
+                seq.kv_bytes = max(seq.kv_bytes, self.pool_of(seq).slot_nbytes)
         return preempted
 
     def _move_up(self, seq: Sequence, need: int, head_need: int) -> bool:
         """Move seq to the smallest free slot of a larger class that holds `need` tokens, unless that slot is the
         last free one that holds `head_need` (a waiting request ahead of seq; 0: none). Returns whether it moved."""
-        current = self.kv.where[seq.seq_id].capacity
-        target = next((p for p in self.kv.classes if p.capacity >= need and p.capacity > current and p.num_free), None)
+        target = self.kv.larger_free(seq.seq_id, need)
         if target is None:
             return False
         if head_need and target.capacity >= head_need:
             if sum(p.num_free for p in self.kv.classes if p.capacity >= head_need) <= 1:
                 return False
-        return self.kv.move(seq.seq_id, need, target) is not None
+        self.kv.move(seq.seq_id, target)
+        return True
 
-    def _victim(self, grower: Sequence, need: int, ceiling: int | None) -> Sequence:
-        """Whom grower's growth preempts: a running sequence that came after it and holds a slot of at least `need`
-        tokens (below `ceiling`, the class a waiting request ahead of grower needs, if any), the smallest such
-        slot (the least recompute) and of those the last come; grower itself when there is none."""
-        key = self._order_key(time.perf_counter())
-
+    def _victim(self, grower: Sequence, need: int, ceiling: int | None, key) -> Sequence:
+        """Whom grower's growth preempts: a running sequence that came after it (in queue order `key`) and holds a
+        slot of at least `need` tokens (below `ceiling`, the class a waiting request ahead of grower needs, if
+        any), the smallest such slot (the least recompute) and of those the last come; grower itself when there
+        is none."""
         def fits(s: Sequence) -> bool:
-            c = self.kv.where[s.seq_id].capacity
+            c = self.pool_of(s).capacity
             return c >= need and (ceiling is None or c < ceiling)
 
         later = [s for s in self.running if s is not grower and key(s) > key(grower) and fits(s)]
         if not later:
             return grower
-        smallest = min(self.kv.where[s.seq_id].capacity for s in later)
-        return max((s for s in later if self.kv.where[s.seq_id].capacity == smallest), key=key)
+        smallest = min(self.pool_of(s).capacity for s in later)
+        return max((s for s in later if self.pool_of(s).capacity == smallest), key=key)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -191,8 +193,3 @@ class Scheduler:
         for s in gone:
             self.finish(s, FinishReason.CANCELLED)
         return gone
-
-
-def slot_bytes(pool: SlotPool) -> int:
-    """KV bytes one slot of pool reserves (keys and values, every layer)."""
-    return pool.keys[0][0].nbytes * 2 * len(pool.keys)
