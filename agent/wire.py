@@ -137,11 +137,13 @@ class RequestFigures(_Frozen):
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    queue_ms: float  # submission -> admitted into the batch
+    queue_ms: float  # submission -> first admitted into the batch (a preempted request's later wait is not in it)
     ttft_ms: float  # submission -> first token (includes queue_ms)
     prefill_tokens_per_s: float  # prompt tokens computed / prefill time
     decode_tokens_per_s: float  # (completion_tokens - 1) / (last token - first token); 0 if < 2 tokens
-    itl_p50_ms: float  # inter-token latency percentiles over the decode
+    # inter-token latency percentiles over the decode; like decode_tokens_per_s they include any time the
+    # request spent preempted, since its client waited through it too
+    itl_p50_ms: float
     itl_p95_ms: float
     e2e_ms: float  # submission -> finished
     kv_bytes: int  # KV-cache bytes of the largest slot the request held
