@@ -40,17 +40,18 @@ def class_capacities(max_context: int, smallest: int = 256, ratio: int = 4) -> l
 def plan_slots(kv_budget_bytes: int, bytes_per_token: int, capacities: list[int], min_context: int) -> list[SizeClass]:
     """Give each class an equal share of the KV bytes, after one slot of the largest class.
 
-    The largest class always gets a slot so a full-context request can run; the rest is shared so that
-    short requests (the common case) get many slots. Raises MemoryBudgetError if not even one sequence of
-    min_context tokens fits.
+    The largest class always gets a slot so that a full-context request can run; the rest is shared so that
+    short requests (the common case) get many slots. When the full context does not fit, the largest slot
+    gets half the KV bytes (never less than min_context): giving it all of them, as before 2026-12-03, left a
+    small budget one slot that served one request at a time. A prompt longer than the largest slot is
+    refused up front. Raises MemoryBudgetError if not even one sequence of min_context tokens fits.
     """
     if kv_budget_bytes < min_context * bytes_per_token:
         raise MemoryBudgetError(f"KV cache gets {kv_budget_bytes / MB:.0f} MB, one {min_context}-token sequence needs "
                                 f"{min_context * bytes_per_token / MB:.0f} MB")
     largest = capacities[-1]
     if largest * bytes_per_token > kv_budget_bytes:
-        # shrink the top class to what fits, keeping it at least min_context
-        largest = max(min_context, kv_budget_bytes // bytes_per_token)
+        largest = max(min_context, kv_budget_bytes // (2 * bytes_per_token))
         capacities = [c for c in capacities if c < largest] + [largest]
     left = kv_budget_bytes - largest * bytes_per_token
     share = left // len(capacities)
