@@ -63,12 +63,20 @@ class ApiError(Exception):
         return Response(body.model_dump_json(), self.status, headers, media_type="application/json")
 
 
+class EngineStopped(Exception):
+    """The engine a request was tokenized for stopped before taking it (a model switch): try the current one."""
+
+
 def invalid_request(message: str, param: str | None = None, code: str = "invalid_value", status: int = 400):
     return ApiError(status, message, "invalid_request_error", code, param)
 
 
 def overloaded(message: str, retry_after_s: int) -> ApiError:
     return ApiError(429, message, "rate_limit_error", "overloaded", retry_after_s=retry_after_s)
+
+
+def unavailable(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(503, message, "server_error", "unavailable", retry_after_s=retry_after_s)
 
 
 # ---- what is being served ---------------------------------------------------------------------------
@@ -144,6 +152,8 @@ class Backend:
 
     def require_engine(self) -> Engine:
         if self.state is ServerState.READY:
+            if not self.engine.is_running:
+                raise unavailable("the engine has stopped", retry_after_s=1)
             return self.engine
         what = {ServerState.LOADING: "the model is still loading", ServerState.DRAINING: "the server is shutting down",
                 ServerState.FAILED: "the model failed to load"}[self.state]
@@ -329,6 +339,8 @@ def finished_error(fin: Finished, retry_after_s: int) -> ApiError | None:
         message = fin.error or "the engine failed the request"
         if fin.error_code == "overloaded":
             return overloaded(message, retry_after_s)
+        if fin.error_code == "unavailable":
+            return unavailable(message, retry_after_s)
         log.error("request failed in the engine: %s", message)
         return ApiError(500, "internal error", "server_error", "internal_error")
     if reason == "cancelled":  # not by this client (it would not be waiting): the engine is stopping
@@ -398,18 +410,27 @@ class OpenAIServer:
         except RequestError as e:
             if e.code == "overloaded":
                 raise overloaded(str(e), self.config.retry_after_s) from None
-            raise invalid_request(str(e), kind.prompt_field, e.code) from None
+            if e.code == "engine_stopped":
+                raise EngineStopped from None
+            raise invalid_request(str(e), e.param or kind.prompt_field, e.code) from None
 
     # -- completions --
     async def complete(self, request: Request, kind: Kind) -> Response:
         req = self.parse(await self.read_body(request), kind.request_model)
-        engine = self.backend.require_engine()
-        try:
-            # Tokenizing a long prompt takes milliseconds: off the loop, so other streams keep flowing.
-            prompt_ids = await asyncio.to_thread(kind.prompt_ids, req, engine)
-        except om.FieldError as e:
-            raise invalid_request(str(e), e.param) from None
-        handle = self.submit(engine, prompt_ids, req, kind)
+        for _ in range(3):  # a model switch may stop the engine while the request is tokenized for it
+            engine = self.backend.require_engine()
+            try:
+                # Tokenizing a long prompt takes milliseconds: off the loop, so other streams keep flowing.
+                prompt_ids = await asyncio.to_thread(kind.prompt_ids, req, engine)
+            except om.FieldError as e:
+                raise invalid_request(str(e), e.param) from None
+            try:
+                handle = self.submit(engine, prompt_ids, req, kind)
+                break
+            except EngineStopped:
+                log.info("the engine stopped while a request was submitted to it: trying the current one")
+        else:
+            raise unavailable("the engine stopped while the request was submitted", self.config.retry_after_s)
         events = EventBridge(handle, self._observe(handle, engine.bundle.manifest))
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)

@@ -41,9 +41,9 @@ SPIN_RECHECK_S = 600.0
 class RequestError(ValueError):
     """A request the engine refuses up front; `code` follows OpenAI's error codes."""
 
-    def __init__(self, message: str, code: str = "invalid_request"):
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param  # param: the request field at fault, when it is not the prompt
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class Finished:
     token_ids: list[int]
     figures: RequestFigures
     error: str | None = None  # set when figures.finish_reason == "error"
-    error_code: str | None = None  # "overloaded" (no capacity within the queue's wait) or "internal"
+    # "overloaded" (no capacity within the queue's wait), "unavailable" (the engine stopped first) or "internal"
+    error_code: str | None = None
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each generated token
 
 
@@ -105,6 +106,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._submit_lock = threading.Lock()  # a request is either queued before stop() or refused after it
         self._kv_utilization = 0.0
         self._spec_backoff: dict[str, int] = {}  # speculative mode -> the last finished sequence's backoff
         self._wake_interval_s = idle_wait_s  # idle loop period: also the heartbeat's period when there is no work
@@ -171,7 +173,8 @@ class Engine:
                                f"{self.kv.max_capacity} (prompt plus at least one generated token)",
                                "context_length_exceeded")
         if params.speculative == "draft" and self.draft is None:
-            raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)")
+            raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)",
+                               param="speculative")
         queued = self.scheduler.num_queued + self._inbox.qsize()  # preempted requests wait too, but were admitted
         if queued >= self.config.max_queue:
             raise RequestError(f"overloaded: {queued} requests are already waiting", "overloaded")
@@ -179,7 +182,10 @@ class Engine:
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
         seq.draft_length = next_draft_length(self._spec_backoff.get(self._spec_mode(seq)))
         handle = RequestHandle(seq)
-        self._inbox.put(handle)
+        with self._submit_lock:
+            if self._stop.is_set():
+                raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
+            self._inbox.put(handle)
         self._wake.set()
         return handle
 
@@ -199,10 +205,21 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop the loop; every request still held ends with an "unavailable" error, none is left waiting."""
+        with self._submit_lock:
+            self._stop.set()
         self._wake.set()
         if self._thread:
             self._thread.join()
+        self._drain_inbox()
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, FinishReason.ERROR)
+        for seq in self.scheduler.waiting:
+            seq.finish(FinishReason.ERROR)
+        self.scheduler.waiting.clear()
+        for handle, _ in list(self.streams.values()):
+            handle.seq.error = "unavailable: the engine stopped before the request finished"
+            self._finish_stream(handle.seq)
 
     @property
     def is_running(self) -> bool:
@@ -401,7 +418,7 @@ class Engine:
             handle.events.put(TextDelta(tail))
         code = None
         if seq.finish_reason is FinishReason.ERROR:
-            code = "overloaded" if (seq.error or "").startswith("overloaded") else "internal"
+            code = next((c for c in ("overloaded", "unavailable") if (seq.error or "").startswith(c)), "internal")
         handle.events.put(Finished("".join(handle.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
                                    list(seq.token_times)))
 

@@ -324,12 +324,62 @@ def test_errors_have_openai_status_and_body(tiny):
 
 def test_overloaded_engine_answers_429_with_retry_after(tiny_bundle):
     engine = Engine(tiny_bundle, TINY_ENGINE.model_copy(update={"max_queue": 0}))  # every submit is 'overloaded'
+    engine.start()
     with serving(tiny_bundle, engine) as s:
         r = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "overloaded"
         with pytest.raises(openai.RateLimitError):
             s.openai().completions.create(model="tiny", prompt="hello", stream=True)
+    engine.stop()
+
+
+def test_a_stopped_engine_answers_503_and_ends_what_it_held(tiny_bundle):
+    """Found in review: after engine.stop() a request hung until the client gave up, in flight or new."""
+    engine = Engine(tiny_bundle, TINY_ENGINE)
+    forward = engine.runner.forward
+    engine.runner.forward = lambda *a, **k: (time.sleep(0.02), forward(*a, **k))[1]  # slow enough to stop mid-way
+    engine.start()
+    with serving(tiny_bundle, engine) as s:
+        answers = []
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 500, "ignore_eos": True}
+        client = threading.Thread(target=lambda: answers.append(s.http(timeout_s=20).post("/v1/completions", json=body)))
+        client.start()
+        wait_for(lambda: engine.num_running == 1)
+        engine.stop()
+        client.join(20)
+        assert answers[0].status_code == 503 and answers[0].headers["retry-after"] == "1", answers[0].text
+        assert answers[0].json()["error"]["code"] == "unavailable"
+        r = s.http(timeout_s=5).post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+        assert engine.num_running == 0 and engine.num_waiting == 0 and not engine.streams
+
+
+def test_a_request_tokenized_for_an_engine_that_a_model_switch_stopped_goes_to_the_new_one(tiny_bundle, caplog):
+    """Found in review: swap_engine stopped the idle old engine while a request was being tokenized for it."""
+    from agent.serve import swap_engine
+
+    caplog.set_level("INFO", logger="agent.api")
+    old = Engine(tiny_bundle, TINY_ENGINE)
+    encode = old.tokenizer.encode
+    tokenizing = threading.Event()
+    # the request's tokenization ends only after the switch has stopped the old engine
+    old.tokenizer.encode = lambda *a, **k: (tokenizing.set(), wait_for(lambda: not old.is_running), encode(*a, **k))[2]
+    old.start()
+    with serving(tiny_bundle, old) as s:
+        answers = []
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+        client = threading.Thread(target=lambda: answers.append(s.http(timeout_s=20).post("/v1/completions", json=body)))
+        client.start()
+        assert tokenizing.wait(10)
+        swap_engine(s.server.backend, tiny_bundle, TINY_ENGINE, None)  # the old engine is idle: stopped at once
+        client.join(20)
+        new = s.server.backend.engine
+        assert new is not old and not old.is_running
+        assert answers[0].status_code == 200, answers[0].text
+        assert answers[0].json()["usage"]["completion_tokens"] == 3
+        assert "the engine stopped while a request was submitted to it" in caplog.text
+        new.stop()
 
 
 def test_internal_error_is_a_bare_500_and_logged(tiny, tiny_engine, monkeypatch, caplog):

@@ -10,7 +10,8 @@ import pytest
 import reference
 from agent.config import EngineConfig
 from agent.engine import Engine, Finished, RequestError, TextDelta
-from agent.memory import MemoryBudgetError
+from agent.kv_cache import KVPool
+from agent.memory import MemoryBudgetError, SizeClass
 from agent.sampling_params import SamplingParams
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
@@ -108,6 +109,26 @@ def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(engine):
         engine.submit(list(range(3, 3 + 300)) * 2, SamplingParams(max_tokens=4))
     assert e.value.code == "context_length_exceeded"
     assert engine.generate(prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY)).figures.completion_tokens == 4
+
+
+def test_stop_ends_every_request_it_holds_and_refuses_new_ones(tiny_bundle):
+    """Running, admitted-but-waiting and not-yet-seen requests all get an 'unavailable' Finished: none hangs."""
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
+    g = tiny_bundle.config  # one slot: the second request waits in the scheduler's queue
+    engine.kv = engine.scheduler.kv = engine.prefix.kv = KVPool([SizeClass(256, 1)], g.num_layers, g.num_kv_heads,
+                                                                g.head_dim)
+    running, waiting = (engine.submit(p, SamplingParams(max_tokens=50, **GREEDY)) for p in prompts(2))
+    engine.step()
+    inbox = engine.submit(prompts(1, seed=3)[0], SamplingParams(max_tokens=5, **GREEDY))
+    assert engine.num_running == 1 and engine.num_waiting == 2  # one in the scheduler, one in the inbox
+    engine.stop()
+    for handle in (running, waiting, inbox):
+        fin = next(ev for ev in iter(lambda: handle.events.get(timeout=10), None) if isinstance(ev, Finished))
+        assert fin.figures.finish_reason == "error" and fin.error_code == "unavailable", fin
+    assert engine.num_running == 0 and engine.num_waiting == 0 and engine.kv.utilization() == 0.0
+    with pytest.raises(RequestError) as e:
+        engine.submit(prompts(1)[0], SamplingParams(max_tokens=4))
+    assert e.value.code == "engine_stopped"
 
 
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
