@@ -31,6 +31,14 @@ def _fail(e: Exception) -> None:
     raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 
 
+def _require_utf8(name: str, value: str) -> None:
+    """Arguments that are not UTF-8 reach Python as lone surrogates, which no tokenizer accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text (is the terminal's locale UTF-8?)") from None
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details to stderr.")
 def cli(verbose: bool) -> None:
@@ -69,6 +77,8 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
     from agent.sampling_params import SamplingParams
 
     try:
+        for name, value in (("the prompt", prompt), ("--system", system or ""), *(("--stop", s) for s in stop)):
+            _require_utf8(name, value)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop), ignore_eos=ignore_eos)
         if speculative == "draft" and draft_model is None:
@@ -84,10 +94,16 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
     except (ValidationError, *USER_ERRORS) as e:
         _fail(e)
     engine.start()
-    for ev in handle:
-        if isinstance(ev, TextDelta) and not as_json:
-            click.echo(ev.text, nl=False)
-    engine.stop()
+    try:
+        for ev in handle:
+            if isinstance(ev, TextDelta) and not as_json:
+                click.echo(ev.text, nl=False)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    finally:  # also on Ctrl-C: the engine thread must leave ONNX Runtime before the interpreter exits
+        handle.cancel()
+        engine.stop()
     f = ev.figures
     if as_json:
         click.echo(json.dumps({"text": ev.text, "prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,

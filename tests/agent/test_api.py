@@ -491,5 +491,7 @@ def test_speculative_extension_field_and_its_metrics(tiny_bundle, tiny_engine):
         assert r.status_code == 200, r.text
         bad = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "x", "speculative": "magic"})
         assert bad.status_code == 400
+        no_draft = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "x", "speculative": "draft"})
+        assert no_draft.status_code == 400 and no_draft.json()["error"]["param"] == "speculative", no_draft.text
         m = s.metrics()
     assert "edge:spec_decode_num_draft_tokens_total" in m and "edge:spec_decode_num_accepted_tokens_total" in m

@@ -1,0 +1,74 @@
+"""edge-agent generate: the --json object, one-line user errors, and a clean end when the reader goes away or
+the user presses Ctrl-C (the engine thread must leave ONNX Runtime before the interpreter exits)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+
+AGENT = [sys.executable, "-m", "agent.cli", "generate"]
+CRASH_SIGNS = ("Traceback", "terminate called", "internal error", "Fatal Python error")
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("cli") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+def generate(*args: str | bytes, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*AGENT, *args], capture_output=True, timeout=120, **kw)
+
+
+def test_json_prints_one_object_with_the_figures(tiny_bundle):
+    r = generate("--model", str(tiny_bundle.path), "--max-tokens", "7", "--ignore-eos", "--json", "hello")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["completion_tokens"] == 7 and out["finish_reason"] == "length" and out["prompt_tokens"] > 0
+    assert out["ttft_ms"] > 0 and out["decode_tokens_per_s"] > 0 and out["peak_rss_mb"] > 0
+    assert isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "3", b"caf\xe9"], "the prompt is not valid UTF-8"),
+    (["--max-tokens", "0", "hi"], "max_tokens"),
+])
+def test_bad_input_is_one_line_and_exit_1(tiny_bundle, args, message):
+    r = generate("--model", str(tiny_bundle.path), *args)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not any(s in err for s in CRASH_SIGNS), err
+
+
+def test_a_missing_bundle_is_one_line_and_exit_1(tmp_path):
+    r = generate("--model", str(tmp_path / "nope"), "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.startswith("Error: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_reader_that_goes_away_ends_it_quietly(tiny_bundle):
+    p = subprocess.Popen([*AGENT, "--model", str(tiny_bundle.path), "--max-tokens", "4000", "--ignore-eos", "hi"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(5)
+    p.stdout.close()  # as `| head -c 5` does
+    err = p.stderr.read().decode()
+    assert p.wait(60) == 1 and not any(s in err for s in CRASH_SIGNS), (p.returncode, err)
+
+
+def test_ctrl_c_mid_stream_aborts_cleanly(tiny_bundle):
+    """Found in review: Ctrl-C ended in 'terminate called without an active exception' and SIGABRT."""
+    p = subprocess.Popen([*AGENT, "--model", str(tiny_bundle.path), "--max-tokens", "4000", "--ignore-eos", "hi"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p.stdout.read(5)  # streaming has started
+    os.kill(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "Aborted!" in err.decode(), (p.returncode, err)
+    assert not any(s in err.decode() for s in CRASH_SIGNS), err
