@@ -7,8 +7,9 @@ Run: edge-agent generate --model BUNDLE [--chat] [--max-tokens N] [--threads N] 
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from agent.config import EngineConfig
 from agent.memory import MemoryBudgetError
 from agent.process import peak_rss_bytes
 
-USER_ERRORS = (BundleError, MemoryBudgetError, ValueError, OSError)
+# sqlite3.Error: the telemetry database locked by another process, or unwritable (a corrupt one is set aside)
+USER_ERRORS = (BundleError, MemoryBudgetError, ValueError, OSError, sqlite3.Error)
 
 
 def _fail(e: Exception) -> None:

@@ -288,33 +288,34 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
     at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
     """
     store = ModelStore(config.telemetry.state_dir)
-    model_dir = boot_model(store, config.model)
-    manifest = Manifest.read(model_dir)  # identity for /health and /v1/models while the bundle loads
     api = config.api
+    # The socket first: a second agent started on a live one fails here, before it changes the store.
     sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
+    server = telemetry = updates = None
     try:
         if api.tcp_address is not None:
             sockets.append(bind_tcp(*api.tcp_address))
-    except BaseException:
-        sockets[0].close()
-        _unlink_if_socket(Path(api.socket))
-        raise
-    server = ApiServer(Backend(manifest), sockets, api)
-    server.uvicorn.notifier = notifier
-    telemetry, updates = _start_services(config, store, server, notifier)
-    _install_sighup(server.backend, reload_config)
-    try:
+        model_dir = boot_model(store, config.model)
+        manifest = Manifest.read(model_dir)  # identity for /health and /v1/models while the bundle loads
+        server = ApiServer(Backend(manifest), sockets, api)
+        server.uvicorn.notifier = notifier
+        telemetry, updates = _start_services(config, store, server, notifier)
+        _install_sighup(server.backend, reload_config)
         server.load_in_background(lambda: load_engine(store.bootable().path, config.engine, notifier))
         announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"
                  + (f" and http://{api.tcp}" if api.tcp else "") + " (loading the model)")
         server.run()
     finally:
+        if server is None:  # failed before serving: the sockets are still only ours
+            for sock in sockets:
+                sock.close()
         _unlink_if_socket(Path(api.socket))
-        if server.backend.engine is not None:
+        if server is not None and server.backend.engine is not None:
             server.backend.engine.stop()
         if updates is not None:
             updates.stop()
-        telemetry.stop()  # every finished request is already in SQLite; MQTT publishes "stopped" and leaves
+        if telemetry is not None:
+            telemetry.stop()  # every finished request is already in SQLite; MQTT publishes "stopped" and leaves
     if server.load_error is not None:
         raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error
 

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -27,6 +28,8 @@ from typing import NamedTuple
 from sqlite_utils import Database
 
 from agent.wire import MAX_PAYLOAD_BYTES, EventRecord, RequestRecord, SampleRecord, TelemetryRecord
+
+log = logging.getLogger(__name__)
 
 # WAL + synchronous=FULL: a committed record survives a power cut, not just a crash, at one fsync per
 # append; requests finish seconds apart and samples come every ~10 s, so the cost is small on a device.
@@ -139,6 +142,31 @@ class RetentionReport:
     stored_bytes: int  # after the pass (estimate: body + ROW_OVERHEAD_BYTES per row)
 
 
+SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26  # primary result codes of a damaged file or one that is not a database
+
+
+def _connect(path: Path) -> Database:
+    db = Database(sqlite3.connect(str(path), check_same_thread=False, timeout=BUSY_TIMEOUT_S))
+    try:
+        db.enable_wal()
+        db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+        migrate(db)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename the database and its WAL/SHM files to `<name>.corrupt-<unix time>[-wal|-shm]`."""
+    aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    for suffix in ("", "-wal", "-shm"):
+        src = path.with_name(path.name + suffix)
+        if src.exists():
+            src.rename(aside.with_name(aside.name + suffix))
+    return aside
+
+
 class TelemetryStore:
     """The records of one device. A new boot id per instance (each agent start); seq counts from 0 within it.
 
@@ -151,10 +179,18 @@ class TelemetryStore:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.device_id, self.clock = path, device_id, clock
-        self.db = Database(sqlite3.connect(str(path), check_same_thread=False, timeout=BUSY_TIMEOUT_S))
-        self.db.enable_wal()
-        self.db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
-        migrate(self.db)
+        self.recovered_from: Path | None = None  # where a corrupt database was moved, if it was
+        try:
+            self.db = _connect(path)
+        except sqlite3.DatabaseError as e:
+            if e.sqlite_errorcode & 0xFF not in (SQLITE_CORRUPT, SQLITE_NOTADB):
+                raise  # locked, unreadable, disk full: the file may be fine, so it is left alone
+            # An unattended device must not stay down over its telemetry (a power cut on an SD card):
+            # as journald does with a corrupt journal, keep the file aside for inspection and start anew.
+            self.recovered_from = _move_aside(path)
+            log.error("telemetry database %s is corrupt (%s): moved to %s, starting a new one", path, e,
+                      self.recovered_from)
+            self.db = _connect(path)
         if max_file_bytes is not None:
             # A hard ceiling under the soft byte cap of enforce(): retention runs only every few minutes,
             # and the device's disk must never fill with telemetry in between.

@@ -104,6 +104,8 @@ class Telemetry:
     # ---- called by the serve wiring ----
     def start(self) -> None:
         self.record_event("start", {"pid": os.getpid()})
+        if self.store.recovered_from is not None:  # the fleet learns that earlier undelivered records were set aside
+            self.record_event("store_recovered", {"corrupt_file": str(self.store.recovered_from)})
         if self.link is not None:
             self.link.start()
         self._thread = threading.Thread(target=self._run, name="telemetry-sampler", daemon=True)

@@ -483,6 +483,26 @@ def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle)
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_a_serve_that_cannot_bind_changes_nothing(tiny, tiny_bundle, tiny_checkpoint, tmp_path):
+    """Found in review: a second `serve --model OTHER` on a live agent's socket failed but had already made
+    OTHER the store's current model, so the next restart would boot it."""
+    from agent.serve import boot_model, serve_forever
+    from agent.updates import ModelStore
+
+    state = tmp_path / "state"
+    store = ModelStore(state)
+    boot_model(store, tiny_bundle.path)
+    before = store.link("current")
+    other = build_bundle(tiny_checkpoint, QuantSpec(precision="int8"), tmp_path / "int8", name="tiny",
+                         progress=lambda s: None)
+    config = load_agent_config(None, model=other.path, socket=tiny.path, tcp=None, threads=1, memory_budget_mb=2048,
+                               state_dir=state)
+    with pytest.raises(ServeError, match="another server is answering"):
+        serve_forever(config)
+    assert store.link("current") == before and store.link("previous") is None
+    assert tiny.http().get("/health").status_code == 200  # the live one still serves on its socket
+
+
 def test_speculative_extension_field_and_its_metrics(tiny_bundle, tiny_engine):
     with serving(tiny_bundle, tiny_engine) as s:
         prompt = "ab ab ab ab ab ab ab ab ab ab"

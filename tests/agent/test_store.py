@@ -69,6 +69,27 @@ def test_a_failing_migration_changes_nothing(db_path, monkeypatch):
 
 
 # ---- appending and the outbox ------------------------------------------------------------------------------
+def test_a_corrupt_database_is_set_aside_and_a_new_one_started(db_path):
+    """Found in review: a damaged telemetry.db (a power cut on an SD card) kept the agent from ever starting."""
+    garbage = bytes(range(256)) * 32
+    db_path.write_bytes(garbage)
+    store = TelemetryStore(db_path, "dev-1")
+    assert store.recovered_from is not None and store.recovered_from.read_bytes() == garbage  # kept, untouched
+    assert store.recovered_from.parent == db_path.parent and ".corrupt-" in store.recovered_from.name
+    store.append(request())
+    assert store.db.execute("SELECT count(*) FROM records").fetchone()[0] == 1
+    store.close()
+    assert TelemetryStore(db_path, "dev-1").recovered_from is None  # the new file is fine on the next start
+
+
+def test_a_database_that_cannot_be_opened_is_an_error_and_left_alone(tmp_path):
+    path = tmp_path / "telemetry.db"
+    path.mkdir()  # not a file at all: SQLite cannot open it, nothing is corrupt
+    with pytest.raises(sqlite3.OperationalError):
+        TelemetryStore(path, "dev-1")
+    assert path.is_dir() and list(tmp_path.iterdir()) == [path]
+
+
 def test_append_is_committed_before_it_returns(db_path):
     store = TelemetryStore(db_path, "dev-1")
     record = store.append(request())
