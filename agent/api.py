@@ -524,8 +524,10 @@ def _unix_seconds(iso: str) -> int:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     # Unknown paths and wrong methods, in OpenAI's error shape too.
-    return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error",
-                    "not_found" if exc.status_code == 404 else "method_not_allowed").response()
+    response = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error",
+                        "not_found" if exc.status_code == 404 else "method_not_allowed").response()
+    response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it)
+    return response
 
 
 def create_app(backend: Backend, metrics: Metrics, config: ApiConfig = ApiConfig()) -> Starlette:

@@ -8,9 +8,9 @@ the engine's `RequestFigures`. Nothing here does I/O.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.sampling_params import SamplingParams
 from agent.wire import RequestFigures
@@ -48,6 +48,19 @@ class ChatMessage(_Request):
     content: str | list[TextPart]
     name: str | None = None  # accepted, as OpenAI does; chat templates do not print it
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        # one clear message instead of pydantic's one per branch of the union
+        if isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+            other = [k for k in kinds if k != "text"]
+            if other:
+                raise ValueError(f"only text content parts are supported by this text model (got {other[0]!r})")
+        elif not isinstance(content, str):
+            raise ValueError("content must be a string or a list of text parts")
+        return content
+
     def as_template_message(self) -> dict:
         # OpenAI: "developer" messages replace "system" ones for newer models; templates only know "system".
         role = "system" if self.role == "developer" else self.role
@@ -66,8 +79,9 @@ class SamplingRequest(_Request):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int = 1
-    stream: bool = False
+    # OpenAI documents these as nullable: null means the default
+    n: Annotated[int, BeforeValidator(lambda v: 1 if v is None else v)] = 1
+    stream: Annotated[bool, BeforeValidator(lambda v: False if v is None else v)] = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for OpenAI compatibility; not used
     # vLLM's extension names

@@ -65,7 +65,8 @@ class SamplingParams(BaseModel):
     max_tokens: Annotated[int, _in_range(1)] = 256
     temperature: Annotated[float, _in_range(0, note="0 = greedy")] = 1.0
     top_p: Annotated[float, _in_range(0, 1, lo_open=True)] = 1.0
-    top_k: Annotated[int, _in_range(0, note="0 = off")] = 0
+    # -1 is vLLM's "off", which clients written for vLLM send
+    top_k: Annotated[int, BeforeValidator(lambda v: 0 if v == -1 else v), _in_range(0, note="0 or -1 = off")] = 0
     min_p: Annotated[float, _in_range(0, 1)] = 0.0
     # vLLM semantics over prompt + output tokens: positive logits divided, negative ones multiplied.
     repetition_penalty: Annotated[float, _in_range(0, lo_open=True, note="1 = off")] = 1.0

@@ -319,7 +319,26 @@ def test_errors_have_openai_status_and_body(tiny):
     assert "logprobs" in http.post("/v1/completions", content=cases[1][0]).json()["error"]["message"]
     assert http.post("/v1/completions", content=b"x" * (5 << 20)).status_code == 413
     assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
-    assert http.get("/v1/chat/completions").status_code == 405
+    wrong_method = http.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+
+
+def test_what_openai_and_vllm_clients_legally_send_is_understood(tiny):
+    """Found in review: null n / stream (documented as nullable) and vLLM's top_k=-1 ("off") were refused, and a
+    non-text content part got an error naming a union branch ("messages.0.content.str")."""
+    http = tiny.http()
+    for extra in ({"n": None, "stream": None}, {"top_k": -1}):
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER_HI, "max_tokens": 2, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": image}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content", r.text
+    assert err["message"] == ("messages.0.content: only text content parts are supported by this text model "
+                              "(got 'image_url')")
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": None}]})
+    assert r.status_code == 400 and "content must be a string or a list of text parts" in r.json()["error"]["message"]
 
 
 def test_overloaded_engine_answers_429_with_retry_after(tiny_bundle):

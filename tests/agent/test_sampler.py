@@ -208,7 +208,7 @@ def test_batch_length_mismatch_is_an_error():
     ("temperature", float("nan"), ">= 0"),
     ("top_p", 0.0, "in (0, 1]"),
     ("top_p", 1.5, "in (0, 1]"),
-    ("top_k", -1, ">= 0"),
+    ("top_k", -2, ">= 0 (0 or -1 = off)"),
     ("min_p", 1.1, "in [0, 1]"),
     ("repetition_penalty", 0.0, "> 0"),
     ("presence_penalty", 2.5, "in [-2, 2]"),
