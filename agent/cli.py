@@ -29,7 +29,7 @@ USER_ERRORS = (BundleError, MemoryBudgetError, ValueError, OSError, sqlite3.Erro
 def _fail(e: Exception) -> None:
     if isinstance(e, ValidationError):
         err = e.errors()[0]
-        raise click.ClickException(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+        raise click.ClickException(f"{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}") from e
     raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 
 

@@ -145,7 +145,12 @@ class Engine:
         prefix_blocks = int(kv_bytes * self.config.prefix_cache_fraction) // (per_token * self.config.prefix_block_tokens)
         classes = plan_slots(kv_bytes - prefix_blocks * per_token * self.config.prefix_block_tokens, per_token,
                              capacities, self.config.min_context)
-        pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        try:
+            pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        except (MemoryError, OSError) as e:  # address space is reserved up front, though pages come on use
+            raise MemoryBudgetError(f"memory_budget_mb={self.config.memory_budget_mb}: the KV cache it plans "
+                                    f"({kv_bytes / MB:.0f} MB) cannot be allocated here ({e}); "
+                                    f"set a budget this machine has") from None
         if self.draft is not None:
             self.draft.attach(pool)
         self.prefix = (PrefixCache(prefix_blocks, self.config.prefix_block_tokens, pool, c.num_layers,

@@ -38,7 +38,8 @@ def test_json_prints_one_object_with_the_figures(tiny_bundle):
 
 @pytest.mark.parametrize("args, message", [
     (["--max-tokens", "3", b"caf\xe9"], "the prompt is not valid UTF-8"),
-    (["--max-tokens", "0", "hi"], "max_tokens"),
+    (["--max-tokens", "0", "hi"], "Error: max_tokens: max_tokens must be >= 1, got 0"),
+    (["--memory-budget-mb", "200000000", "hi"], "the KV cache it plans (199999"),
 ])
 def test_bad_input_is_one_line_and_exit_1(tiny_bundle, args, message):
     r = generate("--model", str(tiny_bundle.path), *args)
