@@ -262,6 +262,13 @@ class Engine:
             seq.error = message
             if seq.seq_id in self.streams:
                 self._finish_stream(seq)
+        # a request the failed step had taken from the inbox, or finished, without ending its stream: its
+        # client would wait forever
+        waiting = {seq.seq_id for seq in self.scheduler.waiting}
+        for handle, _ in [v for k, v in self.streams.items() if k not in waiting]:
+            if not handle.seq.is_finished:
+                handle.seq.finish(FinishReason.ERROR, message)
+            self._finish_stream(handle.seq)
 
     def step(self) -> bool:
         """One scheduling round and model step. Returns False when there was nothing to do."""

@@ -131,6 +131,28 @@ def test_stop_ends_every_request_it_holds_and_refuses_new_ones(tiny_bundle):
     assert e.value.code == "engine_stopped"
 
 
+def test_a_failed_step_ends_the_request_it_was_taking_in(tiny_bundle, monkeypatch):
+    """A step that fails between taking a request from the inbox and queueing it must not orphan its stream."""
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
+    add, calls = engine.scheduler.add, []
+
+    def add_fails_once(seq):
+        calls.append(seq)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        add(seq)
+
+    monkeypatch.setattr(engine.scheduler, "add", add_fails_once)
+    engine.start()
+    try:
+        first = engine.submit(prompts(1)[0], SamplingParams(max_tokens=3, **GREEDY))
+        fin = next(ev for ev in iter(lambda: first.events.get(timeout=10), None) if isinstance(ev, Finished))
+        assert fin.figures.finish_reason == "error" and fin.error_code == "internal"
+        assert engine.generate(prompts(1)[0], SamplingParams(max_tokens=3, **GREEDY)).figures.completion_tokens == 3
+    finally:
+        engine.stop()
+
+
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
     with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
         Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
