@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # ---- ONNX decoder graph I/O -------------------------------------------------------------------------
 INPUT_IDS = "input_ids"  # int64 [batch, seq]
@@ -50,7 +50,19 @@ SMOKE_PROMPT = "The capital of France is"  # the golden continuation's prompt, a
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no NaN or Infinity: JSON allows neither, and one in a stored figure broke the fleet's queries for all
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ints_fit_sqlite(self):
+        # the fleet binds these to 64-bit INTEGER columns: one device's 2**63 stopped its database writer
+        for name, value in self:
+            if type(value) is int and not -(2**63) <= value < 2**63:
+                raise ValueError(f"{name} does not fit a 64-bit integer")
+        return self
+
+
+EPOCH_SECONDS = Field(ge=0, lt=2**33)  # a time the fleet stores and shows as a date: before the year 2242
 
 
 class FileEntry(_Frozen):
@@ -191,7 +203,7 @@ class DeviceState(_Frozen):
     status: str = Field(pattern=r"^(online|offline|stopped)$")
     connection: int = Field(ge=0)  # grows on every connect: a late Will from an older session is ignored
     boot_id: str
-    ts: float  # seconds since the epoch
+    ts: float = EPOCH_SECONDS
     model: str | None = None
     version: str | None = None
     precision: str | None = None
@@ -229,7 +241,7 @@ class TelemetryRecord(_Frozen):
 
     boot_id: str
     seq: int = Field(ge=0)
-    ts: float
+    ts: float = EPOCH_SECONDS
     kind: str = Field(pattern=r"^(request|sample|event)$")
     request: RequestRecord | None = None
     sample: SampleRecord | None = None
@@ -320,4 +332,4 @@ class JobStatusUpdate(_Frozen):
     percent: float | None = None  # download progress
     reason: str | None = None  # why FAILED / REJECTED
     figures: dict = {}  # measured health-check figures on SUCCEEDED
-    ts: float
+    ts: float = EPOCH_SECONDS

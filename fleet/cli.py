@@ -365,10 +365,10 @@ def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_do
     from fleet.updates import create_job, job_rows, wait_for_job
 
     store = _db(db_path)
-    chosen = _devices(store.db, devices, group, to_all)
+    chosen = list(dict.fromkeys(_devices(store.db, devices, group, to_all)))  # each device once
     job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
                         device_timeout_s=device_timeout_s)
-    click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {wave_size}")
+    click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {min(wave_size, len(chosen))}")
     if not wait:
         return
     state = wait_for_job(db_path, job_id, timeout_s)

@@ -42,10 +42,11 @@ def decide(devices: list[DeviceJob], notified: set[str], max_failure_rate: float
     """What to do next, given each device's state and which devices were already sent the job."""
     started = [d for d in devices if d.device_id in notified]
     failed = [d for d in started if d.state in FAILURES]
-    if started and len(failed) / len(devices) > max_failure_rate:
+    if started and len(failed) / len(started) > max_failure_rate:  # of those started: a failed first wave halts
         waiting = [d.device_id for d in devices if d.device_id not in notified]
         return Decision([], waiting, JobState.FAILED,
-                        f"{len(failed)} of {len(devices)} devices failed (max failure rate {max_failure_rate:.0%})")
+                        f"{len(failed)} of {len(started)} devices started failed "
+                        f"(max failure rate {max_failure_rate:.0%})")
     if all(d.state is JobState.SUCCEEDED for d in devices):
         return Decision([], [], JobState.SUCCEEDED)
     if all(d.state in TERMINAL_JOB_STATES for d in devices):

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import secrets
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -22,7 +25,7 @@ from urllib.parse import quote
 import sqlite_utils
 
 from agent.bundle import open_bundle
-from agent.wire import TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest, device_of, topic
+from agent.wire import DEVICE_ID_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest, device_of, topic
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_manifest
 
@@ -66,8 +69,21 @@ def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifac
 def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str], wave_size: int,
                max_failure_rate: float, allow_downgrade: bool = False, min_tokens_per_s: float | None = None,
                operation: str = "install", device_timeout_s: float = 1800.0) -> str:
+    devices = list(dict.fromkeys(devices))  # a device named twice is deployed to once
     if not devices:
         raise ValueError("no devices to deploy to")
+    bad = [d for d in devices if not re.fullmatch(DEVICE_ID_PATTERN, d)]
+    if bad:  # it would name an MQTT topic: a wildcard there stalled every rollout's pass
+        raise ValueError(f"not a device id: {bad[0]!r} (letters, digits, '_', '.', '-'; at most 64)")
+    if wave_size < 1:
+        raise ValueError(f"wave size must be at least 1, got {wave_size}")
+    wave_size = min(wave_size, len(devices))  # a wave larger than the job is the whole job
+    if not 0 <= max_failure_rate <= 1:
+        raise ValueError(f"max failure rate must be in [0, 1], got {max_failure_rate}")
+    if min_tokens_per_s is not None and not 0 <= min_tokens_per_s < math.inf:
+        raise ValueError(f"min tokens/s must be a number >= 0, got {min_tokens_per_s}")
+    if not 0 < device_timeout_s < math.inf:
+        raise ValueError(f"device timeout must be a positive number of seconds, got {device_timeout_s}")
     name = version = None
     if operation == "install":
         name, _, version = (target or "").partition("@")
@@ -75,16 +91,21 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
             raise ValueError(f"{target} is not published (edge-fleet publish BUNDLE --key KEY)")
     job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     now = time.time()
-    with db.conn:
+    with db.conn:  # sqlite-utils commits each insert itself: a failed second one must not leave the job row
         db["jobs"].insert({"id": job_id, "operation": operation, "model": name, "version": version,
                            "state": JobState.IN_PROGRESS.value, "wave_size": wave_size,
                            "max_failure_rate": max_failure_rate, "allow_downgrade": int(allow_downgrade),
                            "min_tokens_per_s": min_tokens_per_s, "reason": None, "created_at": now, "updated_at": now,
                            "device_timeout_s": device_timeout_s})
-        db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
-                                      "state": JobState.QUEUED.value, "step": None, "percent": None, "reason": None,
-                                      "figures": None, "notified": 0, "updated_at": now}
-                                     for d in plan_waves(devices, wave_size))
+        try:
+            db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
+                                          "state": JobState.QUEUED.value, "step": None, "percent": None,
+                                          "reason": None, "figures": None, "notified": 0, "updated_at": now}
+                                         for d in plan_waves(devices, wave_size))
+        except BaseException:
+            db["job_devices"].delete_where("job_id = ?", [job_id])
+            db["jobs"].delete(job_id)
+            raise
     return job_id
 
 
@@ -152,10 +173,17 @@ class RolloutDriver:
         while not self._stop.wait(self.interval_s):
             try:
                 with self._lock, _open(self.db_path) as db:
-                    for job in db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value]):
-                        self._advance(db, job)
+                    for job in list(db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value])):
+                        try:
+                            self._advance(db, job)
+                        except sqlite3.Error:
+                            raise  # the database, not the job: the next pass retries
+                        except Exception as e:  # this job cannot be carried out: it ends, the others go on
+                            log.exception("rollout %s failed", job["id"])
+                            db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
+                                       [JobState.FAILED.value, f"cannot be carried out: {e}", time.time(), job["id"]])
                     db.conn.commit()
-            except Exception:  # a bad row must not stop every rollout
+            except Exception:  # a bad database state must not stop the driver
                 log.exception("rollout pass failed")
 
     def _advance(self, db: sqlite_utils.Database, job: dict) -> None:

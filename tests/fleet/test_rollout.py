@@ -1,7 +1,10 @@
 """Rollout waves and the failure-rate halt, as pure decisions."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+
+import pytest
 
 from agent.wire import JobState
 from fleet.rollout import decide, plan_waves
@@ -28,7 +31,14 @@ def test_waves_start_one_after_another():
 def test_halts_when_failures_exceed_the_rate():
     devs = plan_waves(["a", "b", "c", "d"], wave_size=2)
     d = decide(states(devs, a=F, b=S), {"a", "b"}, max_failure_rate=0.2)
-    assert d.job_state is F and d.cancel == ["c", "d"] and "1 of 4" in d.reason
+    assert d.job_state is F and d.cancel == ["c", "d"] and "1 of 2 devices started failed" in d.reason
+
+
+def test_the_rate_counts_the_devices_started_so_far_not_the_whole_fleet():
+    """Found in review: a first wave of 2 that failed entirely let a 20-device rollout go on at a 25% limit."""
+    devs = plan_waves([f"dev-{i:02d}" for i in range(20)], wave_size=2)
+    d = decide(states(devs, **{"dev-00": F, "dev-01": F}), {"dev-00", "dev-01"}, max_failure_rate=0.25)
+    assert d.job_state is F and d.notify == [] and len(d.cancel) == 18
 
 
 def test_a_failure_within_the_rate_lets_the_next_wave_start_once_the_wave_ended():
@@ -60,3 +70,69 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     db.conn.commit()
     assert db["job_devices"].get((job_id, "quiet"))["state"] == "TIMED_OUT"
     assert db["jobs"].get(job_id)["state"] == "FAILED"
+
+
+def published_store(tmp_path):
+    from fleet.store import FleetStore
+
+    store = FleetStore(tmp_path / "fleet.db")
+    store.db["models"].insert({"name": "m", "version": "v", "manifest": "{}", "signature": "", "key_id": "",
+                               "published_at": 0.0})
+    return store
+
+
+@pytest.mark.parametrize("devices, kwargs, message", [
+    (["bad#id"], {}, "not a device id: 'bad#id'"),  # found in review: an MQTT wildcard stalled every rollout
+    (["a"], {"min_tokens_per_s": -1.0}, "min tokens/s must be a number >= 0"),
+    (["a"], {"device_timeout_s": float("inf")}, "device timeout must be a positive number"),
+    (["a"], {"max_failure_rate": 1.5}, "max failure rate must be in [0, 1]"),
+    (["a"], {"wave_size": 0}, "wave size must be at least 1"),
+])
+def test_a_job_the_driver_could_not_carry_out_is_refused_and_nothing_is_written(tmp_path, devices, kwargs, message):
+    from fleet.updates import create_job
+
+    store = published_store(tmp_path)
+    args = {"wave_size": 1, "max_failure_rate": 0.0} | kwargs
+    with pytest.raises(ValueError) as e:
+        create_job(store.db, "m@v", devices, args.pop("wave_size"), args.pop("max_failure_rate"), **args)
+    assert message in str(e.value)
+    assert store.db["jobs"].count == 0 and store.db["job_devices"].count == 0
+
+
+def test_a_device_named_twice_is_deployed_to_once_and_a_huge_wave_is_the_whole_job(tmp_path):
+    from fleet.updates import create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["a", "b", "a"], 10**20, 0.0)  # found in review: a half-written job
+    rows = list(store.db.query("select device_id, wave from job_devices where job_id = ?", [job_id]))
+    assert rows == [{"device_id": "a", "wave": 0}, {"device_id": "b", "wave": 0}]
+
+
+def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    broken = create_job(store.db, "m@v", ["x"], 1, 0.0)
+    fine = create_job(store.db, None, ["y"], 1, 0.0, operation="rollback")
+    sent = []
+
+    def publish(topic, payload):
+        if "/x/" in topic:
+            raise ValueError("Publish topic cannot contain wildcards.")  # what paho raised for a bad id
+        sent.append(topic)
+        return True
+
+    driver = RolloutDriver(tmp_path / "fleet.db", publish, "http://unused", interval_s=0.05).start()
+    try:
+        db = sqlite_utils.Database(tmp_path / "fleet.db")
+        deadline = time.monotonic() + 10
+        while not sent or db["jobs"].get(broken)["state"] == "IN_PROGRESS":
+            assert time.monotonic() < deadline, (sent, db["jobs"].get(broken))
+            time.sleep(0.05)
+    finally:
+        driver.stop()
+    assert sent == ["edge/v1/y/jobs/notify"] and db["jobs"].get(fine)["state"] == "IN_PROGRESS"
+    job = db["jobs"].get(broken)
+    assert job["state"] == "FAILED" and "cannot be carried out" in job["reason"]
