@@ -6,10 +6,13 @@ import sys
 import click
 
 
-def run(group: click.Group, prog_name: str) -> None:
-    """Run a click group; a bug of ours becomes one line for the user (exit 2), never a traceback."""
+def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> None:
+    """Run a click group; a bug of ours becomes one line for the user (exit 2), never a traceback.
+
+    env_prefix: options may also come from the environment, as PREFIX_COMMAND_OPTION (click's
+    auto_envvar_prefix), which is how a systemd unit's EnvironmentFile configures a command."""
     try:
-        group(prog_name=prog_name)
+        group(prog_name=prog_name, auto_envvar_prefix=env_prefix)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         click.echo(f"Error: internal error ({type(e).__name__}): {first}", err=True)

@@ -44,7 +44,7 @@ def user_errors(command):
 
 def db_option(command):
     return click.option("--db", "db_path", type=click.Path(path_type=Path), default=DEFAULT_DB, show_default=True,
-                        help="Fleet database (SQLite).")(command)
+                        envvar="EDGE_FLEET_DB", show_envvar=True, help="Fleet database (SQLite).")(command)
 
 
 def json_option(command):
@@ -54,12 +54,15 @@ def json_option(command):
 def broker_options(command):
     """--mqtt and the credentials for it (the shipped broker config wants TLS, a user and a password)."""
     options = [
-        click.option("--mqtt", "url", required=True, help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]."),
-        click.option("--username", default=None, help="Broker user (with use_username_as_clientid it is also "
-                                                       "the client id: one user per concurrent connection)."),
+        click.option("--mqtt", "url", required=True, envvar="EDGE_FLEET_MQTT", show_envvar=True,
+                     help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]."),
+        click.option("--username", default=None, envvar="EDGE_FLEET_USERNAME", show_envvar=True,
+                     help="Broker user (with use_username_as_clientid it is also the client id: one user per "
+                          "concurrent connection)."),
         click.option("--password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-                     help="File holding the broker password."),
+                     envvar="EDGE_FLEET_PASSWORD_FILE", show_envvar=True, help="File holding the broker password."),
         click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                     envvar="EDGE_FLEET_CA_FILE", show_envvar=True,
                      help="mqtts: CA certificate of the broker (default: the system's trust store)."),
     ]
     for option in reversed(options):
@@ -433,7 +436,7 @@ def rollback(device, db_path):
 
 
 def main() -> None:
-    run(cli, "edge-fleet")
+    run(cli, "edge-fleet", env_prefix="EDGE_FLEET")  # e.g. EDGE_FLEET_SERVE_CLIENT_ID (systemd/fleet.env)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ install -m 0644 "$repo/systemd/edge-agent.service" /etc/systemd/system/edge-agen
 [ -f /etc/edge-agent/agent.toml ] || install -m 0640 -g edge-agent "$repo/systemd/agent.toml" /etc/edge-agent/agent.toml
 if [ "$fleet" = 1 ]; then
     install -m 0644 "$repo/systemd/edge-fleet.service" /etc/systemd/system/edge-fleet.service
-    [ -f /etc/edge-fleet/fleet.toml ] || install -m 0640 -g edge-fleet "$repo/systemd/fleet.toml" /etc/edge-fleet/fleet.toml
+    [ -f /etc/edge-fleet/fleet.env ] || install -m 0640 -g edge-fleet "$repo/systemd/fleet.env" /etc/edge-fleet/fleet.env
 fi
 
 if [ -n "$bundle" ]; then

@@ -158,3 +158,29 @@ def test_serve_speaks_sd_notify_ready_then_stopping_and_exits_0_on_sigterm(tiny_
     assert ready < stopping
     assert sum("WATCHDOG=1" in m for m in messages[ready:stopping]) >= 3
     assert not sock.exists()
+
+
+@pytest.mark.parametrize("unit", ["edge-agent.service", "edge-fleet.service"])
+def test_the_units_command_lines_are_ones_their_programs_accept(unit):
+    """Found in review: edge-fleet.service passed `serve --config`, an option edge-fleet serve does not have."""
+    import shlex
+
+    exec_start = next(l for l in (UNITS / unit).read_text().splitlines() if l.startswith("ExecStart="))
+    program, *args = shlex.split(exec_start.removeprefix("ExecStart="))
+    # click parses every option before it acts on --help: an unknown one is an error even here
+    r = subprocess.run([VENV_BIN / Path(program).name, *args, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_fleet_service_reads_its_options_from_the_shipped_environment_file(tmp_path):
+    env = {}
+    for line in (UNITS / "fleet.env").read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    assert {"EDGE_FLEET_MQTT", "EDGE_FLEET_USERNAME", "EDGE_FLEET_PASSWORD_FILE", "EDGE_FLEET_SERVE_CLIENT_ID"} <= set(env)
+    assert "EnvironmentFile=/etc/edge-fleet/fleet.env" in (UNITS / "edge-fleet.service").read_text()
+    # the password file does not exist here: the error names it, so the variable was read as --password-file
+    r = subprocess.run([VENV_BIN / "edge-fleet", "serve", "--db", str(tmp_path / "f.db")], capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin", **env}, timeout=60)
+    assert r.returncode != 0 and "/etc/edge-fleet/mqtt.password" in r.stderr, r.stderr
