@@ -15,6 +15,7 @@ Layout under the state directory:
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -243,26 +244,31 @@ class UpdateJob:
                 path.unlink()
                 have = 0
             try:
-                self._get(url, path, have, progress)
+                self._get(url, path, have, entry.size_bytes, progress)
             except urllib.error.HTTPError as e:
                 if e.code != 416 and 400 <= e.code < 500:  # not there or not ours: retrying will not help
                     raise JobFailed(JobState.FAILED, f"download of {rel} refused: HTTP {e.code} {e.reason}") from e
                 log.info("download of %s: HTTP %s, retrying", rel, e.code)
                 time.sleep(min(0.2 * 2 ** attempt, 5))
             except (OSError, urllib.error.URLError) as e:
+                if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the disk, not the network
+                    raise JobFailed(JobState.FAILED, f"no space left for {rel} on the device: {e}") from e
                 log.info("download of %s interrupted (%s), resuming", rel, e)
                 time.sleep(min(0.2 * 2 ** attempt, 5))
         if not path.exists() or path.stat().st_size != entry.size_bytes:
             raise JobFailed(JobState.FAILED, f"download of {rel} incomplete after {DOWNLOAD_ATTEMPTS} attempts")
 
     @staticmethod
-    def _get(url: str, path: Path, have: int, progress: Callable[[int], None]) -> None:
+    def _get(url: str, path: Path, have: int, size: int, progress: Callable[[int], None]) -> None:
         req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         with urllib.request.urlopen(req, timeout=30) as resp:
             mode = "ab" if have and resp.status == 206 else "wb"  # a 200 means the server ignored Range
             written = have if mode == "ab" else 0
             with open(path, mode) as f:
                 while chunk := resp.read(CHUNK_BYTES):
+                    if written + len(chunk) > size:  # a wrong or endless body must not fill the disk
+                        raise JobFailed(JobState.FAILED, f"{url} sent more than the {size} bytes the signed "
+                                                         f"manifest lists")
                     f.write(chunk)
                     written += len(chunk)
                     progress(written)
@@ -309,7 +315,9 @@ class UpdateJob:
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         m = bundle.manifest
         final = self.ctx.store.models / _install_name(m)
-        if final.exists():
+        if final.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR stays
+            final.unlink()
+        elif final.exists():
             shutil.rmtree(final)
         self.staging.rename(final)
         self.staging = final
@@ -368,6 +376,8 @@ class UpdateService:
         self._queue: "queue.Queue[JobDocument | None]" = queue.Queue(maxsize=16)
         self._thread = threading.Thread(target=self._run, name="updates", daemon=True)
         self.done: dict[str, JobState] = {}
+        self._pending: set[str] = set()  # queued or running: a second copy of its document is dropped
+        self._lock = threading.Lock()  # offer() runs on the MQTT thread, _run() on the updater's
 
     def start(self) -> None:
         recover(self.ctx)
@@ -393,24 +403,39 @@ class UpdateService:
                                                      state=JobState.REJECTED, reason="malformed job document",
                                                      ts=time.time()))
             return
-        if doc.job_id in self.done:
+        with self._lock:
+            running = doc.job_id in self._pending  # QoS 1 may deliver it again while it runs
+            final = self.done.get(doc.job_id)
+            queued = not running and final is None and self._enqueue(doc)
+        if running:
+            log.info("job %s is already queued or running: repeated document dropped", doc.job_id)
+        elif final is not None:
+            self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id, state=final,
+                                                 ts=time.time()))
+        elif not queued:
             self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
-                                                 state=self.done[doc.job_id], ts=time.time()))
-            return
+                                                 state=JobState.REJECTED, reason="too many queued jobs", ts=time.time()))
+
+    def _enqueue(self, doc: JobDocument) -> bool:
         try:
             self._queue.put_nowait(doc)
         except queue.Full:
-            self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
-                                                 state=JobState.REJECTED, reason="too many queued jobs", ts=time.time()))
+            return False
+        self._pending.add(doc.job_id)
+        return True
 
     def _run(self) -> None:
         while (doc := self._queue.get()) is not None:
             try:
-                self.done[doc.job_id] = UpdateJob(self.ctx, doc).run()
+                final = UpdateJob(self.ctx, doc).run()
             except Exception:  # a bug must not end updates for good; the old model keeps serving
                 log.exception("update job %s crashed", doc.job_id)
+                final = JobState.FAILED
                 self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
                                                      state=JobState.FAILED, reason="internal error", ts=time.time()))
+            with self._lock:
+                self.done[doc.job_id] = final
+                self._pending.discard(doc.job_id)
 
 
 def _install_name(m: wire.Manifest) -> str:

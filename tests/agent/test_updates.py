@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent import wire
-from agent.updates import UpdateJob, recover
+from agent.updates import ModelStore, UpdateJob, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
 from updates_support import Device, build_bundles, job, make_keys
@@ -70,6 +71,8 @@ NEGATIVE = {
     "golden mismatch": ("golden", JobState.FAILED, "golden"),
     "tps below floor": ("slow", JobState.FAILED, "below the floor"),
     "path escape": ("escape", JobState.REJECTED, "unsafe file name"),
+    # found in review: a body longer than the signed size was written in full, 5 times (a disk filler)
+    "longer than signed": ("oversize", JobState.FAILED, "sent more than the 100 bytes"),
 }
 
 
@@ -117,6 +120,10 @@ def test_negative_matrix_leaves_the_old_model_serving(case, tmp_path, bundles, k
         m = _tamper_manifest(m, golden=golden.model_dump())
     elif how == "slow":
         kw = {"min_tokens_per_s": 1e9}
+    elif how == "oversize":
+        files = dict(m.files)
+        files[wire.GRAPH_DATA] = files[wire.GRAPH_DATA].model_copy(update={"size_bytes": 100})
+        m = _tamper_manifest(m, files={k: v.model_dump() for k, v in files.items()})
     elif how == "escape":
         files = dict(m.files)
         files["../../escaped.bin"] = files.pop(wire.TOKENIZER)
@@ -228,3 +235,48 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
     assert calls == [v2.manifest.version, v1.manifest.version]
     assert dev.serving.manifest.version == v1.manifest.version
     assert dev.store.link("current").name.endswith(v1.manifest.version)
+
+
+def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
+    """Found in review: QoS 1 redelivery queued the job twice; the second run reported REJECTED ('already the
+    current model') after the first SUCCEEDED, and the fleet kept that."""
+    from agent.updates import UpdateService
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    payload = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), job_id="twice",
+                  min_tokens_per_s=0).model_dump_json().encode()
+    svc = UpdateService(dev.ctx)
+    svc.start()
+    try:
+        svc.offer(payload)
+        svc.offer(payload)
+        assert dev.wait_report(lambda r: r.step is None and r.state is JobState.SUCCEEDED, 60) is not None
+        n = len(dev.reports)
+        svc.offer(payload)  # after it ended: its final state again
+        assert dev.wait_report(lambda r: r.state is JobState.SUCCEEDED, 10, since=n) is not None
+    finally:
+        svc.stop()
+    finals = [r.state for r in dev.reports if r.step is None and r.state is not JobState.QUEUED]
+    assert finals == [JobState.SUCCEEDED, JobState.SUCCEEDED] and dev.store.read_journal()["state"] == "SUCCEEDED"
+
+
+def test_reinstalling_a_model_the_agent_was_started_with_replaces_its_link(tmp_path, bundles, keys, server):
+    """Found in review: `serve --model DIR` seeds models/NAME@VERSION as a link to DIR; re-deploying that version
+    after another one crashed in shutil.rmtree (a link) and left the job IN_PROGRESS."""
+    from agent.serve import boot_model
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    shutil.rmtree(dev.root / "state")
+    dev.store = dev.ctx.store = ModelStore(dev.root / "state")
+    boot_model(dev.store, v1.path)
+    seeded = dev.store.models / f"{v1.manifest.name}@{v1.manifest.version}"
+    assert seeded.is_symlink()
+    up = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "v2"), min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, up).run() is JobState.SUCCEEDED
+    back = job(v1.manifest, keys / "fleet.key", server.publish_dir(v1.path, "v1"), job_id="back", min_tokens_per_s=0,
+               allow_downgrade=True)
+    assert UpdateJob(dev.ctx, back).run() is JobState.SUCCEEDED, dev.reports[-1]
+    assert not seeded.is_symlink() and seeded.is_dir() and v1.path.is_dir()  # DIR itself is untouched
+    assert dev.serving.manifest.version == v1.manifest.version and dev.staging_empty()
