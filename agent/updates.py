@@ -88,6 +88,14 @@ class ModelStore:
             self._set_link("previous", current)
         return previous
 
+    def restore(self, current: Path | None, previous: Path | None) -> None:
+        """Put both links back as they were (a rollback the engine could not carry out)."""
+        for name, target in (("previous", previous), ("current", current)):
+            if target is not None:
+                self._set_link(name, target)
+            else:
+                (self.root / name).unlink(missing_ok=True)
+
     def bootable(self) -> Bundle:
         """The model to serve: `current` if it verifies, else `previous` (and current is repointed)."""
         errors = []
@@ -334,8 +342,16 @@ class UpdateJob:
 
     def _rollback(self) -> JobState:
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
-        target = self.ctx.store.rollback()
-        self.ctx.swap(open_bundle(target))
+        store = self.ctx.store
+        serving, kept = store.link("current"), store.link("previous")
+        target = store.rollback()
+        try:
+            self.ctx.swap(open_bundle(target))  # verified in full: it may be the model whose activation failed
+        except Exception as e:  # the links must name what the engine serves, or the next start boots `target`
+            store.restore(serving, kept)
+            first_line = (str(e).splitlines() or [""])[0][:300]
+            raise JobFailed(JobState.FAILED, f"rollback to {target.name} failed, still serving "
+                                             f"{serving.name if serving else 'the current model'}: {first_line}") from e
         self.status(JobState.SUCCEEDED, figures={"rolled_back_to": target.name})
         return JobState.SUCCEEDED
 

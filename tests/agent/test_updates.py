@@ -235,6 +235,14 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
     assert calls == [v2.manifest.version, v1.manifest.version]
     assert dev.serving.manifest.version == v1.manifest.version
     assert dev.store.link("current").name.endswith(v1.manifest.version)
+    # found in review: a rollback command now (to v2, the `previous` the engine refused) left `current` at v2
+    # while v1 served, and the next start booted v2
+    state = UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run()
+    assert state is JobState.FAILED and "still serving" in dev.reports[-1].reason
+    assert dev.serving.manifest.version == v1.manifest.version
+    assert dev.store.link("current").name.endswith(v1.manifest.version)
+    assert dev.store.link("previous").name.endswith(v2.manifest.version)
+    assert dev.store.bootable().manifest.version == v1.manifest.version
 
 
 def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
