@@ -109,6 +109,8 @@ class Backend:
         self._on_ready: list[Callable[[Engine], None]] = []
         # called with (the manifest that served it, Finished) for every request that ends: telemetry
         self.on_finished: list[Callable[[Manifest, Finished], None]] = []
+        # sampling defaults for what a request leaves out, as the fleet last set them (set_config)
+        self.sampling_defaults: Callable[[], dict] = dict
 
     @property
     def model_ids(self) -> tuple[str, str]:
@@ -403,7 +405,7 @@ class OpenAIServer:
 
     def submit(self, engine: Engine, prompt_ids: list[int], req: om.SamplingRequest, kind: Kind) -> RequestHandle:
         try:
-            params = req.sampling_params(kind.default_max_tokens(engine))
+            params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults())
             return engine.submit(prompt_ids, params, req.priority)
         except om.FieldError as e:
             raise invalid_request(str(e), e.param) from None

@@ -108,14 +108,20 @@ class SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; FieldError naming the field when a value is out of range."""
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams; FieldError naming the field when a value is out of range.
+
+        defaults: values for the fields the request leaves out (the device's set_config sampling defaults)."""
         fields = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
                   "min_p", "repetition_penalty", "ignore_eos", "speculative")
-        given = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        defaults = dict(defaults or {})
         max_tokens = self.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = defaults.pop("max_tokens", default_max_tokens)
+        defaults.pop("max_tokens", None)
+        given = defaults | {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         try:
-            return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens, **given)
+            return SamplingParams(max_tokens=max_tokens, **given)
         except ValidationError as e:
             raise FieldError(*describe_validation_error(e)) from None
 

@@ -352,6 +352,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
     server.metrics.bind_telemetry(lambda: telemetry.store.dropped_total)
     backend.on_finished.append(lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures))
     backend.on_ready(telemetry.bind_engine)
+    backend.sampling_defaults = lambda: telemetry.settings.sampling.given()  # set_config applies at once
     if telemetry.link is not None:
         ctx = UpdateContext(
             device_id=telemetry.link.device_id, store=store,

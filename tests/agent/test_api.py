@@ -323,6 +323,19 @@ def test_errors_have_openai_status_and_body(tiny):
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
 
 
+def test_the_fleets_sampling_defaults_fill_what_a_request_leaves_out(tiny):
+    """Found in review: set_config sampling answered "applied" and changed nothing."""
+    backend = tiny.server.backend
+    backend.sampling_defaults = lambda: {"max_tokens": 2, "temperature": 0.0}
+    try:
+        http = tiny.http()
+        body = {"model": "tiny", "prompt": "hello", "ignore_eos": True}
+        assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 2
+        assert http.post("/v1/completions", json=body | {"max_tokens": 3}).json()["usage"]["completion_tokens"] == 3
+    finally:
+        backend.sampling_defaults = dict
+
+
 def test_what_openai_and_vllm_clients_legally_send_is_understood(tiny):
     """Found in review: null n / stream (documented as nullable) and vLLM's top_k=-1 ("off") were refused, and a
     non-text content part got an error naming a union branch ("messages.0.content.str")."""
