@@ -222,7 +222,10 @@ def parse_window(text: str) -> float:
     m = _WINDOW.match(text.strip())
     if not m:
         raise ValueError(f"--since must be a number and a unit (s, m, h or d), e.g. 30m or 6h; got {text!r}")
-    return float(m.group(1)) * _UNIT_S[m.group(2)]
+    seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
+    if seconds > 100 * 365 * 86400:  # past it, the arithmetic on times overflows
+        raise ValueError(f"--since is at most 100 years; got {text!r}")
+    return seconds
 
 
 def percentile(values: list[float], q: float) -> float:

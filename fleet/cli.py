@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 import click
 
 from agent.clikit import run
+from agent.wire import DEVICE_ID_PATTERN
 from fleet import queries
 from fleet.commands import CommandError
 from fleet.mqtt import LinkError
@@ -284,6 +286,8 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
         targets, skipped = select_targets(queries.devices(queries.open_readonly(db_path)), group)
     else:
         targets, words = [words[0]], words[1:]
+        if not re.fullmatch(DEVICE_ID_PATTERN, targets[0]):  # it names MQTT topics: '#', '+' or '/' break them
+            raise click.ClickException(f"{targets[0]!r} is not a device id (letters, digits, '_', '.', '-')")
     name, args = command_name(words[0]), parse_assignments(list(words[1:]))
     auth = credentials(username, password_file, ca_file)
     outcomes = run_command(url, targets, name, args, timeout_s, auth) if targets else []
@@ -389,6 +393,9 @@ def _devices(db, devices, group, to_all) -> list[str]:
         return known
     if group:
         return [d for d in known if fnmatch.fnmatch(d, group)]
+    unknown = [d for d in devices if d not in known]
+    if unknown:  # it would never report: the job would wait out its device timeout and fail
+        raise click.ClickException(f"unknown device {unknown[0]!r}: not in the fleet's registry (edge-fleet devices)")
     return list(devices)
 
 
@@ -403,7 +410,7 @@ def jobs(db_path, as_json):
     """
     from fleet.updates import list_jobs
 
-    echo_rows(list_jobs(_db(db_path).db), as_json)
+    echo_rows(list_jobs(queries.open_readonly(db_path)), as_json)  # a mistyped --db is an error, not a new file
 
 
 @cli.command()
@@ -432,7 +439,9 @@ def rollback(device, db_path):
     """
     from fleet.updates import create_job
 
-    click.echo(f"job {create_job(_db(db_path).db, None, [device], 1, 0.0, operation='rollback')}: rollback of {device}")
+    db = _db(db_path).db
+    _devices(db, [device], None, False)  # a known device
+    click.echo(f"job {create_job(db, None, [device], 1, 0.0, operation='rollback')}: rollback of {device}")
 
 
 def main() -> None:

@@ -42,12 +42,18 @@ def open_readonly(path: Path | str) -> sqlite_utils.Database:
     return sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
 
 
+MAX_DURATION_S = 100 * 365 * 86400
+
+
 def parse_duration_s(text: str) -> float:
     """'90s', '30m', '24h', '7d', '2w' -> seconds."""
     match = _DURATION.match(text.strip())
     if not match:
         raise QueryError(f"bad duration {text!r}: use a number and one of s, m, h, d, w (e.g. 24h)")
-    return float(match.group(1)) * _UNIT_S[match.group(2)]
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds > MAX_DURATION_S:  # past it, the arithmetic on times overflows
+        raise QueryError(f"bad duration {text!r}: at most 100 years")
+    return seconds
 
 
 def percentile(values: list[float], p: float) -> float | None:

@@ -277,6 +277,8 @@ def test_parse_window():
     assert [parse_window(w) for w in ("90s", "30m", "6h", "2d", "1.5h")] == [90, 1800, 21600, 172800, 5400]
     with pytest.raises(ValueError, match="unit"):
         parse_window("6 hours")
+    with pytest.raises(ValueError, match="at most 100 years"):  # was an OverflowError further on
+        parse_window("999999999999999999d")
 
 
 def test_cli_telemetry_prints_a_table_and_json(db_path):

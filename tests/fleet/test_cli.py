@@ -83,6 +83,12 @@ def test_tps_compare_events_rejected(filled_db):
     (["compare", "--model", "smollm2"], "at least two"),
     (["serve", "--mqtt", "http://localhost"], "bad broker URL"),
     (["cmd", "dev-1", "reboot", "--mqtt", "mqtt://127.0.0.1:1"], "unknown command 'reboot'"),
+    # found in review: each of these was a traceback, an internal error or a silent success
+    (["cmd", "a#", "ping", "--mqtt", "mqtt://127.0.0.1:1"], "'a#' is not a device id"),
+    (["tps", "--since", "999999999999999999d"], "at most 100 years"),
+    (["jobs", "--db", "typo.db"], "no fleet database at typo.db"),
+    (["rollback", "dev-404"], "unknown device 'dev-404'"),
+    (["deploy", "smollm2@int4-a1", "--to", "dev-404"], "unknown device 'dev-404'"),
 ])
 def test_user_errors_are_one_line(filled_db, args, message):
     if "--db" not in args and args[0] != "serve":
