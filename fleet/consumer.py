@@ -256,7 +256,8 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
     link = Link(url, Session(client_id=f"{client_id}-jobs", persistent=False, manual_ack=False),
                 [("edge/v1/+/jobs/update", 1)], lambda m: holder["driver"].on_status(m.topic, m.payload),
                 credentials)
-    holder["driver"] = driver = RolloutDriver(db_path, lambda t, p: link.publish(t, p, qos=1), server.base_url)
+    holder["driver"] = driver = RolloutDriver(db_path, lambda t, p, e: link.publish(t, p, qos=1, expiry_s=e),
+                                                   server.base_url)
     link.start()
     driver.start()
     log.info("artifacts on %s; rollouts running", server.base_url)

@@ -19,6 +19,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -138,7 +139,9 @@ def wait_for_job(db_path: Path, job_id: str, timeout_s: float) -> str:
 class RolloutDriver:
     """Publishes job documents as waves open and records device reports. One per fleet database."""
 
-    def __init__(self, db_path: Path, publish_mqtt, artifacts_base_url: str, interval_s: float = 0.5):
+    def __init__(self, db_path: Path, publish_mqtt: Callable[[str, bytes, float], bool], artifacts_base_url: str,
+                 interval_s: float = 0.5):
+        """publish_mqtt(topic, payload, expiry_s): QoS 1 with that message expiry; False if not sent."""
         self.db_path, self.publish_mqtt, self.base_url, self.interval_s = db_path, publish_mqtt, artifacts_base_url, interval_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -199,7 +202,10 @@ class RolloutDriver:
         d = decide(devices, notified, job["max_failure_rate"])
         doc = self._document(db, job) if d.notify else None
         for device_id in d.notify:
-            if self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode()):
+            # expires with the device's timeout: a device offline past it would otherwise install, on its
+            # return, a rollout the fleet had already counted as TIMED_OUT and perhaps halted
+            if self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode(),
+                                 job.get("device_timeout_s") or 1800.0):
                 db.execute("update job_devices set notified = 1, updated_at = ? where job_id = ? and device_id = ?",
                            [time.time(), job["id"], device_id])
         for device_id in d.cancel:

@@ -63,7 +63,7 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     job_id = create_job(store.db, "m@v", ["quiet"], 1, 0.0, device_timeout_s=1.0)
     store.db.execute("update job_devices set notified = 1, updated_at = 0 where job_id = ?", [job_id])
     store.db.conn.commit()
-    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p: True, "http://unused")
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     db = sqlite_utils.Database(tmp_path / "fleet.db")
     job = db["jobs"].get(job_id)
     driver._advance(db, job)
@@ -115,13 +115,14 @@ def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
 
     store = published_store(tmp_path)
     broken = create_job(store.db, "m@v", ["x"], 1, 0.0)
-    fine = create_job(store.db, None, ["y"], 1, 0.0, operation="rollback")
-    sent = []
+    fine = create_job(store.db, None, ["y"], 1, 0.0, operation="rollback", device_timeout_s=90.0)
+    sent, expiries = [], []
 
-    def publish(topic, payload):
+    def publish(topic, payload, expiry_s):
         if "/x/" in topic:
             raise ValueError("Publish topic cannot contain wildcards.")  # what paho raised for a bad id
         sent.append(topic)
+        expiries.append(expiry_s)
         return True
 
     driver = RolloutDriver(tmp_path / "fleet.db", publish, "http://unused", interval_s=0.05).start()
@@ -134,5 +135,6 @@ def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
     finally:
         driver.stop()
     assert sent == ["edge/v1/y/jobs/notify"] and db["jobs"].get(fine)["state"] == "IN_PROGRESS"
+    assert expiries == [90.0]  # the notice expires with the device timeout: no install after the job gave up
     job = db["jobs"].get(broken)
     assert job["state"] == "FAILED" and "cannot be carried out" in job["reason"]
