@@ -135,10 +135,14 @@ def cli() -> None:
 @click.option("--artifacts-http", default=None, help="Serve published bundles on HOST:PORT and drive rollouts.")
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
               show_default=True, help="Where `edge-fleet publish` puts bundles (the HTTP root).")
+@click.option("--jobs-username", default=None, help="Broker user of the rollouts' own connection (with "
+              "--artifacts-http; default --username). A broker that makes the user the client id needs another.")
+@click.option("--jobs-password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="File holding --jobs-username's password (default --password-file).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @user_errors
 def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, artifacts_http, artifacts_dir,
-          verbose):
+          jobs_username, jobs_password_file, verbose):
     """Consume device state and telemetry into the database until SIGINT/SIGTERM.
 
     Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
@@ -162,7 +166,8 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
         host, _, port = artifacts_http.rpartition(":")
         if not host or not port.isdigit():
             raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT")
-        artifacts = (host, int(port), artifacts_dir)
+        jobs_auth = auth if jobs_username is None else credentials(jobs_username, jobs_password_file, ca_file)
+        artifacts = (host, int(port), artifacts_dir, jobs_auth)
     stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts)
     click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
                f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")

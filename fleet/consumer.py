@@ -245,12 +245,15 @@ class Consumer:
 
 
 def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts):
-    """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver."""
+    """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver.
+    artifacts: (host, port, directory[, the link's own credentials: a broker with use_username_as_clientid
+    closes one of two connections that share a user])."""
     from fleet.artifacts import ArtifactServer
     from fleet.mqtt import Link, Session
     from fleet.updates import RolloutDriver
 
-    host, port, directory = artifacts
+    host, port, directory, *own = artifacts
+    credentials = own[0] if own else credentials
     server = ArtifactServer(directory, host, port).start()
     holder: dict = {}
     link = Link(url, Session(client_id=f"{client_id}-jobs", persistent=False, manual_ack=False),
@@ -265,7 +268,7 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
 
 
 def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
-          credentials: Credentials = Credentials(), artifacts: tuple[str, int, Path] | None = None) -> Stats:
+          credentials: Credentials = Credentials(), artifacts: tuple | None = None) -> Stats:
     """Run a consumer until `stop` is set; returns its totals. With artifacts (host, port, directory) it also
     serves published bundles over HTTP and drives model rollouts."""
     store = FleetStore(db_path)

@@ -11,7 +11,7 @@ from fleet.store import connect
 from simdevice import SimDevice
 from fleet_tls import write_tls_files
 
-PASSWORDS = {"_fleet": "pw-fleet", "dev-a": "pw-a"}
+PASSWORDS = {"_fleet": "pw-fleet", "_fleet-jobs": "pw-jobs", "dev-a": "pw-a"}
 
 
 @pytest.fixture
@@ -48,3 +48,25 @@ def test_serve_over_tls_with_the_shipped_acl(secure_broker, serve_processes, fle
         device.client.loop_stop()
     assert "stored 5 records" in serve.stop()
     assert "refused" not in serve.log.read_text()
+
+
+def test_rollouts_connect_as_their_own_user(secure_broker, serve_processes, fleet_db, tmp_path):
+    """Found in review: with --artifacts-http, serve opened two connections as one user; the broker (user name =
+    client id) closed each for the other, about twice a second."""
+    import time
+
+    from broker import free_port
+
+    for user in ("_fleet", "_fleet-jobs"):
+        (tmp_path / f"{user}.pw").write_text(PASSWORDS[user] + "\n")
+    serve = serve_processes(f"mqtts://127.0.0.1:{secure_broker.port}", fleet_db, "_fleet", extra_args=(
+        "--username", "_fleet", "--password-file", tmp_path / "_fleet.pw", "--ca-file", secure_broker.ca,
+        "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir", tmp_path / "art",
+        "--jobs-username", "_fleet-jobs", "--jobs-password-file", tmp_path / "_fleet-jobs.pw"))
+    wait_until(lambda: "rollouts running" in serve.log.read_text(), message="the rollout link to start")
+    time.sleep(3)  # the clash showed within a second
+    serve.stop()
+    fleet_log = serve.log.read_text()
+    broker_log = (tmp_path / "broker" / "mosquitto.log").read_text()
+    assert fleet_log.count("connected to") == 2 and "disconnected" not in fleet_log, fleet_log
+    assert "already connected" not in broker_log
