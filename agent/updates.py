@@ -162,12 +162,21 @@ class UpdateJob:
         self.staging: Path | None = None
 
     def status(self, state: JobState, step: JobStep | None = None, **kw) -> None:
-        self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": state.value,
-                                      "step": step.value if step else None,
-                                      "target": str(self.staging) if self.staging else None, **{
-                                          k: v for k, v in kw.items() if k == "reason"}})
+        """Journal, then report. A journal that cannot be written (a full disk) fails a running job, since a
+        crash after it could not be recovered; the report goes out either way."""
+        try:
+            self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": state.value,
+                                          "step": step.value if step else None,
+                                          "target": str(self.staging) if self.staging else None, **{
+                                              k: v for k, v in kw.items() if k == "reason"}})
+            unjournaled = None
+        except OSError as e:
+            log.error("job %s: cannot write the update journal: %s", self.doc.job_id, e)
+            unjournaled = e
         self.ctx.report(wire.JobStatusUpdate(job_id=self.doc.job_id, device_id=self.ctx.device_id, state=state,
                                              step=step, ts=time.time(), **kw))
+        if unjournaled is not None and state not in wire.TERMINAL_JOB_STATES:
+            raise JobFailed(JobState.FAILED, f"cannot write the update journal: {unjournaled}")
 
     def run(self) -> JobState:
         try:

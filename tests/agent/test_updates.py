@@ -288,3 +288,21 @@ def test_reinstalling_a_model_the_agent_was_started_with_replaces_its_link(tmp_p
     assert UpdateJob(dev.ctx, back).run() is JobState.SUCCEEDED, dev.reports[-1]
     assert not seeded.is_symlink() and seeded.is_dir() and v1.path.is_dir()  # DIR itself is untouched
     assert dev.serving.manifest.version == v1.manifest.version and dev.staging_empty()
+
+
+def test_a_journal_that_cannot_be_written_fails_the_job_with_the_reason(tmp_path, bundles, keys, server, monkeypatch):
+    """Found in review: on a full disk the journal write raised out of the job: 'internal error', no QUEUED."""
+    import errno
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+
+    def full(entry):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dev.store, "write_journal", full)
+    doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, doc).run() is JobState.FAILED
+    assert [r.state for r in dev.reports] == [JobState.QUEUED, JobState.FAILED]
+    assert "cannot write the update journal" in dev.reports[-1].reason and "No space left" in dev.reports[-1].reason
+    assert dev.serving.manifest.version == v1.manifest.version and dev.staging_empty()
