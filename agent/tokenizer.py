@@ -130,8 +130,9 @@ class TextTokenizer:
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
-        except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. a template adding None to a string
-            raise ValueError(f"chat template failed to render the messages: {e}") from e
+        except Exception as e:  # the bundle's template on these messages: TemplateError, TypeError (None + str),
+            # ZeroDivisionError, the sandbox's OverflowError for a huge range(): the request's answer, not a 500
+            raise ValueError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; BOS added per config unless the template already wrote it."""

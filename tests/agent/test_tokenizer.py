@@ -236,6 +236,10 @@ def test_tojson_keeps_unicode_and_markup(smollm_json):
     ("{{ raise_exception('roles must alternate') }}", [{"role": "user", "content": "x"}], "roles must alternate"),
     ("{{ messages.__class__.__mro__ }}", [{"role": "user", "content": "x"}], "chat template failed"),
     ("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}], "chat template failed"),
+    # found in review: these reached the API as a bare 500
+    ("{{ 1 / (messages | length - 1) }}", [{"role": "user", "content": "x"}], "failed.*ZeroDivisionError"),
+    ("{{ range(10 ** 9) | list }}", [{"role": "user", "content": "x"}], "failed.*OverflowError"),
+    ("{{ messages[0].content.index('z') }}", [{"role": "user", "content": "x"}], "failed.*ValueError"),
     ("{{ 1 }}", [{"content": "no role"}], "messages\\[0\\]"),
     (None, [{"role": "user", "content": "x"}], "no chat template"),
 ])
