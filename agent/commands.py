@@ -124,8 +124,9 @@ class Commands:
         try:
             return command(request.args)
         except ValidationError as e:
-            return _error(name, "bad args: " + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'args'}: {err['msg']}"
-                                                         for err in e.errors()[:3]))
+            return _error(name, "bad args: " + "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'args'}: {err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()[:3]))
         except CommandError as e:
             return _error(name, str(e))
 

@@ -14,6 +14,7 @@ import contextlib
 import grp
 import logging
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -344,7 +345,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
     def rollback(args: dict) -> dict:
         if updates is None:
             return {"queued": False, "reason": "updates need a broker connection"}
-        job_id = f"rollback-{int(time.time())}"
+        job_id = f"rollback-{int(time.time())}-{secrets.token_hex(3)}"  # two in one second are two jobs
         updates.offer(JobDocument(job_id=job_id, operation="rollback").model_dump_json().encode())
         return {"queued": True, "job_id": job_id}
 
