@@ -206,10 +206,12 @@ class MqttLink:
         return conn if self._on_connected(conn) else None
 
     def _on_connected(self, conn: _Connection) -> bool:
-        req = topic(self.device_id, "cmd", "req", "+")
-        conn.client.subscribe(req, options=SubscribeOptions(qos=1))
+        # A command or job comes from a live publisher, never a retained copy: one retained by mistake would
+        # run again (a rollback, a set_config) on every reconnect.
+        live_only = SubscribeOptions(qos=1, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
+        conn.client.subscribe(topic(self.device_id, "cmd", "req", "+"), options=live_only)
         if self.on_job is not None:
-            conn.client.subscribe(topic(self.device_id, "jobs", "notify"), options=SubscribeOptions(qos=1))
+            conn.client.subscribe(topic(self.device_id, "jobs", "notify"), options=live_only)
         conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,
                             retain=True)
         if not self._move(LinkState.CONNECTED):

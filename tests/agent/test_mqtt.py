@@ -373,6 +373,20 @@ def test_commands_round_trip_with_correlation_data(broker, links):
     fleet.close()
 
 
+def test_a_retained_command_is_not_run_on_connect(broker, links):
+    """A command published with retain (by mistake) would otherwise run again on every reconnect."""
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-r/cmd/res/#"], client_id="fleet-retain")
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic, props.CorrelationData = topic("dev-r", "cmd", "res"), b"retained"
+    fleet.publish(topic("dev-r", "cmd", "req", "ping"), b'{"args": {}}', retain=True, properties=props)
+    link = links(broker.url, "dev-r", handler=commands_for(fast_config(broker.url)))
+    assert wait_until(lambda: link.is_connected)
+    assert fleet.call("dev-r", "ping").ok  # live commands are answered...
+    assert b"retained" not in fleet.responses  # ...the retained one never was
+    fleet.publish(topic("dev-r", "cmd", "req", "ping"), b"", retain=True)  # clear it from the broker
+    fleet.close()
+
+
 def test_commands_dispatch_without_an_engine():
     """The handler is pure dispatch over Device: a fake benchmark stands in for the engine."""
     from agent.commands import BenchmarkArgs
