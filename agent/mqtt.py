@@ -235,7 +235,10 @@ class MqttLink:
     def _route(self, client, conn: _Connection, msg) -> None:
         """paho's on_message: job documents to the updater, everything else is a command."""
         if msg.topic.endswith("/jobs/notify"):
-            if self.on_job is not None and len(msg.payload) <= MAX_PAYLOAD_BYTES:
+            if self.on_job is not None and len(msg.payload) > MAX_PAYLOAD_BYTES:
+                log.warning("mqtt: a job document of %d bytes (over %d) was dropped", len(msg.payload),
+                            MAX_PAYLOAD_BYTES)
+            elif self.on_job is not None:
                 try:
                     self.on_job(msg.payload)
                 except Exception:  # the updater validates and reports; nothing it raises may stop the link

@@ -387,6 +387,27 @@ def test_a_retained_command_is_not_run_on_connect(broker, links):
     fleet.close()
 
 
+def test_an_oversized_job_document_is_dropped_with_a_log_line(broker, tmp_path, caplog):
+    """Found in review: it was dropped without a word."""
+    from agent.wire import MAX_PAYLOAD_BYTES
+
+    got = []
+    store = TelemetryStore(tmp_path / "dev-j.db", "dev-j")
+    link = MqttLink(fast_config(broker.url), "dev-j", store, on_job=got.append)
+    link.start()
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-j/state"], client_id="fleet-jobs-test")
+    try:
+        assert wait_until(lambda: link.is_connected) and fleet.wait(lambda f: f.last_state("dev-j") is not None)
+        fleet.publish(topic("dev-j", "jobs", "notify"), b"x" * (MAX_PAYLOAD_BYTES + 1))
+        fleet.publish(topic("dev-j", "jobs", "notify"), b"{}")
+        assert wait_until(lambda: got == [b"{}"])
+        assert f"a job document of {MAX_PAYLOAD_BYTES + 1} bytes" in caplog.text
+    finally:
+        fleet.close()
+        link.stop()
+        store.close()
+
+
 def test_commands_dispatch_without_an_engine():
     """The handler is pure dispatch over Device: a fake benchmark stands in for the engine."""
     from agent.commands import BenchmarkArgs
