@@ -217,14 +217,8 @@ class Engine:
         if self._thread:
             self._thread.join()
         self._drain_inbox()
-        for seq in list(self.scheduler.running):
-            self.scheduler.finish(seq, FinishReason.ERROR)
-        for seq in self.scheduler.waiting:
-            seq.finish(FinishReason.ERROR)
-        self.scheduler.waiting.clear()
-        for handle, _ in list(self.streams.values()):
-            handle.seq.error = "unavailable: the engine stopped before the request finished"
-            self._finish_stream(handle.seq)
+        self.scheduler.waiting.clear()  # their streams end below, with the running ones'
+        self._fail_running("unavailable: the engine stopped before the request finished")
 
     @property
     def is_running(self) -> bool:

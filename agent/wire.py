@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -189,6 +190,11 @@ def device_of(mqtt_topic: str) -> str | None:
 
 
 DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no MQTT wildcards or separators
+
+
+def is_device_id(text: str) -> bool:
+    """Whether text can name a device (and so its topics): '#', '+' or '/' would break them."""
+    return re.fullmatch(DEVICE_ID_PATTERN, text) is not None
 
 
 class Hardware(_Frozen):

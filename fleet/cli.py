@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import os
-import re
 import signal
 import sqlite3
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import click
 
 from agent.clikit import run
-from agent.wire import DEVICE_ID_PATTERN
+from agent.wire import is_device_id
 from fleet import queries
 from fleet.commands import CommandError
 from fleet.mqtt import LinkError
@@ -291,7 +290,7 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
         targets, skipped = select_targets(queries.devices(queries.open_readonly(db_path)), group)
     else:
         targets, words = [words[0]], words[1:]
-        if not re.fullmatch(DEVICE_ID_PATTERN, targets[0]):  # it names MQTT topics: '#', '+' or '/' break them
+        if not is_device_id(targets[0]):
             raise click.ClickException(f"{targets[0]!r} is not a device id (letters, digits, '_', '.', '-')")
     name, args = command_name(words[0]), parse_assignments(list(words[1:]))
     auth = credentials(username, password_file, ca_file)

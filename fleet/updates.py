@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import secrets
 import sqlite3
 import threading
@@ -26,7 +25,8 @@ from urllib.parse import quote
 import sqlite_utils
 
 from agent.bundle import open_bundle
-from agent.wire import DEVICE_ID_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest, device_of, topic
+from agent.wire import (TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest, device_of,
+                        is_device_id, topic)
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_manifest
 
@@ -73,7 +73,7 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
     devices = list(dict.fromkeys(devices))  # a device named twice is deployed to once
     if not devices:
         raise ValueError("no devices to deploy to")
-    bad = [d for d in devices if not re.fullmatch(DEVICE_ID_PATTERN, d)]
+    bad = [d for d in devices if not is_device_id(d)]
     if bad:  # it would name an MQTT topic: a wildcard there stalled every rollout's pass
         raise ValueError(f"not a device id: {bad[0]!r} (letters, digits, '_', '.', '-'; at most 64)")
     if wave_size < 1:
