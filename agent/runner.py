@@ -29,6 +29,13 @@ SpinWait = bool | Literal["auto"]
 SPIN_MAX_BUSY_ELSEWHERE = 0.25
 
 
+# Mapped weight files at least this large are dropped again after every step. A step still reads one:
+# the embedding table (its Gather's; MatMulNBits prepacked the rest at load). Each token's row faults in
+# 64 kB around it (the kernel maps neighbouring pages already in the page cache), so a 896-token prompt
+# made ~16 MB of it resident, and months of varied requests would make all 27 MB resident, beyond what the
+# memory budget measured at start. Smaller mappings are scales and norms that prepacking already consumed.
+RELEASE_AFTER_STEP_MIN_BYTES = 1 << 20
+
 PROC_STAT = Path("/proc/stat")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -139,16 +146,10 @@ def release_pages(arr: np.ndarray) -> None:
     _drop_pages(arr.ctypes.data, arr.ctypes.data + arr.nbytes)
 
 
-def release_clean_file_pages(directory: Path) -> int:
-    """Drop this process's resident pages of files in `directory` that it has not modified; returns bytes.
-
-    ONNX Runtime maps external weight data (MAP_PRIVATE) and reads every weight once to prepack it into
-    its own buffers. The originals it keeps mapped (the tied embedding/lm_head table: a Gather reads it
-    too) stay resident although a decode step touches a few rows of them: ~35 MB of SmolLM2's INT4 RSS.
-    Clean pages are dropped without loss (they read back from the file); a mapping with any
-    copy-on-write page (Anonymous > 0) is left alone.
-    """
-    released, current, spans = 0, None, []
+def clean_file_mappings(directory: Path) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of this process's mappings of files in `directory` that hold no
+    copy-on-write page (smaps' Anonymous is 0): their pages can be dropped and read back unchanged."""
+    spans, current = [], None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split(None, 5)  # a mapping's header: range perms offset dev inode [path, may hold spaces]
         if ":" not in head[0]:
@@ -159,10 +160,19 @@ def release_clean_file_pages(directory: Path) -> int:
                 spans.append(current)
         elif current is not None and head[0] in ("Rss:", "Anonymous:"):
             current[2 if head[0] == "Rss:" else 3] = int(head[1]) * 1024
-    for lo, hi, rss, anonymous in spans:
-        if anonymous == 0 and rss > 0 and _drop_pages(lo, hi):
-            released += rss
-    return released
+    return [(lo, hi, rss) for lo, hi, rss, anonymous in spans if anonymous == 0]
+
+
+def release_clean_file_pages(directory: Path) -> int:
+    """Drop this process's resident pages of files in `directory` that it has not modified; returns bytes.
+
+    ONNX Runtime maps external weight data (MAP_PRIVATE) and reads every weight once to prepack it into
+    its own buffers. The originals it keeps mapped (the tied embedding/lm_head table: a Gather reads it
+    too) stay resident although a decode step touches a few rows of them: ~35 MB of SmolLM2's INT4 RSS.
+    Clean pages are dropped without loss (they read back from the file); a mapping with any
+    copy-on-write page is left alone.
+    """
+    return sum(rss for lo, hi, rss in clean_file_mappings(directory) if rss > 0 and _drop_pages(lo, hi))
 
 
 @dataclass(eq=False)  # identity semantics: the runner keeps a weak set of the caches it has bound
@@ -207,10 +217,16 @@ class ModelRunner:
         self.kv_dtype = np.dtype(np.int8 if cache_type == "tensor(int8)" else np.float32)
 
     def _load(self, spin: bool) -> None:
+        directory = self.model_path.resolve().parent
+        others = {(lo, hi) for lo, hi, _ in clean_file_mappings(directory)}  # e.g. a draft's session on this bundle
         self.session = ort.InferenceSession(str(self.model_path), session_options(self.threads, spin),
                                             providers=["CPUExecutionProvider"])
         self.spinning = spin
-        self.released_bytes = release_clean_file_pages(self.model_path.resolve().parent)
+        self.released_bytes = release_clean_file_pages(directory)
+        # Only this session's own mappings: another's may be unmapped, and its range reused, while this one
+        # runs. ONNX Runtime never writes an initializer after load, so they stay clean and dropping loses nothing.
+        self._reread_weights = [(lo, hi) for lo, hi, _ in clean_file_mappings(directory)
+                                if hi - lo >= RELEASE_AFTER_STEP_MIN_BYTES and (lo, hi) not in others]
 
     def recheck_spinning(self) -> bool:
         """With spin_wait "auto", call while idle: measure the box again and, if the answer changed, rebuild the
@@ -226,7 +242,8 @@ class ModelRunner:
             return False
         for cache in list(self._bound):
             cache.bindings.clear()  # they hold the old session
-        self.session = None  # free the old weights before the new session prepacks its own: one copy at a time
+        self.session, self._reread_weights = None, []  # free the old weights before the new session prepacks
+        # its own (one copy at a time); their mappings go with them, so nothing may drop pages there any more
         try:
             self._load(spin)
         except Exception:  # e.g. out of memory mid-build: back to the session that worked (raises if that fails too)
@@ -266,6 +283,8 @@ class ModelRunner:
         for name, array in (capture or {}).items():
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
         self.session.run_with_iobinding(binding)
+        for lo, hi in self._reread_weights:
+            _drop_pages(lo, hi)
         return logits
 
     def _binding(self, cache: KVCache) -> ort.IOBinding:

@@ -10,8 +10,8 @@ import weakref
 
 import numpy as np
 
-from agent.runner import (choose_spinning, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages, release_pages,
-                          usable_cores)
+from agent.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages,
+                          release_pages, usable_cores)
 
 
 def test_release_pages_gives_back_whole_pages_as_zeros():
@@ -34,6 +34,24 @@ def test_clean_file_pages_are_dropped_and_read_back_modified_mappings_are_kept(t
     released = release_clean_file_pages(tmp_path)
     assert released == len(data)  # the clean mapping only
     assert clean[:] == data and dirty[0] == data[0] ^ 0xFF and dirty[1:] == data[1:]
+
+
+def test_a_step_leaves_none_of_the_weight_files_resident(real_q4_bundle):
+    """The embedding table's rows a step gathered are dropped after it: without that, 240 distinct tokens made
+    ~29 MB of the table resident (the kernel maps 64 kB around each row), as months of requests would."""
+    runner = real_q4_bundle.runner(1, False)
+    directory = runner.model_path.resolve().parent
+    cache = runner.new_cache(1, 256)
+    ids = np.arange(240)[None, :] * 200 + 100  # rows spread over the 49,152-token table
+    for _ in range(2):  # the second run reads back what the first dropped
+        logits = runner.forward(ids, np.array([239]), np.array([240]), np.array([[239]]), cache)
+        # what stays is the norms' small mappings that every step reads (~0.4 MB, bounded)
+        assert sum(rss for _, _, rss in clean_file_mappings(directory)) < 2 * 1024 * 1024
+    assert np.isfinite(logits).all()
+    other = real_q4_bundle.runner(1, False)  # a second session on the same files records only its own mappings
+    assert other._reread_weights and not set(other._reread_weights) & set(runner._reread_weights)
+    other_logits = other.forward(ids, np.array([239]), np.array([240]), np.array([[239]]), other.new_cache(1, 256))
+    assert np.array_equal(other_logits, logits)
 
 
 def test_spinning_is_as_configured_unless_threads_outnumber_cores():
