@@ -82,7 +82,7 @@ class Ingest:
     """Everything gathered from up to ~50 ms of messages, written by one `FleetStore.commit`."""
 
     records: list[tuple[str, TelemetryRecord]] = field(default_factory=list)  # (device_id, record)
-    states: list[DeviceState] = field(default_factory=list)
+    states: list[tuple[DeviceState, bool]] = field(default_factory=list)  # (state, live: sent by the device just now)
     seen: dict[str, float] = field(default_factory=dict)  # device -> latest contact, s since the epoch
     rejected: Counter = field(default_factory=Counter)  # (device_id, reason) -> messages
 
@@ -90,8 +90,9 @@ class Ingest:
         self.records.extend((device_id, r) for r in records)
         self.mark_seen(device_id, seen_at)
 
-    def add_state(self, state: DeviceState, seen_at: float) -> None:
-        self.states.append(state)
+    def add_state(self, state: DeviceState, seen_at: float, live: bool = False) -> None:
+        """live: the device itself sent it just now (not a retained copy, not a Will the broker sent for it)."""
+        self.states.append((state, live))
         self.mark_seen(state.device_id, seen_at)
 
     def mark_seen(self, device_id: str, seen_at: float) -> None:
@@ -116,19 +117,22 @@ class Committed:
 ENDED = ("offline", "stopped")  # a connection ends with its Will (offline) or a clean stop
 
 
-def is_newer_state(current: dict | None, state: DeviceState) -> bool:
+def is_newer_state(current: dict | None, state: DeviceState, live: bool = False) -> bool:
     """Whether `state` should replace the registry's row (`current`: its status, connection, boot_id and
     state_ts). The connection counter grows on every connect, so a Will the broker publishes late for an
     older connection (smaller counter) of the same boot is ignored. Across boots the clock decides: a
     re-imaged device restarts its counter, and a retained state of an earlier boot may arrive after the
-    new boot's birth. Within one connection, once it
-    has ended no replayed birth reopens it (two replicas may apply the same messages in either order)."""
+    new boot's birth. Except that a live state (`live`: the device sent it just now) of another boot
+    replaces a row whose connection has ended, whatever the clocks say: the device is up now. A boot whose clock ran ahead (no RTC, set
+    by NTP later) otherwise kept the device "offline" until the new boot's clock passed the old one's.
+    Within one connection, once it has ended no replayed birth reopens it (two replicas may apply the
+    same messages in either order)."""
     if current is None or current["connection"] is None:
         return True
     if state.boot_id != current["boot_id"]:
         # another boot: the clock decides, not the counter (a re-imaged device restarts its counter, and a
         # retained state of an earlier boot can arrive after the new boot's birth)
-        return state.ts > (current["state_ts"] or 0.0)
+        return state.ts > (current["state_ts"] or 0.0) or (live and current["status"] in ENDED)
     if state.connection != current["connection"]:
         return state.connection > current["connection"]
     return not (current["status"] in ENDED and state.status == "online")
@@ -227,7 +231,7 @@ class FleetStore:
             before = self.db.conn.total_changes
             self._insert_records(ingest.records)
             inserted = self.db.conn.total_changes - before
-            states_applied = sum(self._apply_state(s) for s in ingest.states)
+            states_applied = sum(self._apply_state(s, live) for s, live in ingest.states)
             self._mark_seen(ingest.seen)
             self._count_rejected(ingest.rejected)
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
@@ -241,10 +245,10 @@ class FleetStore:
             if kind_rows:
                 self.db.conn.executemany(ROW_WRITERS[kind][0], kind_rows)
 
-    def _apply_state(self, state: DeviceState) -> bool:
+    def _apply_state(self, state: DeviceState, live: bool) -> bool:
         current = next(self.db.query("select status, connection, boot_id, state_ts from devices where id = ?",
                                      [state.device_id]), None)
-        if not is_newer_state(current, state):
+        if not is_newer_state(current, state, live):
             return False
         self.db["devices"].upsert(state_row(state), pk="id")
         return True

@@ -194,3 +194,19 @@ def test_two_replicas_on_a_shared_subscription_store_everything_exactly_once(bro
     assert sum(stored_by) == len(expected) == stored_count(fleet_db)  # ... and no record was stored twice
     devices_seen = connect(fleet_db).execute("select count(*) from devices where status = 'online'").fetchone()[0]
     assert devices_seen == 10
+
+
+def test_only_a_state_the_device_sent_just_now_counts_as_live():
+    """What the registry's cross-boot rule trusts over the clocks (fleet.store.is_newer_state)."""
+    from agent.wire import DeviceState
+    from fleet.consumer import Inbound, add_message
+    from fleet.store import Ingest
+
+    def live(status: str, retain: bool) -> bool:
+        state = DeviceState(device_id="d1", status=status, connection=1, boot_id="b", ts=1000.0)
+        ingest = Ingest()
+        add_message(ingest, Inbound("edge/v1/d1/state", state.model_dump_json().encode(), 1, 1, retain, 0), "d1", 2000.0)
+        return ingest.states[0][1]
+
+    assert live("online", retain=False) and live("stopped", retain=False)
+    assert not live("online", retain=True) and not live("offline", retain=False) and not live("stopped", retain=True)

@@ -148,6 +148,28 @@ def test_a_retained_state_of_an_earlier_boot_never_overrides_the_new_boot():
     assert is_newer_state({"status": "stopped", "connection": 5, "boot_id": "boot-1", "state_ts": 1000.0}, online)
 
 
+def test_a_new_boot_whose_clock_is_behind_the_last_one_comes_online(tmp_path):
+    """The previous boot's clock ran an hour ahead (set wrong, corrected by NTP later): its Will said offline
+    at t=5000. The new boot's live birth at t=2000 must bring the device online; only a retained or
+    replayed state of another boot is ordered by the clock."""
+    store = FleetStore(tmp_path / "f.db")
+    will = DeviceState(device_id="d", status="offline", connection=3, boot_id="boot-1", ts=5000.0)
+    birth = DeviceState(device_id="d", status="online", connection=1, boot_id="boot-2", ts=2000.0)
+    first = Ingest()
+    first.add_state(will, will.ts)
+    store.commit(first)
+    retained = Ingest()
+    retained.add_state(birth, birth.ts)  # the same birth, retained: not evidence the device is up now
+    assert store.commit(retained).states_applied == 0
+    live = Ingest()
+    live.add_state(birth, 2001.0, live=True)
+    assert store.commit(live).states_applied == 1
+    assert store.db["devices"].get("d")["status"] == "online"
+    online = {"status": "online", "connection": 1, "boot_id": "boot-2", "state_ts": 2000.0}
+    old_birth = DeviceState(device_id="d", status="online", connection=3, boot_id="boot-1", ts=1500.0)
+    assert not is_newer_state(online, old_birth, live=True)  # a late birth of an older boot: the clock decides
+
+
 @pytest.mark.parametrize("bad", [
     {},
     {"seq": 2**63},  # found in review: OverflowError in the writer thread, which died for every device
