@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from pydantic import ValidationError
 from sqlite_utils import Database
 
 from agent.wire import MAX_PAYLOAD_BYTES, EventRecord, RequestRecord, SampleRecord, TelemetryRecord
@@ -129,10 +130,7 @@ def migrate(db: Database) -> list[str]:
 class OutboxRow(NamedTuple):
     row_id: int
     body: str  # the TelemetryRecord as JSON, exactly as appended
-
-    @property
-    def record(self) -> TelemetryRecord:
-        return TelemetryRecord.model_validate_json(self.body)
+    record: TelemetryRecord  # body, parsed
 
 
 @dataclass(frozen=True)
@@ -253,11 +251,30 @@ class TelemetryStore:
 
     # ---- reading ----
     def unsent(self, limit: int, after: int = 0) -> list[OutboxRow]:
-        """Up to `limit` undelivered rows with id > after, oldest first."""
+        """Up to `limit` undelivered rows with id > after, oldest first.
+
+        A row that no longer parses as a TelemetryRecord is deleted, counted and reported as retention
+        reports the rows it drops: an older agent wrote it and this one's schema refuses it (NaN figures,
+        refused since 2026-12-03, say). It could never be delivered, and left in place it would hold up
+        every row after it for good.
+        """
         with self._lock:
-            cur = self.db.execute("SELECT id, body FROM records WHERE sent = 0 AND id > ? ORDER BY id LIMIT ?",
-                                  [after, limit])
-            return [OutboxRow(*row) for row in cur.fetchall()]
+            while True:
+                rows = self.db.execute("SELECT id, body FROM records WHERE sent = 0 AND id > ? ORDER BY id LIMIT ?",
+                                       [after, limit]).fetchall()
+                parsed, invalid = [], []
+                for row_id, body in rows:
+                    try:
+                        parsed.append(OutboxRow(row_id, body, TelemetryRecord.model_validate_json(body)))
+                    except ValidationError as e:
+                        log.warning("telemetry: row %d cannot be delivered and is dropped: %s", row_id,
+                                    e.errors(include_url=False)[0]["msg"])
+                        invalid.append(row_id)
+                if invalid:
+                    self._drop_invalid(invalid)
+                if parsed or len(rows) < limit:
+                    return parsed
+                after = rows[-1][0]  # a whole page of invalid rows: look further
 
     def count_unsent(self) -> int:
         with self._lock:
@@ -330,11 +347,17 @@ class TelemetryStore:
             self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, last_id])
         return count, freed
 
-    def _report_dropped(self, count: int, unwritten: int) -> None:
-        """Count rows deleted undelivered and records a full disk refused: both are lost to the fleet."""
+    def _drop_invalid(self, row_ids: list[int]) -> None:
+        with self.db.atomic():
+            self.db.conn.executemany("DELETE FROM records WHERE id = ?", [(i,) for i in row_ids])
+            self._report_dropped(len(row_ids), 0, invalid=len(row_ids))
+
+    def _report_dropped(self, count: int, unwritten: int, invalid: int = 0) -> None:
+        """Count rows deleted undelivered, records a full disk refused and rows that no longer parse: all
+        are lost to the fleet."""
         total = self._meta_add("dropped_undelivered", count)
-        self.append(EventRecord(kind="dropped_rows", detail={"count": count, "total": total,
-                                                             "unwritten": unwritten}))
+        detail = {"count": count, "total": total, "unwritten": unwritten} | ({"invalid": invalid} if invalid else {})
+        self.append(EventRecord(kind="dropped_rows", detail=detail))
 
 
 # ---- the read side, for `edge-agent telemetry` ------------------------------------------------------------

@@ -194,7 +194,7 @@ def test_backoff_doubles_up_to_the_cap_with_jitter():
 def test_a_batch_stays_under_the_payload_limit():
     body = EventRecord(kind="tick", detail={"x": "y" * 100_000})
     text = TelemetryRecord(boot_id="b", seq=0, ts=0.0, kind="event", event=body).model_dump_json()
-    rows = [OutboxRow(i, text) for i in range(5)]
+    rows = [OutboxRow(i, text, TelemetryRecord.model_validate_json(text)) for i in range(5)]
     fitted = fit_batch(rows)
     assert len(fitted) == 2
     assert len(TelemetryBatch(device_id="d", records=[r.record for r in fitted]).model_dump_json()) < MAX_PAYLOAD_BYTES

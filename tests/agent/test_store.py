@@ -180,6 +180,23 @@ def test_retention_drops_undelivered_rows_only_when_over_the_cap_and_reports_it(
     assert TelemetryStore(db_path, "dev-1").dropped_undelivered == 50  # the count survives a restart
 
 
+def test_rows_an_older_agent_wrote_that_no_longer_parse_are_dropped_counted_and_do_not_block(db_path):
+    """Found in review: a row this agent's schema refuses (here a NaN figure, accepted before 2026-12-03)
+    raised in the outbox on every pass, so nothing after it was ever delivered."""
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(6):
+        store.append(EventRecord(kind="tick", detail={"i": i}))
+    ids = [r.row_id for r in store.unsent(100)]
+    bad = '{"boot_id": "old", "seq": 0, "ts": NaN, "kind": "event", "event": {"kind": "tick"}}'
+    store.db.conn.executemany("UPDATE records SET body = ? WHERE id = ?", [(bad, i) for i in ids[:4]])
+    batch = store.unsent(2)  # a whole first page is invalid: the next valid rows come back
+    assert [r.record.event.detail["i"] for r in batch] == [4, 5]
+    events = [r.record.event for r in store.unsent(100) if r.record.event.kind == "dropped_rows"]
+    assert [e.detail for e in events] == [{"count": 2, "total": 2, "unwritten": 0, "invalid": 2},
+                                          {"count": 2, "total": 4, "unwritten": 0, "invalid": 2}]
+    assert store.dropped_undelivered == 4 and store.count_unsent() == 4  # 2 ticks + 2 events, all deliverable
+
+
 def test_the_file_never_passes_its_hard_limit_and_telemetry_never_raises(tmp_path):
     """A burst between retention passes: at the file's hard limit retention runs at once, deleting the oldest
     undelivered rows (counted), so appends keep succeeding and the file stays under max_file_bytes."""
