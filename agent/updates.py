@@ -332,14 +332,16 @@ class UpdateJob:
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         m = bundle.manifest
         final = self.ctx.store.models / _install_name(m)
+        # journalled before anything moves: after a crash from here on, recover() removes `final` unless it
+        # became current (journalled after the rename, a crash in between left the bundle there for good)
+        self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
+                                      "step": JobStep.ACTIVATING.value, "target": str(final)})
         if final.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR stays
             final.unlink()
         elif final.exists():
             shutil.rmtree(final)
         self.staging.rename(final)
         self.staging = final
-        self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
-                                      "step": JobStep.ACTIVATING.value, "target": str(final)})
         self.ctx.store.activate(final)
         try:
             self.ctx.swap(open_bundle(final, verify_files=False))
@@ -382,7 +384,8 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
         state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
     else:
         state, reason = JobState.FAILED, f"interrupted by an agent restart during {entry.get('step')}"
-        if target and target.parent == ctx.store.models and target.exists() and target.resolve() != current:
+        kept = (current, ctx.store.link("previous"))  # re-deploying the previous version installs over it
+        if target and target.parent == ctx.store.models and target.exists() and target.resolve() not in kept:
             shutil.rmtree(target, ignore_errors=True)  # moved in but never activated
     shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
     ctx.store.staging_root.mkdir(parents=True, exist_ok=True)

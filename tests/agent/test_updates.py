@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +187,13 @@ store = ModelStore(Path(sys.argv[1]))
 doc = wire.JobDocument.model_validate_json(Path(sys.argv[2]).read_text())
 crash_at = sys.argv[3]
 serving = [store.bootable()]
+if crash_at == "moved_in":  # right after the verified bundle is renamed from staging into models/
+    rename = Path.rename
+    def rename_then_die(self, target):
+        rename(self, target)
+        if Path(target).parent == store.models:
+            os.kill(os.getpid(), signal.SIGKILL)
+    Path.rename = rename_then_die
 def report(u):
     if u.step is not None and u.step.value == crash_at:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -214,6 +221,39 @@ def test_sigkill_at_each_step_recovers_on_a_verified_model(step, tmp_path, bundl
     assert update.state is JobState.FAILED and step in update.reason
     assert bundle.manifest.version == v1.manifest.version
     assert dev.staging_empty() and dev.model_dirs() == [f"tiny@{v1.manifest.version}"]
+
+
+def test_sigkill_just_after_the_bundle_moved_into_models_leaves_no_orphan(tmp_path, bundles, keys, server):
+    """Found in review: the journal named the staging directory until after the rename, so a crash in between
+    left the new bundle in models/ for good (~90 MB a time for SmolLM2), current nor previous."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    docfile = tmp_path / "job.json"
+    url = server.publish_dir(v2.path, "tiny-v2")
+    docfile.write_text(job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0).model_dump_json())
+    r = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(dev.store.root), str(docfile), "moved_in",
+                        str(Path(__file__).parent.parent), str(keys / "fleet.key.pub")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert f"tiny@{v2.manifest.version}" in dev.model_dirs()  # it was moved in
+    update = recover(dev.ctx)
+    assert update.state is JobState.FAILED and dev.store.bootable().manifest.version == v1.manifest.version
+    assert dev.staging_empty() and dev.model_dirs() == [f"tiny@{v1.manifest.version}"]
+
+
+def test_recovery_keeps_the_previous_model_when_the_interrupted_job_reinstalled_it(tmp_path, bundles, keys):
+    """A job deploying the version `previous` names journals that directory as its target before touching
+    it; a crash there must not cost the device its rollback target."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    older = dev.store.models / f"tiny@{v2.manifest.version}"
+    shutil.copytree(v2.path, older)
+    dev.store.activate(older)
+    dev.store.activate(dev.store.models / f"tiny@{v1.manifest.version}")  # previous: v2, current: v1
+    dev.store.write_journal({"job_id": "j", "state": JobState.IN_PROGRESS.value, "step": "activating",
+                             "target": str(older)})
+    assert recover(dev.ctx).state is JobState.FAILED
+    assert older.is_dir() and dev.store.link("previous") == older.resolve()
 
 
 def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, server):
