@@ -200,6 +200,25 @@ class EventBridge:
             self.handle.cancel()
 
 
+class RequestStream(StreamingResponse):
+    """A streamed answer that cancels its request however the response ends.
+
+    The body generator's own `finally` is not enough: a client gone before the first chunk (the response's
+    start message fails, or Starlette's disconnect watcher cancels it) leaves the generator never started,
+    and a generator never started runs no `finally`, so the request went on generating to its limit.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], events: EventBridge, **kw):
+        super().__init__(body, **kw)
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.events.cancel()  # a no-op once the request has finished
+
+
 class ClientGone(Exception):
     """The client closed its connection before the response started."""
 
@@ -465,21 +484,18 @@ class OpenAIServer:
         if not stream:
             return Response(kind.response(reply, event).model_dump_json(), media_type="application/json")
         # Headers go out only now, so a request refused in the queue still gets its real status code.
-        return StreamingResponse(self.stream(events, event, kind, reply), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return RequestStream(self.stream(events, event, kind, reply), events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
     async def stream(self, events: EventBridge, event: TextDelta | Finished, kind: Kind,
                      reply: Reply) -> AsyncIterator[bytes]:
-        # Starlette cancels this generator when the client disconnects; `finally` then cancels the request.
-        try:
-            if (opening := kind.opening_chunk(reply)) is not None:
-                yield sse_event(opening, reply.include_usage)
-            while isinstance(event, TextDelta):
-                yield sse_event(kind.chunk(reply, event.text), reply.include_usage)
-                event = await events.get()
-            yield self._stream_end(event, kind, reply)
-        finally:
-            events.cancel()
+        """The SSE chunks from the first event on (RequestStream cancels the request if the client goes)."""
+        if (opening := kind.opening_chunk(reply)) is not None:
+            yield sse_event(opening, reply.include_usage)
+        while isinstance(event, TextDelta):
+            yield sse_event(kind.chunk(reply, event.text), reply.include_usage)
+            event = await events.get()
+        yield self._stream_end(event, kind, reply)
 
     def _stream_end(self, fin: Finished, kind: Kind, reply: Reply) -> bytes:
         error = finished_error(fin, self.config.retry_after_s)

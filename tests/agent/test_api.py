@@ -458,6 +458,34 @@ def test_disconnect_mid_stream_cancels_the_request(real):
     assert real.engine.num_running == 0
 
 
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_client_gone_before_the_first_chunk_still_cancels_the_request(spec_version):
+    """Found in review: the request was cancelled by the body generator's `finally`, and a generator never
+    started (the response's start message failed) runs none, so the request generated on to its limit."""
+    from agent.api import RequestStream
+
+    started, cancels = [], []
+
+    class Events:  # the one method RequestStream uses of an EventBridge
+        def cancel(self):
+            cancels.append(1)
+
+    async def body():
+        started.append(1)
+        yield b"data: x\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client closed the connection")
+
+    scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+    with pytest.raises(Exception):
+        asyncio.run(RequestStream(body(), Events())(scope, receive, send))
+    assert cancels == [1] and not started
+
+
 # ---- sockets and config ----------------------------------------------------------------------------------------
 def test_socket_mode_and_stale_socket_handling():
     folder = Path(tempfile.mkdtemp(prefix="edge-sock-", dir="/tmp"))
