@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import sqlite_utils
 
-from fleet.updates import add_device_timeout, create_tables as create_update_tables
+from fleet.updates import add_device_timeout, add_report_times, create_tables as create_update_tables
 
 from agent.wire import DeviceState, TelemetryRecord
 
@@ -73,6 +73,7 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0003_rejected", _create_rejected),
     ("0004_updates", create_update_tables),
     ("0005_job_device_timeout", add_device_timeout),
+    ("0006_job_device_report_times", add_report_times),
 )
 
 

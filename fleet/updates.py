@@ -7,7 +7,8 @@ fleet.artifacts over HTTP with Range. Tables (migration 0004_updates in fleet/st
     models(name, version, manifest, signature, key_id, published_at)
     jobs(id, operation, model, version, state, wave_size, max_failure_rate, allow_downgrade,
          min_tokens_per_s, reason, created_at, updated_at)
-    job_devices(job_id, device_id, wave, state, step, percent, reason, figures, notified, updated_at)
+    job_devices(job_id, device_id, wave, state, step, percent, reason, figures, notified, updated_at,
+                notified_at, reported_ts)
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from urllib.parse import quote
 import sqlite_utils
 
 from agent.bundle import open_bundle
-from agent.wire import (TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest, device_of,
-                        is_device_id, topic)
+from agent.wire import (MAX_EXPIRY_S, TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest,
+                        device_of, is_device_id, topic)
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_manifest
 
@@ -35,6 +36,28 @@ log = logging.getLogger(__name__)
 
 def add_device_timeout(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("device_timeout_s", float)
+
+
+def add_report_times(db: sqlite_utils.Database) -> None:
+    """notified_at: the device timeout runs from it; reported_ts: the device clock's ts of the report applied."""
+    db["job_devices"].add_column("notified_at", float)
+    db["job_devices"].add_column("reported_ts", float)
+    db.execute("update job_devices set notified_at = updated_at where notified = 1")
+
+
+def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate) -> bool:
+    """Whether a device's status report replaces the state recorded for it.
+
+    Reports arrive out of order and again: the device publishes them retained, so the broker replays the
+    last one whenever the fleet reconnects. An older report never replaces a newer one, and a final state
+    is never replaced by one that is not (a replayed IN_PROGRESS would revive a SUCCEEDED or TIMED_OUT
+    device). A device counted TIMED_OUT that later reports how it really ended is recorded as it ended.
+    """
+    if reported_ts is not None and update.ts < reported_ts:
+        return False
+    if state is JobState.TIMED_OUT:
+        return update.state in TERMINAL_JOB_STATES and update.state is not JobState.TIMED_OUT
+    return state not in TERMINAL_JOB_STATES
 
 
 def create_tables(db: sqlite_utils.Database) -> None:
@@ -83,8 +106,9 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
         raise ValueError(f"max failure rate must be in [0, 1], got {max_failure_rate}")
     if min_tokens_per_s is not None and not 0 <= min_tokens_per_s < math.inf:
         raise ValueError(f"min tokens/s must be a number >= 0, got {min_tokens_per_s}")
-    if not 0 < device_timeout_s < math.inf:
-        raise ValueError(f"device timeout must be a positive number of seconds, got {device_timeout_s}")
+    if not 0 < device_timeout_s <= MAX_EXPIRY_S:  # the notice expires with it (an MQTT four-byte integer)
+        raise ValueError(f"device timeout must be a positive number of seconds up to {MAX_EXPIRY_S}, "
+                         f"got {device_timeout_s}")
     name = version = None
     if operation == "install":
         name, _, version = (target or "").partition("@")
@@ -166,10 +190,14 @@ class RolloutDriver:
             log.warning("job status for %s arrived on %s: dropped", u.device_id, mqtt_topic)
             return
         with self._lock, _open(self.db_path) as db:
+            row = next(db.query("select state, reported_ts from job_devices where job_id = ? and device_id = ?",
+                                [u.job_id, u.device_id]), None)
+            if row is None or not applies(JobState(row["state"]), row["reported_ts"], u):
+                return
             db.execute("update job_devices set state = ?, step = ?, percent = ?, reason = ?, figures = ?, "
-                       "updated_at = ? where job_id = ? and device_id = ?",
+                       "updated_at = ?, reported_ts = ? where job_id = ? and device_id = ?",
                        [u.state.value, u.step.value if u.step else None, u.percent, u.reason,
-                        json.dumps(u.figures) if u.figures else None, time.time(), u.job_id, u.device_id])
+                        json.dumps(u.figures) if u.figures else None, time.time(), u.ts, u.job_id, u.device_id])
             db.conn.commit()
 
     def _run(self) -> None:
@@ -190,10 +218,12 @@ class RolloutDriver:
                 log.exception("rollout pass failed")
 
     def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
-        # a notified device that has not finished within the job's device timeout is TIMED_OUT
-        db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout' "
-                   "where job_id = ? and notified = 1 and state not in (?, ?, ?, ?, ?) and updated_at < ?",
-                   [JobState.TIMED_OUT.value, job["id"], *sorted(s.value for s in TERMINAL_JOB_STATES),
+        # a notified device that has not finished within the job's device timeout of its notification is
+        # TIMED_OUT (progress reports do not extend it: a device stuck at 99% must end too)
+        db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
+                   "updated_at = ? where job_id = ? and notified = 1 and state not in (?, ?, ?, ?, ?) "
+                   "and notified_at < ?",
+                   [JobState.TIMED_OUT.value, time.time(), job["id"], *sorted(s.value for s in TERMINAL_JOB_STATES),
                     time.time() - (job.get("device_timeout_s") or 1800.0)])
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
                              "order by wave, rowid", [job["id"]]))
@@ -206,8 +236,8 @@ class RolloutDriver:
             # return, a rollout the fleet had already counted as TIMED_OUT and perhaps halted
             if self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode(),
                                  job.get("device_timeout_s") or 1800.0):
-                db.execute("update job_devices set notified = 1, updated_at = ? where job_id = ? and device_id = ?",
-                           [time.time(), job["id"], device_id])
+                db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ? "
+                           "where job_id = ? and device_id = ?", [now := time.time(), now, job["id"], device_id])
         for device_id in d.cancel:
             db.execute("update job_devices set state = ? where job_id = ? and device_id = ?",
                        [JobState.CANCELED.value, job["id"], device_id])

@@ -61,7 +61,7 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     store.db["models"].insert({"name": "m", "version": "v", "manifest": "{}", "signature": "", "key_id": "",
                                "published_at": 0.0})
     job_id = create_job(store.db, "m@v", ["quiet"], 1, 0.0, device_timeout_s=1.0)
-    store.db.execute("update job_devices set notified = 1, updated_at = 0 where job_id = ?", [job_id])
+    store.db.execute("update job_devices set notified = 1, notified_at = 0 where job_id = ?", [job_id])
     store.db.conn.commit()
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     db = sqlite_utils.Database(tmp_path / "fleet.db")
@@ -70,6 +70,64 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     db.conn.commit()
     assert db["job_devices"].get((job_id, "quiet"))["state"] == "TIMED_OUT"
     assert db["jobs"].get(job_id)["state"] == "FAILED"
+
+
+def report(driver, job_id: str, state: JobState, ts: float, device_id: str = "dev-a") -> None:
+    from agent.wire import JobStatusUpdate, topic
+
+    driver.on_status(topic(device_id, "jobs", "update"),
+                     JobStatusUpdate(job_id=job_id, device_id=device_id, state=state, ts=ts).model_dump_json().encode())
+
+
+def recorded(store, job_id: str, device_id: str = "dev-a") -> str:
+    return store.db["job_devices"].get((job_id, device_id))["state"]
+
+
+def test_a_replayed_or_older_report_never_revives_a_finished_device(tmp_path):
+    """Found in review: the device's retained IN_PROGRESS, replayed when the fleet reconnected, turned a
+    SUCCEEDED device back into IN_PROGRESS (and a TIMED_OUT one too, so the job never ended)."""
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    report(driver, job_id, P, ts=100)
+    report(driver, job_id, S, ts=200)
+    report(driver, job_id, P, ts=100)  # the retained in-progress report again, replayed by the broker
+    assert recorded(store, job_id) == "SUCCEEDED"
+    report(driver, job_id, P, ts=300)  # not older, but a finished device does not start again
+    assert recorded(store, job_id) == "SUCCEEDED"
+
+    late = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    report(driver, late, P, ts=100)
+    store.db.execute("update job_devices set state = 'TIMED_OUT' where job_id = ?", [late])
+    store.db.conn.commit()
+    report(driver, late, P, ts=150)
+    assert recorded(store, late) == "TIMED_OUT"
+    report(driver, late, F, ts=50)  # older than the report already applied
+    assert recorded(store, late) == "TIMED_OUT"
+    report(driver, late, F, ts=160)  # how it really ended, after the fleet had given up on it
+    assert recorded(store, late) == "FAILED"
+
+
+def test_progress_reports_do_not_extend_the_device_timeout(tmp_path):
+    """Found in review: the timeout ran from the last report, so a device that kept reporting progress (or a
+    retained report replayed at every reconnect) kept its job from ever ending."""
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0, device_timeout_s=1.0)
+    store.db.execute("update job_devices set notified = 1, notified_at = ? where job_id = ?",
+                     [time.time() - 2.0, job_id])
+    store.db.conn.commit()
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    report(driver, job_id, P, ts=time.time())  # reported just now, notified 2 s ago
+    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    driver._advance(db, db["jobs"].get(job_id))
+    db.conn.commit()
+    assert recorded(store, job_id) == "TIMED_OUT" and db["jobs"].get(job_id)["state"] == "FAILED"
 
 
 def published_store(tmp_path):
