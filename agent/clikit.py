@@ -1,9 +1,30 @@
 """What the three command lines (edge-quantize, edge-agent, edge-fleet) share: how a CLI is run."""
 from __future__ import annotations
 
+import math
 import sys
 
 import click
+
+from agent.wire import MAX_EXPIRY_S
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds from `min` up to the longest MQTT message expiry (a timeout becomes one).
+
+    click's FloatRange lets NaN through (every comparison with it is false), and a NaN deadline never
+    passes; a timeout past MQTT's four-byte limit failed only when the message went out."""
+
+    name = "seconds"
+
+    def __init__(self, min: float):
+        super().__init__(min=min, max=MAX_EXPIRY_S)
+
+    def convert(self, value, param, ctx):
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
 
 
 def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> None:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from pydantic import ValidationError
+
 from agent.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
 from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
@@ -130,7 +132,12 @@ class Telemetry:
             self._tokens += figures.completion_tokens
 
     def record_event(self, kind: str, detail: dict) -> None:
-        self._append(EventRecord(kind=kind, detail=detail))
+        try:
+            event = EventRecord(kind=kind, detail=detail)
+        except ValidationError as e:  # a NaN figure, say: the fleet would refuse it, and telemetry never raises
+            log.warning("telemetry: a %r event cannot be recorded: %s", kind, e.errors(include_url=False)[0]["msg"])
+            return
+        self._append(event)
 
     def flush(self, wait_s: float = 5.0) -> dict:
         if self.link is None:

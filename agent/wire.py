@@ -177,6 +177,7 @@ class RequestFigures(_Frozen):
 #   edge/v1/{device}/jobs/update    JobStatusUpdate, device -> fleet
 TOPIC_ROOT = "edge/v1"
 MAX_PAYLOAD_BYTES = 256 * 1024  # larger messages are refused on both sides (models travel over HTTP)
+MAX_EXPIRY_S = 2**32 - 1  # MQTT v5's Message Expiry Interval is a four-byte integer (3.3.2.3.3)
 
 
 def topic(device_id: str, *parts: str) -> str:
@@ -240,6 +241,17 @@ class SampleRecord(_Frozen):
 class EventRecord(_Frozen):
     kind: str = Field(pattern=r"^[a-z_]{1,32}$")  # start, model_change, error, dropped_rows, ...
     detail: dict = {}
+
+    @field_validator("detail")
+    @classmethod
+    def _strict_json(cls, detail: dict) -> dict:
+        # NaN and Infinity parse, but are not JSON: stored, one device's NaN broke json_extract() over every
+        # device's events, and `--json` output printed NaN
+        try:
+            json.dumps(detail, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"detail must be plain JSON: {e}") from None
+        return detail
 
 
 class TelemetryRecord(_Frozen):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from agent.clikit import run
+from agent.clikit import Seconds, run
 from agent.wire import is_device_id
 from fleet import queries
 from fleet.commands import CommandError
@@ -268,7 +268,7 @@ def report(out, since, db_path):
 @broker_options
 @click.option("--all", "to_all", is_flag=True, help="Every online device in the registry (needs --db).")
 @click.option("--group", default=None, help="Online devices whose id matches this glob, e.g. 'store-12-*'.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=Seconds(min=0.1), default=10.0, show_default=True,
               help="Seconds to wait for answers.")
 @db_option
 @json_option
@@ -360,10 +360,11 @@ def publish(bundle, key_path, artifacts_dir, db_path):
 @click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
 @click.option("--allow-downgrade", is_flag=True)
 @click.option("--min-tokens-per-s", type=float, default=None, help="Health-check floor (default: 70% of current).")
-@click.option("--device-timeout", "device_timeout_s", type=click.FloatRange(min=1), default=1800, show_default=True,
+@click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800, show_default=True,
               help="Seconds a notified device may take before it counts as TIMED_OUT.")
 @click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero unless it SUCCEEDED.")
-@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
+@click.option("--timeout", "timeout_s", type=Seconds(min=0), default=600, show_default=True,
+              help="With --wait: seconds to wait for the job to end.")
 @click.option("--mqtt", "url", default=None, help="Accepted for symmetry; the serving fleet process publishes.")
 @db_option
 @user_errors

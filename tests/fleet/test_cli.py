@@ -99,6 +99,20 @@ def test_user_errors_are_one_line(filled_db, args, message):
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("args, option", [
+    (["cmd", "dev-1", "ping", "--timeout", "nan"], "--timeout"),
+    (["cmd", "dev-1", "ping", "--timeout", "1e10"], "--timeout"),
+    (["deploy", "smollm2@int4-a1", "--to", "dev-1", "--device-timeout", "1e10"], "--device-timeout"),
+    (["deploy", "smollm2@int4-a1", "--to", "dev-1", "--wait", "--timeout", "nan"], "--timeout"),
+])
+def test_a_timeout_mqtt_cannot_carry_is_a_usage_error(filled_db, args, option):
+    """Found in review: --timeout inf / 1e10 was an internal error (MQTT's message expiry is a four-byte
+    integer), --device-timeout 1e10 failed the job when its notice went out, and NaN never timed out."""
+    result = run_main(*args, "--mqtt", "mqtt://127.0.0.1:1", "--db", filled_db)
+    assert result.returncode == 2 and f"Invalid value for '{option}'" in result.stderr, result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_report_renders_in_headless_chromium(filled_db, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "chromium is not installed (apt-get install chromium)"

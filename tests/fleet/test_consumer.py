@@ -9,6 +9,7 @@ import threading
 import time
 
 import paho.mqtt.client as paho
+import pytest
 
 from agent.wire import MAX_PAYLOAD_BYTES, TelemetryBatch, topic
 from fleet_support import wait_until
@@ -210,3 +211,32 @@ def test_only_a_state_the_device_sent_just_now_counts_as_live():
 
     assert live("online", retain=False) and live("stopped", retain=False)
     assert not live("online", retain=True) and not live("offline", retain=False) and not live("stopped", retain=True)
+
+
+def test_an_event_detail_that_is_not_plain_json_is_refused():
+    """Found in review: NaN / Infinity in an event's detail parsed and were stored as invalid JSON, which made
+    json_extract() over the events table fail for every device."""
+    from fleet.consumer import Inbound, Rejected, add_message
+    from fleet.store import Ingest
+
+    event = event_record("boot-x", 1, time.time(), "error", message="boom")
+    for value in ("NaN", "Infinity", "1e400"):
+        payload = TelemetryBatch(device_id="dev-x", records=[event]).model_dump_json().replace(
+            '"message":"boom"', f'"message":{value}')
+        assert value in payload
+        with pytest.raises(Rejected) as e:
+            add_message(Ingest(), Inbound(topic("dev-x", "tele"), payload.encode(), 1, 1, False, 0), "dev-x", time.time())
+        assert e.value.reason == "schema" and "plain JSON" in str(e.value)
+
+
+def test_a_state_from_a_clock_ahead_device_never_sets_contact_in_the_future():
+    """Found in review: an offline state (a Will) stamped by a clock five years ahead pinned last_seen there."""
+    from agent.wire import DeviceState
+    from fleet.consumer import Inbound, add_message
+    from fleet.store import Ingest
+
+    now = time.time()
+    ahead = DeviceState(device_id="d1", status="offline", connection=1, boot_id="b", ts=now + 5 * 365 * 86400)
+    ingest = Ingest()
+    add_message(ingest, Inbound(topic("d1", "state"), ahead.model_dump_json().encode(), 1, 1, False, 0), "d1", now)
+    assert ingest.seen["d1"] == now
