@@ -52,6 +52,10 @@ MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
 COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
 REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
+PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
+STABLE_CONNECTION_S = 60.0
+# {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
+EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())  # a connection that lasted this long resets the backoff; a shorter one does not
 
 
 class LinkState(enum.Enum):
@@ -89,6 +93,15 @@ class _Connection:
         self.connack = threading.Event()
         self.closed = threading.Event()
         self.reason: ReasonCode | None = None  # the CONNACK's reason code (MQTT v5 §3.2.2.2)
+        self.max_packet: int | None = None  # the broker's Maximum Packet Size, if it sent one (§3.2.2.3.6)
+
+    @property
+    def payload_limit(self) -> int:
+        """The largest payload the broker takes: a larger packet makes it drop the connection (§3.1.2.11.4),
+        and the same batch would go first again on the next one."""
+        if self.max_packet is None:
+            return MAX_PAYLOAD_BYTES
+        return min(MAX_PAYLOAD_BYTES, self.max_packet - PUBLISH_OVERHEAD_BYTES)
 
     @property
     def is_up(self) -> bool:
@@ -110,7 +123,8 @@ class MqttLink:
         self._stop = threading.Event()
         self._conn: _Connection | None = None
         self.outbox = _Outbox(store, device_id, config, self._stop)
-        self.commands = _CommandDesk(device_id, handler or _no_handler, config.response_expiry_s, self._stop)
+        self.commands = _CommandDesk(device_id, handler or _no_handler, config.response_expiry_s, self._stop,
+                                     self._current)
         self.on_job = on_job  # model-update job documents (jobs/notify), handed over raw
         self._job_status: dict[str, str] = {}  # job id -> latest JobStatusUpdate JSON, re-sent on reconnect
         self._job_lock = threading.Lock()
@@ -130,6 +144,10 @@ class MqttLink:
     @property
     def is_connected(self) -> bool:
         return self.state is LinkState.CONNECTED
+
+    def _current(self) -> _Connection | None:
+        conn = self._conn
+        return conn if self.is_connected and conn is not None and conn.is_up else None
 
     # ---- public ----
     def start(self) -> None:
@@ -170,16 +188,34 @@ class MqttLink:
     def _run(self) -> None:
         attempt = 0
         while self._move(LinkState.CONNECTING):
-            conn = self._connect()
+            conn = self._attempt()
             if conn is not None:
-                attempt = 0
+                up_at = time.monotonic()
                 self._watch(conn)
+                # Only a connection that lasted resets the backoff: one the broker accepts and drops at once
+                # (a session taken over by a clone with our id, a packet over its limit) would otherwise be
+                # retried twice a second for good, each time with a birth, a Will and a write to disk.
+                if time.monotonic() - up_at >= STABLE_CONNECTION_S:
+                    attempt = 0
             if not self._move(LinkState.BACKOFF):
                 return  # stopping: stop() takes over the connection
             delay = backoff_delay_s(attempt, self.config.backoff_min_s, self.config.backoff_max_s, self.rng)
             attempt += 1
             log.info("mqtt: reconnecting in %.1f s", delay)
             self._stop.wait(delay)
+
+    def _attempt(self) -> _Connection | None:
+        """_connect, and any error of ours in it (SQLite locked or full, a bad CA file) is a failed attempt:
+        uncaught, it ended the link thread and the device stayed offline until the agent restarted."""
+        try:
+            return self._connect()
+        except Exception:
+            log.exception("mqtt: the connection attempt failed")
+            self.outbox.attach(None)
+            if self._conn is not None:
+                self._conn.client.disconnect()
+                self._conn.client.loop_stop()
+            return None
 
     def _connect(self) -> _Connection | None:
         """One attempt: CONNECT with clean_start=0 (keep the session) and the Will; on CONNACK, subscribe and
@@ -244,7 +280,7 @@ class MqttLink:
                 except Exception:  # the updater validates and reports; nothing it raises may stop the link
                     log.exception("mqtt: the job document on %s was not accepted", msg.topic)
             return
-        self.commands.offer(client, conn, msg)
+        self.commands.offer(msg)
 
     def _watch(self, conn: _Connection) -> None:
         while not conn.closed.wait(0.2):
@@ -306,6 +342,7 @@ def _str(path) -> str | None:
 
 def _on_connect(client, conn: _Connection, flags, reason_code, properties) -> None:
     conn.reason = reason_code
+    conn.max_packet = getattr(properties, "MaximumPacketSize", None)
     conn.connack.set()
 
 
@@ -392,14 +429,23 @@ class _Outbox:
                 self._cursor = min(self._cursor, rows[0] - 1)
                 self._paused_until = time.monotonic() + REFUSED_PAUSE_S
                 continue
-            self.store.mark_sent(rows)
+            try:
+                self.store.mark_sent(rows)
+            except Exception:  # SQLite locked or full: they go again (the fleet drops replays), not weeks later
+                self._cursor = min(self._cursor, rows[0] - 1)
+                raise
 
     def _publish_batch(self) -> bool:
         rows = self.store.unsent(self.config.batch_max_records, after=self._cursor)
         if not rows:
             return False
-        rows = fit_batch(rows)
+        limit = self._conn.payload_limit
+        rows = fit_batch(rows, limit)
         payload = TelemetryBatch(device_id=self.device_id, records=[r.record for r in rows]).model_dump_json()
+        if len(payload.encode()) > limit:  # one record alone is over this broker's limit: it can never go
+            log.warning("mqtt: a %d-byte record is over the broker's packet limit (%d): dropped", len(payload), limit)
+            self.store.drop_undeliverable([rows[0].row_id], "too_large")
+            return True
         info = self._conn.client.publish(self.topic, payload, qos=1)
         if info.rc != paho.MQTT_ERR_SUCCESS:
             return False  # the connection just went; the link thread will notice
@@ -409,10 +455,12 @@ class _Outbox:
 
 
 def fit_batch(rows: list[OutboxRow], max_bytes: int = MAX_PAYLOAD_BYTES) -> list[OutboxRow]:
-    """The longest prefix of rows whose batch stays under max_bytes (each record fits alone, see store)."""
-    total = 4096  # the envelope: {"device_id": ..., "records": [...]}
+    """The longest prefix of rows whose batch stays under max_bytes, at least one row.
+
+    Measured as sent, not as stored: a row an older agent wrote gains this one's new default fields."""
+    total = EMPTY_BATCH_BYTES
     for i, row in enumerate(rows):
-        total += len(row.body.encode()) + 1
+        total += len(row.record.model_dump_json().encode()) + 1
         if total > max_bytes:
             return rows[:max(i, 1)]
     return rows
@@ -426,29 +474,31 @@ class _CommandDesk:
     command (a benchmark) never stalls the network loop. Nothing a publisher sends can end the worker.
     """
 
-    def __init__(self, device_id: str, handler: CommandHandler, response_expiry_s: int, stop: threading.Event):
+    def __init__(self, device_id: str, handler: CommandHandler, response_expiry_s: int, stop: threading.Event,
+                 current: Callable[[], _Connection | None]):
         self.device_id, self.handler, self.response_expiry_s, self._stop = device_id, handler, response_expiry_s, stop
+        self.current = current  # the link's connection now, if it is up
         self.response_base = topic(device_id, "cmd", "res")
         self._queue: queue.Queue = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
 
-    def offer(self, client, conn: _Connection, msg) -> None:
+    def offer(self, msg) -> None:
         try:
-            self._queue.put_nowait((conn, msg))
+            self._queue.put_nowait(msg)
         except queue.Full:
             log.warning("mqtt: dropped a command on %s: %d commands already waiting", msg.topic, COMMAND_QUEUE_MAX)
 
     def run(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, msg = self._queue.get(timeout=0.2)
+                msg = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
             try:
-                self._answer(conn, msg)
+                self._answer(msg)
             except Exception:  # a bug of ours in one command must not end the service of all the next ones
                 log.exception("mqtt: answering %s failed", msg.topic)
 
-    def _answer(self, conn: _Connection, msg) -> None:
+    def _answer(self, msg) -> None:
         name = msg.topic.rsplit("/", 1)[-1]
         response = self.respond(name, msg.payload)
         props = msg.properties
@@ -466,6 +516,13 @@ class _CommandDesk:
         correlation = getattr(props, "CorrelationData", None)
         if correlation is not None:
             out.CorrelationData = correlation  # MQTT v5 §3.3.2.3.6: returned unchanged
+        # On the connection up now, not the one the request came on: a long command (a benchmark) can outlive
+        # that one, and the broker will not send the request again (it was acknowledged).
+        deadline = time.monotonic() + self.response_expiry_s
+        while (conn := self.current()) is None:
+            if self._stop.wait(0.2) or time.monotonic() > deadline:
+                log.warning("mqtt: the answer to command %r expired while the link was down", name)
+                return
         conn.client.publish(response_topic, response.model_dump_json(), qos=1, properties=out)
 
     def respond(self, name: str, payload: bytes) -> CommandResponse:

@@ -271,7 +271,7 @@ class TelemetryStore:
                                     e.errors(include_url=False)[0]["msg"])
                         invalid.append(row_id)
                 if invalid:
-                    self._drop_invalid(invalid)
+                    self.drop_undeliverable(invalid, "invalid")
                 if parsed or len(rows) < limit:
                     return parsed
                 after = rows[-1][0]  # a whole page of invalid rows: look further
@@ -347,16 +347,18 @@ class TelemetryStore:
             self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, last_id])
         return count, freed
 
-    def _drop_invalid(self, row_ids: list[int]) -> None:
+    def drop_undeliverable(self, row_ids: list[int], why: str) -> None:
+        """Delete rows that can never be delivered, counted and reported under detail[why] ("invalid": no
+        longer parses; "too_large": over the broker's packet limit)."""
         with self.db.atomic():
             self.db.conn.executemany("DELETE FROM records WHERE id = ?", [(i,) for i in row_ids])
-            self._report_dropped(len(row_ids), 0, invalid=len(row_ids))
+            self._report_dropped(len(row_ids), 0, {why: len(row_ids)})
 
-    def _report_dropped(self, count: int, unwritten: int, invalid: int = 0) -> None:
-        """Count rows deleted undelivered, records a full disk refused and rows that no longer parse: all
-        are lost to the fleet."""
+    def _report_dropped(self, count: int, unwritten: int, undeliverable: dict[str, int] | None = None) -> None:
+        """Count rows deleted undelivered, records a full disk refused and rows that could never be
+        delivered: all are lost to the fleet."""
         total = self._meta_add("dropped_undelivered", count)
-        detail = {"count": count, "total": total, "unwritten": unwritten} | ({"invalid": invalid} if invalid else {})
+        detail = {"count": count, "total": total, "unwritten": unwritten} | (undeliverable or {})
         self.append(EventRecord(kind="dropped_rows", detail=detail))
 
 

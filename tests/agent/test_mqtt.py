@@ -42,7 +42,8 @@ TIMEOUT_S = 20.0
 
 
 def fast_config(url: str, **kw) -> MqttConfig:
-    return MqttConfig(url=url, backoff_min_s=0.05, backoff_max_s=0.5, outbox_poll_s=0.05, connect_timeout_s=2, **kw)
+    return MqttConfig(**{"url": url, "backoff_min_s": 0.05, "backoff_max_s": 0.5, "outbox_poll_s": 0.05,
+                         "connect_timeout_s": 2, **kw})
 
 
 def wait_until(predicate, timeout_s: float = TIMEOUT_S, every_s: float = 0.02) -> bool:
@@ -385,6 +386,107 @@ def test_a_retained_command_is_not_run_on_connect(broker, links):
     assert b"retained" not in fleet.responses  # ...the retained one never was
     fleet.publish(topic("dev-r", "cmd", "req", "ping"), b"", retain=True)  # clear it from the broker
     fleet.close()
+
+
+# ---- found in review (2026-12-04): each of these left a device offline or its telemetry stuck -------------
+def fail_once(obj, name: str, error: Exception) -> list[int]:
+    """Make obj.name raise `error` on its first call; returns the list its calls are counted in."""
+    real, calls = getattr(obj, name), []
+
+    def once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise error
+        return real(*args, **kw)
+
+    setattr(obj, name, once)
+    return calls
+
+
+def test_a_database_error_while_connecting_is_a_failed_attempt_not_the_end_of_the_link(broker, tmp_path):
+    """SQLite locked (a backup, the CLI) while counting the connection ended the link thread for good."""
+    store = TelemetryStore(tmp_path / "dev-l.db", "dev-l")
+    calls = fail_once(store, "next_connection", sqlite3.OperationalError("database is locked"))
+    link = MqttLink(fast_config(broker.url), "dev-l", store)
+    link.start()
+    try:
+        assert wait_until(lambda: link.is_connected), link.state
+        assert len(calls) == 2
+    finally:
+        link.stop()
+        store.close()
+
+
+def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links):
+    """The rows stayed unsent until the next reconnect, weeks away on a steady link."""
+    fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-marksent")
+    link = links(broker.url, "dev-m")
+    assert wait_until(lambda: link.is_connected)
+    calls = fail_once(link.store, "mark_sent", sqlite3.OperationalError("database is locked"))
+    for i in range(3):
+        link.store.append(EventRecord(kind="tick", detail={"i": i}))
+    link.notify()
+    assert wait_until(lambda: link.store.count_unsent() == 0), link.store.count_unsent()
+    assert len(calls) >= 2 and link.store.connections == 1
+    fleet.close()
+
+
+def test_a_connection_the_broker_drops_at_once_backs_off(broker, links):
+    """A second device with the same id (a cloned image) takes the session over at each connect: both
+    reconnected twice a second for good, since every CONNACK reset the backoff."""
+    a = links(broker.url, "dev-clone", backoff_max_s=1.0)
+    b = links(broker.url, "dev-clone", backoff_max_s=1.0)
+    time.sleep(5.0)
+    attempts = a.store.connections + b.store.connections
+    assert attempts <= 20, f"{attempts} connections in 5 s"
+
+
+def test_an_answer_goes_out_on_the_connection_up_when_the_command_ends(broker, links):
+    """A command still running when the connection changed was answered on the dead one: lost."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(name: str, request: CommandRequest) -> CommandResponse:
+        entered.set()
+        release.wait(TIMEOUT_S)
+        return CommandResponse(command=name, ok=True, result={"done": True})
+
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-s/cmd/res/#"], client_id="fleet-slow")
+    link = links(broker.url, "dev-s", handler=slow)
+    assert wait_until(lambda: link.is_connected)
+    fleet.request("dev-s", "ping", b"{}", correlation=b"slow")
+    assert entered.wait(TIMEOUT_S)  # the device has the request (and acknowledged it)
+    fleet.subscribed.clear()
+    broker.restart()
+    assert fleet.subscribed.wait(TIMEOUT_S)  # the broker may not have saved our session: subscribed again
+    assert wait_until(lambda: link.is_connected and link.store.connections >= 2)
+    release.set()
+    assert fleet.wait(lambda f: b"slow" in f.responses), "the answer was lost with the old connection"
+    fleet.close()
+
+
+def test_a_record_over_the_brokers_packet_limit_is_dropped_and_the_rest_delivered(tmp_path, links):
+    """A broker with a smaller packet limit dropped the connection at the first batch, which went first again
+    on every new connection: nothing was delivered, and the device reconnected for good."""
+    from broker import Broker
+
+    small = Broker(tmp_path / "small", extra_config="allow_anonymous true\nmax_packet_size 2000\n").start()
+    try:
+        fleet = Fleet(small, subscribe=["edge/v1/+/tele"], client_id="fleet-small")
+        link = links(small.url, "dev-p")
+        assert wait_until(lambda: link.is_connected)
+        link.store.append(EventRecord(kind="tick", detail={"big": "x" * 3000}))
+        for i in range(5):
+            link.store.append(EventRecord(kind="tick", detail={"i": i}))
+        link.notify()
+        boot = link.store.boot_id
+        assert fleet.wait(lambda f: {(boot, seq) for seq in range(1, 6)} <= f.tele_keys), fleet.tele_keys
+        assert wait_until(lambda: link.store.count_unsent() == 0)
+        assert (boot, 0) not in fleet.tele_keys and link.store.connections == 1
+        events = [r.event for m in fleet.messages for r in TelemetryBatch.model_validate_json(m.payload).records]
+        assert [e.detail["too_large"] for e in events if e.kind == "dropped_rows"] == [1]
+        fleet.close()
+    finally:
+        small.stop()
 
 
 def test_an_oversized_job_document_is_dropped_with_a_log_line(broker, tmp_path, caplog):
