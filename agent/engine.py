@@ -119,7 +119,7 @@ class Engine:
         if draft.tokenizer_json() != self.bundle.tokenizer_json():
             raise RequestError(f"draft model {draft.manifest.name}@{draft.manifest.version} has another tokenizer "
                                f"than {self.bundle.manifest.name}; speculative decoding needs the same one")
-        return DraftModel(draft, self.config.threads)
+        return DraftModel(draft, self.config.threads, self.config.prefill_chunk_tokens)
 
     # ---- memory ----
     def _plan_kv(self) -> KVPool:
@@ -132,6 +132,8 @@ class Engine:
             per_token += kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim,
                                             self.draft.runner.kv_dtype.itemsize)
         self._warm_up()
+        if self.draft is not None:
+            self.draft.warm_up(self.max_context)
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         budget = self.config.memory_budget_mb * MB
         need = required_budget_bytes(self.baseline_bytes, per_token, self.config.min_context)
@@ -216,9 +218,7 @@ class Engine:
         self._wake.set()
         if self._thread:
             self._thread.join()
-        self._drain_inbox()
-        self.scheduler.waiting.clear()  # their streams end below, with the running ones'
-        self._fail_running("unavailable: the engine stopped before the request finished")
+        self._end_held("unavailable: the engine stopped before the request finished")
 
     @property
     def is_running(self) -> bool:
@@ -237,6 +237,13 @@ class Engine:
                 self._recheck_spinning()
                 self._wake.wait(self._wake_interval_s)
                 self._wake.clear()
+        self._end_held("unavailable: the engine stopped before the request finished")
+
+    def _end_held(self, message: str) -> None:
+        """End every request held (queued, waiting or running) with an error: none is left waiting."""
+        self._drain_inbox()
+        self.scheduler.waiting.clear()  # their streams end below, with the running ones'
+        self._fail_running(message)
 
     def _recheck_spinning(self) -> None:
         """When idle and SPIN_RECHECK_S after the last time, let the runner re-measure whether its workers spin."""
@@ -249,6 +256,10 @@ class Engine:
                 log.info("other load changed: the runner's workers now %s", "spin" if self.runner.spinning else "sleep")
         except Exception:  # the loop must outlive a failed measurement or rebuild
             log.exception("re-measuring spin_wait failed")
+            if self.runner.session is None:  # neither the new session nor the old one could be built
+                log.critical("the engine has no model session left: stopping, so that the service restarts")
+                with self._submit_lock:
+                    self._stop.set()  # _run ends what it holds; no heartbeat after it, so the watchdog acts
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):
@@ -321,7 +332,10 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.store(seq.seq_id, seq.prompt_ids)
             seq.start_decoding()
-            self._accept(seq, self._sample(seq, logits[0, 0]))
+            try:
+                self._accept(seq, self._sample(seq, logits[0, 0]))
+            except Exception:
+                self._fail_one(seq)
 
     def _decode(self, idx: int, seqs: list[Sequence]) -> None:
         """One decode call over the pool's live slots [0:n]. A row with a draft runs [last, d1..dk];
@@ -352,7 +366,20 @@ class Engine:
         for s in seqs:  # positions this step wrote: a slot that a finish below moves must carry them along
             pool.lengths[s.seq_id] = s.num_computed + 1 + len(drafts[s.seq_id])
         for s in seqs:
-            self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
+            try:
+                self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
+            except Exception:
+                self._fail_one(s)
+
+    def _fail_one(self, seq: Sequence) -> None:
+        """End one request whose sampling or streaming failed, and only it: the others in the step are fine
+        (a penalty that overflowed the logits of one request used to end every request in flight)."""
+        log.exception("request %d failed; ending it with an error", seq.seq_id)
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq, FinishReason.ERROR)
+        seq.finish(FinishReason.ERROR, "internal error")
+        if seq.seq_id in self.streams:
+            self._finish_stream(seq)
 
     def _spec_mode(self, seq: Sequence) -> str:
         return seq.params.speculative or self.config.speculative

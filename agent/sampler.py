@@ -22,6 +22,7 @@ from agent.sampling_params import SamplingParams
 _TOP_P_FIRST_GUESS = 64  # candidates partitioned out first when looking for top_p's mass; grows x4 on a miss
 _DRAW_BLOCK = 256  # entries per block of the two-level draw: ~sqrt(49152) balances the two cumsums
 _UINT64 = (1 << 64) - 1
+_F32 = np.finfo(np.float32)
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
@@ -41,12 +42,14 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequ
         # negative one both make the token less likely when the penalty is > 1.
         seen = np.unique(np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)]))
         v = x[seen]
-        x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+        with np.errstate(over="ignore"):  # clipped below
+            x[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
     if (params.presence_penalty != 0 or params.frequency_penalty != 0) and len(output_ids):
         # OpenAI API: mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c over output tokens.
         ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
         x[ids] -= (counts * params.frequency_penalty + params.presence_penalty).astype(np.float32)
-    return x
+    # a penalty near 0 divides logits past float32's range: +inf made softmax NaN for the whole row
+    return np.clip(x, _F32.min, _F32.max, out=x)
 
 
 def top_k_candidates(x: np.ndarray, top_k: int) -> np.ndarray:

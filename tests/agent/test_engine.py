@@ -153,6 +153,69 @@ def test_a_failed_step_ends_the_request_it_was_taking_in(tiny_bundle, monkeypatc
         engine.stop()
 
 
+def test_a_request_whose_sampling_fails_ends_alone(tiny_bundle, monkeypatch):
+    """Found in review: one request's sampling error (a repetition penalty of 1e-40 overflowed its logits)
+    failed the whole step, so every request in flight ended with an error."""
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
+    sample = engine._sample
+
+    def failing_for_seed_13(seq, logits):
+        if seq.params.seed == 13 and len(seq.output_ids) == 3:
+            raise IndexError("a bug in one request's sampling")
+        return sample(seq, logits)
+
+    monkeypatch.setattr(engine, "_sample", failing_for_seed_13)
+    ps = prompts(4, seed=7)
+    handles = [engine.submit(p, SamplingParams(max_tokens=12, seed=13 if i == 1 else None, **GREEDY))
+               for i, p in enumerate(ps)]
+    engine.start()
+    try:
+        results = [h.result() for h in handles]
+    finally:
+        engine.stop()
+    assert [r.figures.finish_reason for r in results] == ["length", "error", "length", "length"]
+    assert results[1].error_code == "internal" and len(results[1].token_ids) == 3
+
+
+def test_a_repetition_penalty_near_zero_is_served():
+    """What made the sampling above fail: v / 1e-40 is +inf in float32, and softmax turned the row to NaN."""
+    from agent.sampler import sample
+
+    logits = np.random.default_rng(0).normal(size=300).astype(np.float32) * 5
+    params = SamplingParams(repetition_penalty=1e-40, temperature=1.0, min_p=0.1, seed=1)
+    token = sample(logits, params, [1, 2, 3], [4], np.random.default_rng(1))
+    assert token in (1, 2, 3, 4)  # the penalty made the seen tokens by far the most likely
+
+
+def test_an_engine_that_lost_its_model_session_stops_instead_of_failing_every_request(tiny_bundle, monkeypatch):
+    """Found in review: when rebuilding the session failed and so did restoring the old one, the loop went on
+    (heartbeats and all, so the watchdog never restarted the service) and failed every request."""
+    import agent.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)
+    e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, spin_wait="auto"),
+               idle_wait_s=0.05)
+    beats = []
+    e.heartbeat = lambda: beats.append(time.monotonic())
+
+    def no_memory(spin):
+        raise MemoryError("out of memory building the session")
+
+    monkeypatch.setattr(e.runner, "_load", no_memory)
+    e.runner.spinning = not e.runner.spinning  # the next idle check rebuilds, and both builds fail
+    e.start()
+    deadline = time.monotonic() + 10
+    while e.is_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not e.is_running and e.runner.session is None
+    stopped_beating = len(beats)
+    time.sleep(0.3)
+    assert len(beats) == stopped_beating  # no heartbeat: systemd's watchdog restarts the service
+    with pytest.raises(RequestError, match="engine has stopped"):
+        e.submit(prompts(1)[0], SamplingParams(max_tokens=2, **GREEDY))
+    e.stop()
+
+
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
     with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
         Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
