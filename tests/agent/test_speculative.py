@@ -184,3 +184,18 @@ def test_draft_model_greedy_equals_plain_greedy_real(real_fp32_bundle, real_q4_b
     drafted = sum(r.figures.drafted_tokens for r in results)
     print(f"batch {batch}: accepted {accepted} of {drafted} drafted tokens")
     assert accepted > 0
+
+
+def test_the_draft_catches_up_on_a_long_prompt_in_prefill_chunks(tiny_bundle, tiny_int8_bundle):
+    """Found in review: the draft caught up on a whole prompt in one call (a 4,000-token prompt took ~20 MB
+    past the measured budget, kept by ONNX Runtime's arena). Output stays the plain greedy one."""
+    cfg = dict(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=16)
+    prompt = repetitive_prompts(1)[0] * 4
+    assert len(prompt) > 100
+    want = Engine(tiny_bundle, EngineConfig(**cfg)).generate(prompt, SamplingParams(max_tokens=24, **GREEDY)).token_ids
+    spec = Engine(tiny_bundle, EngineConfig(speculative="draft", **cfg), draft=tiny_int8_bundle)
+    widths, forward = [], spec.draft.runner.forward
+    spec.draft.runner.forward = lambda ids, *a, **kw: (widths.append(ids.shape[1]), forward(ids, *a, **kw))[1]
+    out = spec.generate(prompt, SamplingParams(max_tokens=24, **GREEDY))
+    assert out.token_ids == want and out.figures.drafted_tokens > 0
+    assert widths and max(widths) <= 16, widths
