@@ -101,12 +101,14 @@ def _requests_since(db: sqlite_utils.Database, since_ts: float, key_sql: str = "
 
 # ---- the questions ----------------------------------------------------------------------------------------
 def devices(db: sqlite_utils.Database, now: float | None = None) -> list[dict]:
-    """Every known device: status, last contact, what it runs and its median decode speed over the last hour."""
+    """Every known device: status, last contact, what it runs, its requests over the last hour and the
+    median decode speed of the model it runs now over that hour (not of the one it ran before a switch)."""
     now = time.time() if now is None else now
     last_hour = _requests_since(db, now - 3600)
+    by_model = _requests_since(db, now - 3600, key_sql="device_id || '|' || model || '@' || version")
     rows = []
     for d in db.query("select * from devices order by id"):
-        speeds = _decode_speeds(last_hour.get(d["id"], []))
+        speeds = _decode_speeds(by_model.get(f"{d['id']}|{d['model']}@{d['version']}", []))
         rows.append({
             "id": d["id"], "online": d["status"] == "online", "status": d["status"] or "unknown",
             "last_seen": iso(d["last_seen"]),
