@@ -138,10 +138,12 @@ def cli() -> None:
               "--artifacts-http; default --username). A broker that makes the user the client id needs another.")
 @click.option("--jobs-password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="File holding --jobs-username's password (default --password-file).")
+@click.option("--keep", default="90d", show_default=True,
+              help="Delete telemetry (requests, samples, events) older than this, hourly; 'forever' keeps it all.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @user_errors
 def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, artifacts_http, artifacts_dir,
-          jobs_username, jobs_password_file, verbose):
+          jobs_username, jobs_password_file, keep, verbose):
     """Consume device state and telemetry into the database until SIGINT/SIGTERM.
 
     Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
@@ -150,6 +152,9 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     from fleet.mqtt import parse_url
 
     parse_url(url)
+    keep_s = None if keep == "forever" else queries.parse_duration_s(keep)
+    if keep_s is not None and keep_s < 3600:  # a typo like 0d would delete every record as it arrives
+        raise click.BadParameter(f"--keep {keep!r}: keep telemetry at least 1h (or 'forever')")
     auth = credentials(username, password_file, ca_file)
     for label, value in (("client id", client_id), ("shared group", shared_group)):
         if value is not None and (not value or any(c in value for c in "/+#")):
@@ -167,7 +172,7 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
             raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT")
         jobs_auth = auth if jobs_username is None else credentials(jobs_username, jobs_password_file, ca_file)
         artifacts = (host, int(port), artifacts_dir, jobs_auth)
-    stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts)
+    stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts, keep_s)
     click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
                f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")
 

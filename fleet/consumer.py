@@ -36,6 +36,7 @@ MAX_BATCH_MESSAGES = 1000  # ...or this many messages, to bound a commit while d
 RETRY_CAP_S = 5.0  # a failing commit (disk full, database locked) is retried with backoff up to this delay
 LOG_EVERY_S = 10.0  # ingest-rate summary period
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
+PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
 
 # rejection reasons, as stored in rejected.reason
 TOO_LARGE = "too_large"  # payload over MAX_PAYLOAD_BYTES
@@ -138,9 +139,10 @@ class Stats:
 
 class Consumer:
     def __init__(self, store: FleetStore, url: str, client_id: str = "edge-fleet", shared_group: str | None = None,
-                 window_s: float = WINDOW_S, credentials: Credentials = Credentials()):
+                 window_s: float = WINDOW_S, credentials: Credentials = Credentials(), keep_s: float | None = None):
+        """keep_s: telemetry older than this is deleted, hourly (None keeps it all)."""
         self.store = store
-        self.window_s = window_s
+        self.window_s, self.keep_s = window_s, keep_s
         self.stats = Stats()
         self._inbox: queue.Queue[Inbound] = queue.Queue()
         self._stopping = threading.Event()
@@ -166,12 +168,26 @@ class Consumer:
     # ---- writer thread -------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         last_log = (time.monotonic(), 0)
+        next_prune = time.monotonic()  # at start too: a fleet restarted after months prunes at once
         while not self._stopping.is_set():
             batch = self._gather()
             if batch:
                 self._handle(batch)
             last_log = self._maybe_log_rate(last_log)
+            if self.keep_s is not None and time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + PRUNE_EVERY_S
+                self._prune()
         self._flush()
+
+    def _prune(self) -> None:
+        """Retention, in the writer thread (the store's owner); a failure waits for the next period."""
+        try:
+            deleted = self.store.prune(time.time() - self.keep_s)
+        except sqlite3.Error as e:
+            log.error("pruning telemetry older than %.0f days failed: %s", self.keep_s / 86400, e)
+            return
+        if deleted:
+            log.info("pruned %d telemetry rows older than %.0f days", deleted, self.keep_s / 86400)
 
     def _flush(self) -> None:
         """On stop: commit what has arrived so far; anything later is not acked and comes again next time."""
@@ -269,11 +285,12 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
 
 
 def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
-          credentials: Credentials = Credentials(), artifacts: tuple | None = None) -> Stats:
+          credentials: Credentials = Credentials(), artifacts: tuple | None = None,
+          keep_s: float | None = None) -> Stats:
     """Run a consumer until `stop` is set; returns its totals. With artifacts (host, port, directory) it also
-    serves published bundles over HTTP and drives model rollouts."""
+    serves published bundles over HTTP and drives model rollouts. keep_s: telemetry retention."""
     store = FleetStore(db_path)
-    consumer = Consumer(store, url, client_id, shared_group, credentials=credentials).start()
+    consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None
     started = time.monotonic()
     try:

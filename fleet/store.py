@@ -67,6 +67,15 @@ def _create_rejected(db: sqlite_utils.Database) -> None:
                           pk=("device_id", "reason"))
 
 
+TELEMETRY_TABLES = ("requests", "samples", "events")  # what retention prunes; the registry and jobs stay
+PRUNE_BATCH_ROWS = 5000  # rows deleted per transaction: the consumer's commits never wait long behind a prune
+
+
+def _index_telemetry_ts(db: sqlite_utils.Database) -> None:
+    for table in ("samples", "events"):  # requests has one: retention finds old rows without a table scan
+        db[table].create_index(["ts"], if_not_exists=True)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -74,6 +83,7 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0004_updates", create_update_tables),
     ("0005_job_device_timeout", add_device_timeout),
     ("0006_job_device_report_times", add_report_times),
+    ("0007_telemetry_ts_index", _index_telemetry_ts),
 )
 
 
@@ -208,6 +218,21 @@ class FleetStore:
             self.db.rollback()
             raise
         self.db.execute("COMMIT")
+
+    def prune(self, before_ts: float) -> int:
+        """Delete telemetry stamped before before_ts (the device's clock) from TELEMETRY_TABLES, a batch per
+        transaction; returns how many rows went. Devices, jobs and rejected counts are kept."""
+        deleted = 0
+        for table in TELEMETRY_TABLES:
+            while True:
+                with self._transaction():
+                    n = self.db.execute(f"DELETE FROM {table} WHERE rowid IN "
+                                        f"(SELECT rowid FROM {table} WHERE ts < ? LIMIT ?)",
+                                        [before_ts, PRUNE_BATCH_ROWS]).rowcount
+                deleted += n
+                if n < PRUNE_BATCH_ROWS:
+                    break
+        return deleted
 
     def migrate(self) -> list[str]:
         """Apply the migrations this file has not seen, in order, each in its own transaction."""

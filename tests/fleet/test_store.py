@@ -191,3 +191,38 @@ def test_values_sqlite_or_the_queries_cannot_hold_are_rejected_at_ingest(bad):
         return
     with pytest.raises(Rejected, match="schema"):
         add()
+
+
+def test_prune_deletes_old_telemetry_in_batches_and_keeps_the_registry(tmp_path, monkeypatch):
+    """Retention (found in review: nothing ever deleted telemetry, ~170 M rows a day at 200 devices)."""
+    import fleet.store as store_module
+
+    monkeypatch.setattr(store_module, "PRUNE_BATCH_ROWS", 4)  # several batches per table
+    store = FleetStore(tmp_path / "f.db")
+    store.commit(ingest_of("d1", records("old", range(1, 40), ts=1000.0)))
+    store.commit(ingest_of("d1", records("new", range(1, 40), ts=9000.0)))
+    ingest = Ingest()
+    ingest.add_state(state(1), 100.0)
+    store.commit(ingest)
+    before = total_rows(store)
+    assert store.prune(5000.0) == 39 and total_rows(store) == before - 39
+    for table in ("requests", "samples", "events"):
+        assert store.db[table].count_where("boot_id = 'old'") == 0 and store.db[table].count_where("boot_id = 'new'")
+    assert store.db["devices"].count == 1 and store.prune(5000.0) == 0
+    store.close()
+
+
+def test_the_consumer_prunes_old_telemetry_when_it_starts(broker, consumers, fleet_db):
+    import time
+
+    from fleet.store import connect
+    from fleet_support import wait_until
+
+    store = FleetStore(fleet_db)
+    store.commit(ingest_of("d1", records("old", range(1, 10), ts=time.time() - 100 * 86400)))
+    store.commit(ingest_of("d1", records("new", range(1, 10), ts=time.time() - 86400)))
+    consumers(store=store, keep_s=90 * 86400.0)
+    db = connect(fleet_db)
+    wait_until(lambda: sum(db[t].count for t in ("requests", "samples", "events")) == 9,
+               message="the 100-day-old rows pruned")
+    db.close()
