@@ -10,6 +10,7 @@ import enum
 import json
 import re
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -144,26 +145,31 @@ class ModelConfig(_Frozen):
 
 
 # ---- Per-request figures (the engine computes them; the API, telemetry and the fleet carry them) --------
+# Counts, times and rates are never negative: a negative count made the fleet's "tokens served" go down.
+Count = Annotated[int, Field(ge=0)]
+Amount = Annotated[float, Field(ge=0)]
+
+
 class RequestFigures(_Frozen):
     """What one request cost and how fast it ran. Times are wall-clock, monotonic, in milliseconds."""
 
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    queue_ms: float  # submission -> first admitted into the batch (a preempted request's later wait is not in it)
-    ttft_ms: float  # submission -> first token (includes queue_ms)
-    prefill_tokens_per_s: float  # prompt tokens computed / prefill time
-    decode_tokens_per_s: float  # (completion_tokens - 1) / (last token - first token); 0 if < 2 tokens
+    prompt_tokens: Count
+    completion_tokens: Count
+    cached_prompt_tokens: Count = 0  # prompt tokens whose KV came from the prefix cache
+    queue_ms: Amount  # submission -> first admitted into the batch (a preempted request's later wait is not in it)
+    ttft_ms: Amount  # submission -> first token (includes queue_ms)
+    prefill_tokens_per_s: Amount  # prompt tokens computed / prefill time
+    decode_tokens_per_s: Amount  # (completion_tokens - 1) / (last token - first token); 0 if < 2 tokens
     # inter-token latency percentiles over the decode; like decode_tokens_per_s they include any time the
     # request spent preempted, since its client waited through it too
-    itl_p50_ms: float
-    itl_p95_ms: float
-    e2e_ms: float  # submission -> finished
-    kv_bytes: int  # KV-cache bytes of the largest slot the request held
+    itl_p50_ms: Amount
+    itl_p95_ms: Amount
+    e2e_ms: Amount  # submission -> finished
+    kv_bytes: Count  # KV-cache bytes of the largest slot the request held
     finish_reason: str  # stop | length | cancelled | error
-    preemptions: int = 0
-    drafted_tokens: int = 0  # speculative decoding: tokens proposed, and those the model accepted
-    accepted_tokens: int = 0
+    preemptions: Count = 0
+    drafted_tokens: Count = 0  # speculative decoding: tokens proposed, and those the model accepted
+    accepted_tokens: Count = 0
 
 
 # ---- MQTT: topics and messages shared by the agent and the fleet (MQTT v5) ---------------------------------
@@ -229,13 +235,13 @@ class RequestRecord(_Frozen):
 class SampleRecord(_Frozen):
     """A periodic engine / system sample over an interval."""
 
-    interval_s: float
-    rss_mb: float
-    cpu_percent: float
-    kv_utilization: float
-    queue_depth: int
-    running: int
-    tokens_per_s: float  # tokens generated over the interval / interval
+    interval_s: Amount
+    rss_mb: Amount
+    cpu_percent: Amount
+    kv_utilization: Amount
+    queue_depth: Count
+    running: Count
+    tokens_per_s: Amount  # tokens generated over the interval / interval
 
 
 class EventRecord(_Frozen):

@@ -240,3 +240,18 @@ def test_a_state_from_a_clock_ahead_device_never_sets_contact_in_the_future():
     ingest = Ingest()
     add_message(ingest, Inbound(topic("d1", "state"), ahead.model_dump_json().encode(), 1, 1, False, 0), "d1", now)
     assert ingest.seen["d1"] == now
+
+
+def test_a_negative_count_or_time_is_refused():
+    """Found in review: completion_tokens -1000 was stored, and the fleet's "tokens served" went down."""
+    from fleet.consumer import Inbound, Rejected, add_message
+    from fleet.store import Ingest
+
+    good = TelemetryBatch(device_id="dev-x", records=[request_record("boot-x", 1, time.time(), random.Random(1))])
+    for field in ("completion_tokens", "ttft_ms", "decode_tokens_per_s"):
+        body = json.loads(good.model_dump_json())
+        body["records"][0]["request"]["figures"][field] = -1000
+        with pytest.raises(Rejected) as e:
+            add_message(Ingest(), Inbound(topic("dev-x", "tele"), json.dumps(body).encode(), 1, 1, False, 0), "dev-x",
+                        time.time())
+        assert e.value.reason == "schema" and field in str(e.value)
