@@ -54,6 +54,7 @@ REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x8
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
 STABLE_CONNECTION_S = 60.0
+JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status reported while away is not lost)
 # {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
 EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())  # a connection that lasted this long resets the backoff; a shorter one does not
 
@@ -263,7 +264,11 @@ class MqttLink:
         """Report a job's state (QoS 1, retained: the fleet sees the latest even after its own restart).
         Kept and re-sent after a reconnect, so a status reported while offline is not lost."""
         with self._job_lock:
+            # the latest job last: on a reconnect they go out in order, and the topic retains the last one
+            self._job_status.pop(job_id, None)
             self._job_status[job_id] = update_json
+            while len(self._job_status) > JOB_STATUSES_KEPT:  # months of rollouts: only the recent ones matter
+                self._job_status.pop(next(iter(self._job_status)))
             conn = self._conn if self.is_connected else None
         if conn is not None:
             conn.client.publish(topic(self.device_id, "jobs", "update"), update_json, qos=1, retain=True)

@@ -489,6 +489,21 @@ def test_a_record_over_the_brokers_packet_limit_is_dropped_and_the_rest_delivere
         small.stop()
 
 
+def test_only_recent_job_statuses_are_kept_for_a_reconnect_and_the_latest_goes_last(tmp_path):
+    """Found in review: every job's status was kept for good and re-sent at every reconnect, in the order the
+    jobs first reported, so the retained one could be an old job's."""
+    from agent.mqtt import JOB_STATUSES_KEPT
+
+    store = TelemetryStore(tmp_path / "d.db", "dev-j")
+    link = MqttLink(fast_config("mqtt://127.0.0.1:1"), "dev-j", store)  # never started: nothing is sent
+    for i in range(20):
+        link.publish_job_status(f'{{"job": {i}}}', f"job-{i}")
+    link.publish_job_status('{"job": 15, "again": true}', "job-15")
+    kept = [f"job-{i}" for i in range(20 - JOB_STATUSES_KEPT, 20) if i != 15] + ["job-15"]
+    assert list(link._job_status) == kept
+    store.close()
+
+
 def test_an_oversized_job_document_is_dropped_with_a_log_line(broker, tmp_path, caplog):
     """Found in review: it was dropped without a word."""
     from agent.wire import MAX_PAYLOAD_BYTES
