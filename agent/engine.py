@@ -182,16 +182,16 @@ class Engine:
         if params.speculative == "draft" and self.draft is None:
             raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)",
                                param="speculative")
-        queued = self.scheduler.num_queued + self._inbox.qsize()  # preempted requests wait too, but were admitted
-        if queued >= self.config.max_queue:
-            raise RequestError(f"overloaded: {queued} requests are already waiting", "overloaded")
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
         seq.draft_length = next_draft_length(self._spec_backoff.get(self._spec_mode(seq)))
         handle = RequestHandle(seq)
-        with self._submit_lock:
+        with self._submit_lock:  # counted and queued as one: simultaneous submits cannot all pass the check
             if self._stop.is_set():
                 raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
+            queued = self.scheduler.num_queued + self._inbox.qsize()  # preempted ones wait too, but were admitted
+            if queued >= self.config.max_queue:
+                raise RequestError(f"overloaded: {queued} requests are already waiting", "overloaded")
             self._inbox.put(handle)
         self._wake.set()
         return handle

@@ -216,6 +216,30 @@ def test_an_engine_that_lost_its_model_session_stops_instead_of_failing_every_re
     e.stop()
 
 
+def test_simultaneous_submits_never_queue_past_max_queue(tiny_bundle):
+    """Found in review: the queue's depth was checked outside the lock that queues, so submits arriving
+    together could each pass it."""
+    import threading
+
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, max_queue=4))
+    accepted, refused, start = [], [], threading.Barrier(32)
+
+    def submit():
+        start.wait()
+        try:
+            accepted.append(engine.submit(prompts(1)[0], SamplingParams(max_tokens=2, **GREEDY)))
+        except RequestError as e:
+            refused.append(e)
+
+    threads = [threading.Thread(target=submit) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(accepted) == 4 and len(refused) == 28  # the engine is not running: nothing left the queue
+    engine.stop()
+
+
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
     with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
         Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
