@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import http.client
 import json
 import logging
 import os
 import queue
-import threading
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -42,8 +43,10 @@ from agent.wire import JobDocument, JobState, JobStep
 log = logging.getLogger(__name__)
 
 RUNTIME_OVERHEAD_BYTES = 96 * MB  # ONNX Runtime + Python beside the weights (measured ~80 MB for SmolLM2)
-DOWNLOAD_ATTEMPTS = 5
+DOWNLOAD_ATTEMPTS = 5  # attempts in a row that add less than CHUNK_BYTES before a download fails
 CHUNK_BYTES = 1 << 20
+MIN_DOWNLOAD_BYTES_PER_S = 16 << 10  # an attempt slower than this on average is cut off and resumed
+MIN_ATTEMPT_S = 60.0
 
 
 class JobFailed(Exception):
@@ -73,10 +76,19 @@ class ModelStore:
         tmp.rename(self.root / name)  # rename(2) replaces the old link atomically
 
     def activate(self, bundle_dir: Path) -> None:
-        current = self.link("current")
+        current, displaced = self.link("current"), self.link("previous")
         if current and current != bundle_dir.resolve():
             self._set_link("previous", current)
         self._set_link("current", bundle_dir)
+        self._remove_unlinked(displaced)
+
+    def _remove_unlinked(self, bundle_dir: Path | None) -> None:
+        """Delete an installed bundle that neither link names any more: every update left one behind, and
+        months of them filled the disk. A directory outside models/ (`serve --model DIR`) is the user's."""
+        if (bundle_dir is None or bundle_dir.parent != self.models.resolve()
+                or bundle_dir in (self.link("current"), self.link("previous"))):
+            return
+        shutil.rmtree(bundle_dir, ignore_errors=True)
 
     def rollback(self) -> Path:
         previous = self.link("previous")
@@ -253,9 +265,10 @@ class UpdateJob:
         # Quoted: a signed file name with a control character raised http.client.InvalidURL out of the job, and
         # a '#', '?' or '%' in a name would change what the URL points at.
         url = f"{self.doc.base_url.rstrip('/')}/{urllib.parse.quote(rel)}"
-        for attempt in range(DOWNLOAD_ATTEMPTS):
+        stalled = 0  # attempts in a row that got (nearly) nowhere: one that progresses resets the count
+        while stalled < DOWNLOAD_ATTEMPTS:
             have = path.stat().st_size if path.exists() else 0
-            if have == entry.size_bytes:
+            if path.exists() and have == entry.size_bytes:  # exists: a 0-byte file must still be created
                 return
             if have > entry.size_bytes:
                 path.unlink()
@@ -266,29 +279,37 @@ class UpdateJob:
                 if e.code != 416 and 400 <= e.code < 500:  # not there or not ours: retrying will not help
                     raise JobFailed(JobState.FAILED, f"download of {rel} refused: HTTP {e.code} {e.reason}") from e
                 log.info("download of %s: HTTP %s, retrying", rel, e.code)
-                time.sleep(min(0.2 * 2 ** attempt, 5))
-            except (OSError, urllib.error.URLError) as e:
+            except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
+                # HTTPException: a body cut off mid-chunk (IncompleteRead) or a garbled status line
                 if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the disk, not the network
                     raise JobFailed(JobState.FAILED, f"no space left for {rel} on the device: {e}") from e
                 log.info("download of %s interrupted (%s), resuming", rel, e)
-                time.sleep(min(0.2 * 2 ** attempt, 5))
-        if not path.exists() or path.stat().st_size != entry.size_bytes:
-            raise JobFailed(JobState.FAILED, f"download of {rel} incomplete after {DOWNLOAD_ATTEMPTS} attempts")
+            now = path.stat().st_size if path.exists() else -1
+            stalled = 0 if now >= 0 and now - have >= min(CHUNK_BYTES, entry.size_bytes - have) else stalled + 1
+            if stalled:
+                time.sleep(min(0.2 * 2 ** stalled, 5))
+        raise JobFailed(JobState.FAILED, f"download of {rel} incomplete: no progress in {DOWNLOAD_ATTEMPTS} attempts")
 
     @staticmethod
     def _get(url: str, path: Path, have: int, size: int, progress: Callable[[int], None]) -> None:
+        # the socket timeout bounds one read; the deadline bounds the attempt (a server trickling a byte every
+        # few seconds held the update thread, and every job queued behind it, for days)
+        deadline = time.monotonic() + max(MIN_ATTEMPT_S, (size - have) / MIN_DOWNLOAD_BYTES_PER_S)
         req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         with urllib.request.urlopen(req, timeout=30) as resp:
             mode = "ab" if have and resp.status == 206 else "wb"  # a 200 means the server ignored Range
-            written = have if mode == "ab" else 0
+            written = reported = have if mode == "ab" else 0
             with open(path, mode) as f:
-                while chunk := resp.read(CHUNK_BYTES):
+                while chunk := resp.read1(CHUNK_BYTES):  # what has arrived: read() waits for a whole chunk
                     if written + len(chunk) > size:  # a wrong or endless body must not fill the disk
                         raise JobFailed(JobState.FAILED, f"{url} sent more than the {size} bytes the signed "
                                                          f"manifest lists")
                     f.write(chunk)
                     written += len(chunk)
-                    progress(written)
+                    if written - reported >= CHUNK_BYTES or written == size:  # a status a MiB, not a read
+                        progress(reported := written)
+                    if time.monotonic() > deadline:  # what arrived is kept: the next attempt resumes after it
+                        raise TimeoutError(f"slower than {MIN_DOWNLOAD_BYTES_PER_S >> 10} kB/s")
 
     # -- verify, load, check --
     def _verify(self) -> Bundle:
@@ -352,9 +373,10 @@ class UpdateJob:
             raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {previous.name}: {e}") from e
 
     def _rollback(self) -> JobState:
-        self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         store = self.ctx.store
         serving, kept = store.link("current"), store.link("previous")
+        self.staging = kept  # journalled as the target: after a crash, recover() sees whether current became it
+        self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         target = store.rollback()
         try:
             self.ctx.swap(open_bundle(target))  # verified in full: it may be the model whose activation failed
@@ -391,7 +413,10 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
     update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id, state=state, reason=reason,
                                   ts=time.time())
-    ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None, "target": None})
+    try:
+        ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None, "target": None})
+    except OSError as e:  # a full disk: the agent must still start and serve; it settles again next start
+        log.error("cannot write the update journal: %s", e)
     ctx.report(update)
     return update
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,172 @@ def test_a_journal_that_cannot_be_written_fails_the_job_with_the_reason(tmp_path
     assert [r.state for r in dev.reports] == [JobState.QUEUED, JobState.FAILED]
     assert "cannot write the update journal" in dev.reports[-1].reason and "No space left" in dev.reports[-1].reason
     assert dev.serving.manifest.version == v1.manifest.version and dev.staging_empty()
+
+
+# ---- found in review (2026-12-04) ------------------------------------------------------------------------
+class TricklingHandler(RangeHandler):
+    """Sends 4 kB, then a byte every 0.3 s: never a socket timeout, never the end. `forever=False`: only the
+    first response trickles."""
+
+    forever = True
+    requests = 0
+
+    def copyfile(self, source, outputfile):
+        TricklingHandler.requests += 1
+        if not TricklingHandler.forever and TricklingHandler.requests > 1:
+            return super().copyfile(source, outputfile)
+        outputfile.write(source.read(4096))
+        try:
+            while byte := source.read(1):
+                outputfile.write(byte)
+                outputfile.flush()
+                time.sleep(0.3)
+        except OSError:
+            pass  # the device gave up on us
+
+
+@pytest.mark.parametrize("forever", [False, True])
+def test_a_trickling_server_is_cut_off_and_resumed_or_given_up_on(forever, tmp_path, bundles, keys, monkeypatch):
+    """A server sending a byte every few seconds held the update thread (and every job behind it) for days."""
+    import agent.updates as updates
+
+    monkeypatch.setattr(updates, "MIN_ATTEMPT_S", 1.0)
+    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt gets MIN_ATTEMPT_S
+    TricklingHandler.forever, TricklingHandler.requests = forever, 0
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    server = ArtifactServer(tmp_path / "artifacts", handler=TricklingHandler).start()
+    t0 = time.monotonic()
+    try:
+        url = server.publish_dir(v2.path, "tiny-v2")
+        state = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run()
+    finally:
+        server.stop()
+    if forever:
+        assert state is JobState.FAILED and "no progress in 5 attempts" in dev.reports[-1].reason
+        assert time.monotonic() - t0 < 30 and dev.serving.manifest.version == v1.manifest.version
+    else:
+        assert state is JobState.SUCCEEDED and TricklingHandler.requests >= 2
+
+
+def test_a_body_cut_off_mid_chunk_is_resumed(tmp_path, bundles, keys, server, monkeypatch):
+    """http.client.IncompleteRead (a chunked body cut off) and BadStatusLine escaped as "internal error"."""
+    import http.client
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    get, failures = UpdateJob._get, [http.client.IncompleteRead(b"x" * 10), http.client.BadStatusLine("garbage")]
+
+    def flaky(url, path, have, size, progress):
+        if failures:
+            raise failures.pop()
+        return get(url, path, have, size, progress)
+
+    monkeypatch.setattr(UpdateJob, "_get", staticmethod(flaky))
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    assert not failures
+
+
+class OftenDroppingHandler(RangeHandler):
+    """Drops the connection after 2 kB of the weights file, eight times over."""
+
+    drops_left = 8
+
+    def copyfile(self, source, outputfile):
+        if self.path.endswith(wire.GRAPH_DATA) and OftenDroppingHandler.drops_left > 0 and self._remaining > 2048:
+            OftenDroppingHandler.drops_left -= 1
+            outputfile.write(source.read(2048))
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        super().copyfile(source, outputfile)
+
+
+def test_a_download_that_keeps_progressing_is_not_cut_at_five_attempts(tmp_path, bundles, keys, monkeypatch):
+    """Five attempts a file were allowed even when each got further than the last: a flaky link failed."""
+    import agent.updates as updates
+
+    monkeypatch.setattr(updates, "CHUNK_BYTES", 1024)  # so that an attempt adding 2 kB made progress
+    v1, v2 = bundles
+    assert v2.manifest.files[wire.GRAPH_DATA].size_bytes > 9 * 2048
+    dev = Device(tmp_path, v1, keys)
+    OftenDroppingHandler.drops_left = 8
+    server = ArtifactServer(tmp_path / "artifacts", handler=OftenDroppingHandler).start()
+    try:
+        url = server.publish_dir(v2.path, "tiny-v2")
+        state = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run()
+    finally:
+        server.stop()
+    assert state is JobState.SUCCEEDED and OftenDroppingHandler.drops_left == 0, dev.reports[-1]
+
+
+def test_an_empty_file_in_a_signed_manifest_installs(tmp_path, bundles, keys, server):
+    """With no file on disk, 0 bytes 'had' equalled the signed size, so it was never created."""
+    import hashlib
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    src = tmp_path / "v2-notice"
+    shutil.copytree(v2.path, src)
+    (src / "NOTICE").write_bytes(b"")
+    files = {**{k: v.model_dump() for k, v in v2.manifest.files.items()},
+             "NOTICE": {"sha256": hashlib.sha256(b"").hexdigest(), "size_bytes": 0}}
+    m = _tamper_manifest(v2.manifest, files=files)
+    (src / wire.MANIFEST).write_text(m.model_dump_json(indent=2))
+    url = server.publish_dir(src, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(m, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED, \
+        dev.reports[-1]
+    assert (dev.store.link("current") / "NOTICE").stat().st_size == 0
+
+
+class Crash(BaseException):
+    """The process dying mid-step (nothing of ours catches a BaseException)."""
+
+
+def test_a_crash_in_a_rollback_after_the_links_moved_is_recovered_as_succeeded(tmp_path, bundles, keys, server):
+    """The rollback journalled no target, so recovery reported FAILED for a rollback that had happened."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+
+    def crash(bundle):
+        raise Crash()
+
+    dev.ctx.swap = crash
+    with pytest.raises(Crash):
+        UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run()
+    assert dev.store.link("current").name.endswith(v1.manifest.version)  # the links had moved
+    settled = recover(dev.ctx)
+    assert settled.job_id == "rb" and settled.state is JobState.SUCCEEDED, settled
+
+
+def test_recovery_on_a_full_disk_still_reports_and_lets_the_agent_start(tmp_path, bundles, keys, monkeypatch):
+    import errno
+
+    v1, _ = bundles
+    dev = Device(tmp_path, v1, keys)
+    dev.store.write_journal({"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "target": None})
+
+    def full(entry):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dev.store, "write_journal", full)
+    settled = recover(dev.ctx)
+    assert settled.state is JobState.FAILED and dev.reports[-1] == settled
+
+
+def test_each_update_deletes_the_bundle_no_link_names_any_more(tmp_path):
+    """Every update left the bundle it displaced from `previous` in models/: months of them filled the disk."""
+    store = ModelStore(tmp_path / "state")
+    outside = tmp_path / "seeded"  # `serve --model DIR`: the user's directory, never deleted
+    dirs = [outside, *(store.models / name for name in ("a", "b", "c"))]
+    for d in dirs:
+        d.mkdir()
+    for d in dirs:
+        store.activate(d)
+    assert outside.exists() and not (store.models / "a").exists()
+    assert sorted(p.name for p in store.models.iterdir() if p.name != ".staging") == ["b", "c"]
+    store.activate(store.models / "b")  # re-activating the previous one displaces nothing
+    assert (store.models / "c").exists() and store.link("current").name == "b"
