@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
@@ -35,6 +35,7 @@ ARCHITECTURES = {
 }
 SAVE_DTYPES = {"float32": np.float32, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too; a corrupt length must not read the file
 # Tensors some exporters include that carry nothing we need (recomputed from rope_theta).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -46,9 +47,12 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a Hugging Face checkpoint folder)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
 
 
 def _architecture(config: dict, folder: Path) -> str:
@@ -123,6 +127,8 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
         )
     except KeyError as e:
         raise CheckpointError(f"{folder}/config.json: missing required key {e.args[0]!r}") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # "hidden_size": null, "32", 0 heads
+        raise CheckpointError(f"{folder}/config.json: a size is not a usable number ({e})") from e
     return geometry
 
 
@@ -165,8 +171,14 @@ def read_header(path: Path) -> tuple[dict, int]:
     each tensor's `data_offsets` are relative to the start of the data.
     """
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, MAX_HEADER_BYTES)))
+        except (struct.error, ValueError) as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a readable safetensors file (its header is not a JSON object)")
+    return header, 8 + n
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -184,6 +196,15 @@ def _read_bf16(path: Path, entry: dict, data_start: int) -> np.ndarray:
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file as float32 (F32, F16 and BF16 are accepted)."""
     header, data_start = read_header(path)
+    try:
+        return _tensors(path, header, data_start)
+    except (SafetensorError, KeyError, TypeError, ValueError) as e:  # truncated data, a header that lies
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _tensors(path: Path, header: dict, data_start: int) -> dict[str, np.ndarray]:
     tensors = {}
     with safe_open(path, framework="numpy") as f:
         for name in f.keys():

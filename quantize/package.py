@@ -64,13 +64,19 @@ def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
     return f"{spec.precision}{settings}{'-src' if spec.keep_source_quant else ''}-{digest[:8]}"
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename tmp onto out; an existing out (force) is moved aside first and removed after."""
+def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
+    """Rename tmp onto out; an existing out (force) is moved aside first and removed after. Checked again
+    here: an output that appeared while the build ran (another build, a user) is not ours to replace."""
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise PackageError(f"{out} appeared while the bundle was being built (use --force to replace it)")
         out.rename(old)
     tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)  # a file or a link named like the output: rmtree left it behind
 
 
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
@@ -95,7 +101,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
                               with_hessians=spec.method == "gptq", threads=threads)
         calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
         _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads, progress, show_progress)
-        _replace_dir(tmp, out)
+        _replace_dir(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp.with_name(tmp.name + "-ref"), ignore_errors=True)

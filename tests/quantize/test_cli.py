@@ -105,3 +105,26 @@ def test_tampered_bundle_is_refused(built, tmp_path):
         f.seek(100)
         f.write(b"\xff\xff")
     assert_one_line_error(run("inspect", str(copy)), "sha256")
+
+
+def test_an_output_that_appears_during_the_build_is_not_replaced_without_force(tiny_checkpoint, tmp_path):
+    """Found in review: the final rename replaced whatever had appeared at the output meanwhile (another build,
+    a user's folder), --force or not; with --force, a file or link there left a .NAME.old-PID behind."""
+    from quantize.package import PackageError, build_bundle
+    from quantize.precision import QuantSpec
+
+    out = tmp_path / "bundle"
+
+    def someone_else_writes(_message: str) -> None:
+        if not out.exists():
+            out.mkdir()
+            (out / "precious.txt").write_text("mine")
+
+    with pytest.raises(PackageError, match="appeared while the bundle was being built"):
+        build_bundle(tiny_checkpoint, QuantSpec(), out, name="tiny", progress=someone_else_writes)
+    assert (out / "precious.txt").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["bundle"]
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    build_bundle(tiny_checkpoint, QuantSpec(), link, name="tiny", force=True, progress=lambda s: None)
+    assert link.is_dir() and not link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "link"]  # no .link.old-PID left

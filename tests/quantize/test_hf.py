@@ -260,3 +260,28 @@ def test_unexpected_tensor_is_an_error(tiny_checkpoint, tmp_path):
     (folder / hf.INDEX_FILE).unlink()  # so the glob finds the extra file
     with pytest.raises(CheckpointError, match="o_proj.bias"):
         hf.load(folder)
+
+
+# found in review (2026-12-04): each was an "internal error" (exit 2) instead of a line naming the file
+@pytest.mark.parametrize("cut", [4, 40, -100])
+def test_a_truncated_safetensors_file_is_named(cut, tiny_checkpoint, tmp_path):
+    folder = tmp_path / "m"
+    write_hf_folder(folder, "llama", tiny_checkpoint.tokenizer.tokenizer_json)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:cut])
+    with pytest.raises(CheckpointError, match=f"{shard.name}: not a readable safetensors file"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ([1, 2], "not a JSON object"),
+    (BASE_CONFIG | CONFIGS["llama"] | {"hidden_size": None}, "not a usable number"),
+    (BASE_CONFIG | CONFIGS["llama"] | {"num_attention_heads": 0}, "not a usable number"),
+])
+def test_a_config_json_of_the_wrong_shape_is_named(config, needle, tiny_checkpoint, tmp_path):
+    folder = tmp_path / "m"
+    write_hf_folder(folder, "llama", tiny_checkpoint.tokenizer.tokenizer_json)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=needle):
+        load_checkpoint(folder)
