@@ -29,7 +29,9 @@ install -m 0644 "$repo/systemd/tmpfiles.d/edge-llm.conf" /usr/lib/tmpfiles.d/edg
 systemd-sysusers /usr/lib/sysusers.d/edge-llm.conf
 systemd-tmpfiles --create /usr/lib/tmpfiles.d/edge-llm.conf
 install -m 0644 "$repo/systemd/edge-agent.service" /etc/systemd/system/edge-agent.service
-[ -f /etc/edge-agent/agent.toml ] || install -m 0640 -g edge-agent "$repo/systemd/agent.toml" /etc/edge-agent/agent.toml
+# owned by the agent's user: the service runs with Group=edge-llm-clients (its socket's group), whose members
+# must not read a config that may hold the broker password; ProtectSystem=strict keeps it read-only to the agent
+[ -f /etc/edge-agent/agent.toml ] || install -m 0600 -o edge-agent -g root "$repo/systemd/agent.toml" /etc/edge-agent/agent.toml
 if [ "$fleet" = 1 ]; then
     install -m 0644 "$repo/systemd/edge-fleet.service" /etc/systemd/system/edge-fleet.service
     [ -f /etc/edge-fleet/fleet.env ] || install -m 0640 -g edge-fleet "$repo/systemd/fleet.env" /etc/edge-fleet/fleet.env
@@ -43,7 +45,7 @@ if [ -n "$bundle" ]; then
     rm -rf "/var/lib/edge-agent/models/$name"
     mv "/var/lib/edge-agent/models/.$name.tmp" "/var/lib/edge-agent/models/$name"
     ln -sfn "models/$name" /var/lib/edge-agent/current.tmp && mv -T /var/lib/edge-agent/current.tmp /var/lib/edge-agent/current
-    chown -R edge-agent:edge-agent /var/lib/edge-agent
+    chown -R edge-agent:edge-llm-clients /var/lib/edge-agent  # as StateDirectory= sets it (mode 0700)
 fi
 
 "$prefix/venv/bin/edge-agent" check-config --config /etc/edge-agent/agent.toml
