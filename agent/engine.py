@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # spin_wait "auto" is re-measured at the first idle moment this many seconds after the last measurement
 # (0.25 s each; a rebuild, ~1-2 s, only when the answer changes)
 SPIN_RECHECK_S = 600.0
+MAX_FAILED_STEPS = 3  # steps in a row that raise before the engine stops (the watchdog then restarts it)
 
 
 class RequestError(ValueError):
@@ -173,6 +174,8 @@ class Engine:
 
     # ---- submission (any thread) ----
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestHandle:
+        if self._stop.is_set():  # checked again below, under the lock; this one before a closed engine's state
+            raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) >= self.kv.max_capacity:
@@ -220,19 +223,34 @@ class Engine:
             self._thread.join()
         self._end_held("unavailable: the engine stopped before the request finished")
 
+    def close(self) -> None:
+        """After stop(): let go of the model session, the KV cache and the prefix cache now. A stopped engine
+        never runs again, but references to it outlive it (the API's backend, telemetry), and a model switch
+        that has to drain the old model first needs that memory for the new one."""
+        if self.is_running:
+            raise RuntimeError("close() an engine after stop()")
+        self.runner = self.draft = self.prefix = None
+        self.kv = self.scheduler.kv = self.scheduler.retire = None
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        failed = 0  # steps in a row that raised, with no step that did work in between
         while not self._stop.is_set():
             self.heartbeat()
             try:
                 busy = self.step()
+                failed = 0 if busy else failed
             except Exception:  # a bug must not take the service down: fail what was in flight, keep serving
                 log.exception("engine step failed; ending the running requests with an error")
                 self._fail_running("internal error")
-                busy = True
+                busy, failed = True, failed + 1
+                if failed >= MAX_FAILED_STEPS:  # not one request's bad luck: the model itself no longer runs
+                    log.critical("%d engine steps in a row failed: stopping, so that the service restarts", failed)
+                    with self._submit_lock:
+                        self._stop.set()  # no heartbeat after this: systemd's watchdog restarts the service
             if not busy:
                 self._recheck_spinning()
                 self._wake.wait(self._wake_interval_s)

@@ -11,6 +11,7 @@ Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/api.sock [--config
 from __future__ import annotations
 
 import contextlib
+import gc
 import grp
 import logging
 import os
@@ -393,7 +394,8 @@ def describe_device(backend: Backend) -> dict:
 
 def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifier | None) -> None:
     """Activate a new model: load it beside the old one, switch new requests to it, let the old finish.
-    If the budget cannot hold both, the old engine drains and stops first (requests wait meanwhile)."""
+    If the budget cannot hold both, the old engine drains, stops and lets go of its memory first (new
+    requests meanwhile get 503 with Retry-After). If the new one still fails to load, the caller rolls back."""
     try:
         new = load_engine(bundle.path, config, notifier)
     except MemoryBudgetError:
@@ -401,6 +403,9 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
         old = backend.engine
         _drain(old, timeout_s=60)
         old.stop()
+        old.close()  # stopped alone, it kept its session and KV cache: the second load failed the same way
+        del old
+        gc.collect()
         new = load_engine(bundle.path, config, notifier)
         backend.swap(new)
         return

@@ -240,6 +240,66 @@ def test_simultaneous_submits_never_queue_past_max_queue(tiny_bundle):
     engine.stop()
 
 
+def test_a_switch_that_must_drain_first_frees_the_old_models_memory_before_loading(tiny_bundle, monkeypatch):
+    """Found in review: when the budget could not hold both models, the old engine was stopped but kept its
+    session and KV cache (the API and telemetry still referenced it), so the new model failed to load the
+    same way and the service was left on a stopped engine."""
+    import gc
+    import weakref
+
+    import agent.serve as serve
+    from agent.api import Backend
+    from agent.memory import MemoryBudgetError
+
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
+    old = serve.load_engine(tiny_bundle.path, config)
+    backend = Backend(old.bundle.manifest)
+    backend.mark_ready(old)
+    session = weakref.ref(old.runner.session)
+    load, loads = serve.load_engine, []
+
+    def budget_holds_one_model(path, config, notifier=None):
+        loads.append(session() is None)  # was the old model's session gone when this load began?
+        if len(loads) == 1:
+            raise MemoryBudgetError("memory_budget_mb is too small for both")
+        return load(path, config, notifier)
+
+    monkeypatch.setattr(serve, "load_engine", budget_holds_one_model)
+    del old
+    serve.swap_engine(backend, tiny_bundle, config, None)
+    gc.collect()
+    assert loads == [False, True] and backend.engine.is_running
+    assert backend.engine.generate(prompts(1)[0], SamplingParams(max_tokens=3, **GREEDY)).figures.completion_tokens == 3
+    backend.engine.stop()
+
+
+def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny_bundle):
+    """Found in review: with the model failing on every call, the loop failed each request and went on feeding
+    the watchdog, so systemd never restarted the service and /health said ready."""
+    from agent.engine import MAX_FAILED_STEPS
+
+    e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
+    beats = []
+    e.heartbeat = lambda: beats.append(1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model session is broken")
+
+    e.runner.forward = broken
+    e.start()
+    results = []
+    for _ in range(MAX_FAILED_STEPS):
+        results.append(e.submit(prompts(1)[0], SamplingParams(max_tokens=2, **GREEDY)).result())
+    deadline = time.monotonic() + 5
+    while e.is_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [r.figures.finish_reason for r in results] == ["error"] * MAX_FAILED_STEPS and not e.is_running
+    stopped_at = len(beats)
+    time.sleep(0.3)
+    assert len(beats) == stopped_at
+    e.stop()
+
+
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
     with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
         Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
