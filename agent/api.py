@@ -404,10 +404,19 @@ class OpenAIServer:
             raise invalid_request(f"the request body is {declared} bytes; at most {limit} are accepted",
                                   code="request_too_large", status=413)
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise invalid_request(f"the request body exceeds {limit} bytes", code="request_too_large", status=413)
+
+        async def read() -> None:
+            async for part in request.stream():
+                body.extend(part)
+                if len(body) > limit:
+                    raise invalid_request(f"the request body exceeds {limit} bytes", code="request_too_large",
+                                          status=413)
+
+        try:  # a client that stops mid-body held its connection (and a file descriptor) for good
+            await asyncio.wait_for(read(), self.config.request_timeout_s)
+        except TimeoutError:
+            raise invalid_request(f"the request body did not arrive within {self.config.request_timeout_s:g} s",
+                                  code="request_timeout", status=408) from None
         return bytes(body)
 
     def parse(self, body: bytes, model: type[om.SamplingRequest]) -> om.SamplingRequest:

@@ -70,7 +70,12 @@ class ApiConfig(BaseModel):
     tcp_any_host: bool = Field(False, description="allow a tcp host other than loopback (the API has no auth)")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies are refused (413)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 'overloaded' answer")
-    drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, time in-flight requests get to finish")
+    drain_timeout_s: float = Field(30.0, ge=0, le=50, description="on shutdown, time in-flight requests get to "
+                                   "finish (under the unit's TimeoutStopSec=60)")
+    max_connections: int = Field(256, ge=1, description="open connections beyond these get 503 (each holds a file "
+                                 "descriptor: keep it under the process's limit, LimitNOFILE=)")
+    request_timeout_s: float = Field(30.0, gt=0, description="a connection must send a whole request head, and "
+                                     "then its body, within this; idle or stalled ones are closed")
 
     @model_validator(mode="after")
     def _check_tcp(self):

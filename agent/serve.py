@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agent.api import Backend, ServerState, create_app
 from agent.bundle import open_bundle
@@ -153,6 +154,35 @@ def _unlink_if_socket(path: Path) -> None:
 
 
 # ---- the server -------------------------------------------------------------------------------------
+class _DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, with a deadline for each request head: a connection that opens and sends
+    nothing, or half its headers, was held for good (uvicorn's keep-alive timer starts only after a response
+    and stops at the first byte), and enough of them took every file descriptor."""
+
+    request_timeout_s = 30.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._await_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_request()
+
+    def connection_lost(self, exc) -> None:
+        self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _await_request(self) -> None:
+        if getattr(self, "_head_deadline", None) is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(self.request_timeout_s, self._close_if_idle, self.cycle)
+
+    def _close_if_idle(self, cycle_then) -> None:
+        if self.cycle is cycle_then and not self.transport.is_closing():  # no new request began since
+            self.transport.close()
+
+
 class _Uvicorn(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, backend: Backend):
         super().__init__(config)
@@ -193,8 +223,9 @@ class ApiServer:
         self.backend, self.sockets = backend, sockets
         self.metrics = metrics or Metrics()
         app = create_app(backend, self.metrics, config)
-        uv = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="off", access_log=False, log_config=None,
-                            timeout_graceful_shutdown=config.drain_timeout_s)
+        protocol = type("Protocol", (_DeadlineProtocol,), {"request_timeout_s": config.request_timeout_s})
+        uv = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", access_log=False, log_config=None,
+                            timeout_graceful_shutdown=config.drain_timeout_s, limit_concurrency=config.max_connections)
         self.uvicorn = _Uvicorn(uv, backend)
         self.load_error: BaseException | None = None
         self._thread: threading.Thread | None = None

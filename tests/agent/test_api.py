@@ -78,11 +78,11 @@ class Served:
 
 
 @contextmanager
-def serving(bundle, engine: Engine | None, load=None, config: ApiConfig | None = None):
+def serving(bundle, engine: Engine | None, load=None, **config):
     """A real server on a fresh Unix socket (AF_UNIX paths are short: not under pytest's tmp_path)."""
     folder = Path(tempfile.mkdtemp(prefix="edge-api-", dir="/tmp"))
     path = folder / "api.sock"
-    config = config or ApiConfig(socket=path, drain_timeout_s=2)
+    config = ApiConfig(**{"socket": path, "drain_timeout_s": 2, **config})
     server = ApiServer(Backend(Manifest.read(bundle.path)), [bind_unix(path, config.socket_mode, None)], config)
     server.start()
     server.load_in_background(load or (lambda: engine))
@@ -575,3 +575,50 @@ def test_speculative_extension_field_and_its_metrics(tiny_bundle, tiny_engine):
         assert no_draft.status_code == 400 and no_draft.json()["error"]["param"] == "speculative", no_draft.text
         m = s.metrics()
     assert "edge:spec_decode_num_draft_tokens_total" in m and "edge:spec_decode_num_accepted_tokens_total" in m
+
+
+# ---- found in review (2026-12-04): connections that hold a file descriptor for good -----------------------
+def raw_connection(path: Path) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    conn.connect(str(path))
+    return conn
+
+
+def closed_by_server(conn: socket.socket) -> bytes:
+    """What the server sent before closing (b"" if nothing); fails if it keeps the connection open."""
+    received = b""
+    while chunk := conn.recv(4096):
+        received += chunk
+    return received
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\n"])
+def test_a_connection_that_never_completes_a_request_head_is_closed(sent, tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine, request_timeout_s=0.5) as s:
+        conn = raw_connection(s.path)
+        conn.sendall(sent)
+        t0 = time.monotonic()
+        assert closed_by_server(conn) == b"" and time.monotonic() - t0 < 4
+        with s.http() as http:  # the server still serves
+            assert http.get("/health").status_code == 200
+
+
+def test_a_body_that_stops_arriving_gets_408(tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine, request_timeout_s=0.5) as s:
+        conn = raw_connection(s.path)
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        head = conn.recv(4096)
+        assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in head, head
+        conn.close()
+
+
+def test_connections_past_the_limit_get_503_not_a_descriptor_each(tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine, max_connections=2) as s:
+        idle = [raw_connection(s.path) for _ in range(2)]
+        conn = raw_connection(s.path)
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: agent\r\n\r\n")
+        assert conn.recv(4096).startswith(b"HTTP/1.1 503")
+        for c in (*idle, conn):
+            c.close()
