@@ -67,22 +67,30 @@ def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
     data = tomllib.loads(Path(path).read_text()) if path else {}
     tele = {k: flags.pop(k) for k in ("state_dir", "device_id") if flags.get(k) is not None}
     if flags.get("mqtt") is not None:
-        tele["mqtt"] = {**data.get("telemetry", {}).get("mqtt", {}), "url": flags.pop("mqtt")}
+        tele["mqtt"] = {**_table(_table(data, "telemetry"), "mqtt", "telemetry."), "url": flags.pop("mqtt")}
     flags.pop("mqtt", None)
     if tele:
-        data["telemetry"] = {**data.get("telemetry", {}), **tele}
+        data["telemetry"] = {**_table(data, "telemetry"), **tele}
     if flags.get("trusted_keys"):
-        data["updates"] = {**data.get("updates", {}), "trusted_keys": [str(p) for p in flags.pop("trusted_keys")]}
+        data["updates"] = {**_table(data, "updates"), "trusted_keys": [str(p) for p in flags.pop("trusted_keys")]}
     flags.pop("trusted_keys", None)
     engine_flags = {k: flags.pop(k) for k in ("threads", "memory_budget_mb") if flags.get(k) is not None}
     api_flags = {k: flags.pop(k) for k in ("socket", "tcp") if flags.get(k) is not None}
     if flags.get("model") is not None:
         data["model"] = flags["model"]
     if engine_flags:
-        data["engine"] = {**data.get("engine", {}), **engine_flags}
+        data["engine"] = {**_table(data, "engine"), **engine_flags}
     if api_flags:
-        data["api"] = {**data.get("api", {}), **api_flags}
+        data["api"] = {**_table(data, "api"), **api_flags}
     return AgentConfig.model_validate(data)
+
+
+def _table(data: dict, key: str, within: str = "") -> dict:
+    """data[key] as a table to lay flags over; `api = "x"` beside --socket was an internal TypeError."""
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ServeError(f"config: {within}{key} must be a table ([{within}{key}]), not {type(value).__name__}")
+    return value
 
 
 # ---- sockets ----------------------------------------------------------------------------------------

@@ -516,6 +516,19 @@ def test_config_file_with_flags_over_it(tmp_path):
         load_agent_config(toml, tcp="0.0.0.0:9000")
 
 
+@pytest.mark.parametrize("text, flags, where", [
+    ('api = "x"\n', {"socket": Path("/tmp/x.sock")}, "api must be a table"),
+    ("telemetry = 5\n", {"state_dir": Path("/tmp/s")}, "telemetry must be a table"),
+    ('[telemetry]\nmqtt = "m"\n', {"mqtt": "mqtt://127.0.0.1"}, "telemetry.mqtt must be a table"),
+])
+def test_a_config_section_that_is_not_a_table_is_named_even_with_flags(text, flags, where, tmp_path):
+    """Found in review: with the flags the unit passes, these were an internal TypeError naming no key."""
+    toml = tmp_path / "agent.toml"
+    toml.write_text(text)
+    with pytest.raises(ServeError, match=where):
+        load_agent_config(toml, **flags)
+
+
 def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle):
     folder = Path(tempfile.mkdtemp(prefix="edge-cli-", dir="/tmp"))
     path = folder / "api.sock"
