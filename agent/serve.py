@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 128  # pending connections per listener; clients beyond it are refused by the kernel
 PROBE_TIMEOUT_S = 1.0  # how long a stale-socket probe waits for a live server to accept
+LOADING_WAIT_S = 300.0  # a model switch waits this long for the first model to finish loading (TimeoutStartSec=)
 
 
 class ServeError(RuntimeError):
@@ -435,6 +436,13 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
     """Activate a new model: load it beside the old one, switch new requests to it, let the old finish.
     If the budget cannot hold both, the old engine drains, stops and lets go of its memory first (new
     requests meanwhile get 503 with Retry-After). If the new one still fails to load, the caller rolls back."""
+    # A job can arrive while the first model still loads (a rollback queued for an offline device): swapped in
+    # then, the loader's mark_ready() replaced it, and it ran on unused beside the one served.
+    deadline = time.monotonic() + LOADING_WAIT_S
+    while backend.state is ServerState.LOADING:
+        if time.monotonic() > deadline:
+            raise ServeError(f"the first model is still loading after {LOADING_WAIT_S:.0f} s: not switching now")
+        time.sleep(0.1)
     try:
         new = load_engine(bundle.path, config, notifier)
     except MemoryBudgetError:

@@ -300,6 +300,31 @@ def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny
     e.stop()
 
 
+def test_a_switch_while_the_first_model_loads_waits_for_it(tiny_bundle):
+    """Found in review: a rollback job arriving while the first model loaded was swapped in, then replaced by
+    the loader's engine, and ran on unused beside it."""
+    import threading
+
+    import agent.serve as serve
+    from agent.api import Backend
+
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
+    backend = Backend(tiny_bundle.manifest)  # LOADING
+    switch = threading.Thread(target=serve.swap_engine, args=(backend, tiny_bundle, config, None))
+    switch.start()
+    time.sleep(0.5)
+    assert switch.is_alive() and backend.engine is None  # it waits
+    first = serve.load_engine(tiny_bundle.path, config)
+    backend.mark_ready(first)
+    switch.join(30)
+    assert not switch.is_alive() and backend.engine is not first and backend.engine.is_running
+    deadline = time.monotonic() + 10
+    while first.is_running and time.monotonic() < deadline:  # retired once it drained
+        time.sleep(0.05)
+    assert not first.is_running
+    backend.engine.stop()
+
+
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
     with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
         Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
