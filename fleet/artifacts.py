@@ -6,8 +6,10 @@ Run: edge-fleet serve ... --artifacts-http 127.0.0.1:PORT
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import stat
 import threading
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +21,8 @@ _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 class RangeHandler(SimpleHTTPRequestHandler):
     """GET and HEAD of files under the server's directory, honouring a single `Range: bytes=a-[b]`."""
 
+    timeout = 60  # a client that stalls (or opens and sends nothing) held its thread and socket for good
+
     def list_directory(self, path):  # no directory listings
         self.send_error(HTTPStatus.NOT_FOUND)
         return None
@@ -26,18 +30,38 @@ class RangeHandler(SimpleHTTPRequestHandler):
     def log_message(self, format, *args):  # quiet: the fleet logs requests its own way
         pass
 
-    def send_head(self):
+    def _served_file(self):
+        """The requested file, open, or None: nothing a symlink leads outside the root to, nothing under a
+        dot-name (a bundle being copied in is `.NAME.tmp`). Opened before anything is sent, so a file
+        that goes meanwhile is a 404, not a 200 without a body."""
+        base = Path(self.directory)
         path = Path(self.translate_path(self.path))
-        if not path.is_file():
+        try:
+            relative = path.relative_to(base)
+            hidden = any(part.startswith(".") for part in relative.parts)
+            if hidden or not path.resolve().is_relative_to(base.resolve()) or not path.is_file():
+                return None  # is_file: opening a FIFO would block this thread until someone writes to it
+            f = open(path, "rb")
+        except (OSError, ValueError):  # missing, a directory, unreadable; not under the root at all
+            return None
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a FIFO or device would block or never end
+            f.close()
+            return None
+        return f
+
+    def send_head(self):
+        f = self._served_file()
+        if f is None:
             self.send_error(HTTPStatus.NOT_FOUND)
             return None
-        size = path.stat().st_size
+        size = os.fstat(f.fileno()).st_size
         start, end = 0, size - 1
         m = _RANGE.match(self.headers.get("Range", ""))
         if m:
             start = int(m.group(1))
             end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
             if start >= size or start > end:
+                f.close()
                 self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
                 self.send_header("Content-Range", f"bytes */{size}")
                 self.end_headers()
@@ -50,7 +74,6 @@ class RangeHandler(SimpleHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(end - start + 1))
         self.end_headers()
-        f = open(path, "rb")
         f.seek(start)
         self._remaining = end - start + 1
         return f
@@ -88,9 +111,12 @@ class ArtifactServer:
     def publish_dir(self, bundle: Path, name: str) -> str:
         """Copy a bundle under root/name (atomically) and return its URL prefix."""
         dest = self.root / name
-        tmp = self.root / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp, old = self.root / f".{name}.tmp", self.root / f".{name}.old"
+        for d in (tmp, old):
+            shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(bundle, tmp)
-        shutil.rmtree(dest, ignore_errors=True)
+        if dest.exists():
+            dest.rename(old)  # the live copy moves aside rather than being deleted file by file under readers
         tmp.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
         return f"{self.base_url}/{name}"

@@ -14,6 +14,7 @@ import enum
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,11 +24,14 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from agent.wire import MAX_EXPIRY_S
+
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x this without traffic
 BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
+STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
 
 
 class LinkError(ValueError):
@@ -189,13 +193,17 @@ class Link:
                 expiry_s: int | None = None) -> bool:
         """Queue a message; False if we are not connected. Response topic, correlation data and message
         expiry are MQTT v5 PUBLISH properties (3.3.2.3.3, 3.3.2.3.5, 3.3.2.3.6)."""
+        if self._state is not LinkState.CONNECTED:
+            # paho would queue it anyway and send it after the reconnect, while our caller, told False,
+            # tries again: a rollout's notices piled up through an outage and went out as a burst of copies
+            return False
         props = Properties(PacketTypes.PUBLISH)
         if response_topic is not None:
             props.ResponseTopic = response_topic
         if correlation_data is not None:
             props.CorrelationData = correlation_data
         if expiry_s is not None:
-            props.MessageExpiryInterval = max(1, int(expiry_s))
+            props.MessageExpiryInterval = max(1, int(min(expiry_s, MAX_EXPIRY_S)))
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         return info.rc == paho.MQTT_ERR_SUCCESS
 
@@ -203,7 +211,11 @@ class Link:
     def _supervise(self) -> None:
         attempt = 0
         while not self._stop.is_set():
-            attempt = 0 if self._connect_once() else attempt + 1
+            began = time.monotonic()
+            accepted = self._connect_once()
+            # a connection the broker accepts and drops at once (another consumer with our client id takes the
+            # session over) must back off too, or the two flap twice a second for good
+            attempt = 0 if accepted and time.monotonic() - began >= STABLE_CONNECTION_S else attempt + 1
             if self._stop.is_set():
                 break
             self._set_state(LinkState.BACKOFF)
@@ -215,6 +227,8 @@ class Link:
         """One connection: connect, run paho's network thread until the connection drops. True if the broker
         accepted it (the backoff then starts again from the bottom)."""
         self._dropped.clear()
+        if self._stop.is_set():  # stop() set _dropped just before the clear above: do not connect after it
+            return False
         self._accepted = False
         self._set_state(LinkState.CONNECTING)
         try:

@@ -33,7 +33,10 @@ def keygen(out: Path) -> str:
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
-    key = load_pem_private_key(Path(path).read_bytes(), password=None)
+    try:
+        key = load_pem_private_key(Path(path).read_bytes(), password=None)
+    except TypeError as e:  # cryptography's "Password was not given but private key is encrypted"
+        raise ValueError(f"{path}: the key is encrypted; give an unencrypted Ed25519 key (edge-fleet keygen)") from e
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"{path}: not an Ed25519 private key")
     return key

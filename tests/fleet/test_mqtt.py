@@ -69,3 +69,25 @@ def test_link_reconnects_after_the_broker_comes_back(broker):
     finally:
         link.stop()
     assert link.state is LinkState.STOPPED
+
+
+def test_a_publish_while_disconnected_is_refused_and_never_sent_later(broker):
+    """Found in review: paho queued what publish() reported as not sent and delivered it after the reconnect,
+    while the rollout driver retried every pass: an outage's notices went out as a burst of copies."""
+    import time
+
+    received = []
+    link = Link(broker.url, Session("pub-test"), [("t/#", 1)], received.append).start()
+    try:
+        assert link.wait_ready(10)
+        broker.stop()
+        wait_until(lambda: link.state in (LinkState.BACKOFF, LinkState.CONNECTING), message="the drop")
+        assert [link.publish("t/x", b"while away") for _ in range(10)] == [False] * 10
+        broker.start()
+        assert link.wait_ready(15)
+        assert link.publish("t/x", b"after")
+        wait_until(lambda: b"after" in [m.payload for m in received])
+        time.sleep(0.3)
+        assert [m.payload for m in received] == [b"after"]
+    finally:
+        link.stop()
