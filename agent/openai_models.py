@@ -146,13 +146,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     # OpenAI also allows a batch of prompts; with n = 1 only, a list must hold exactly one.
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
 
     def prompt_text_or_ids(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 raise FieldError(f"prompt: send one prompt per request (got {len(self.prompt)})", "prompt")
-            return self.prompt[0]
+            return self.prompt[0]  # a batch of one: a text, or (found in review) a list of token ids
         return self.prompt
 
 

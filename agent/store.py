@@ -42,6 +42,7 @@ ROW_OVERHEAD_BYTES = 64
 ENVELOPE_BYTES = 4096  # room a TelemetryBatch envelope needs around its records
 MAX_RECORD_BYTES = MAX_PAYLOAD_BYTES - ENVELOPE_BYTES  # a record must fit one batch on its own
 BUSY_TIMEOUT_S = 10.0  # another process (the CLI, a backup) may hold the write lock briefly
+WAL_LIMIT_BYTES = 4 << 20  # the WAL beside the capped file: kept to this after each checkpoint
 
 _KINDS = {RequestRecord: "request", SampleRecord: "sample", EventRecord: "event"}
 
@@ -148,6 +149,14 @@ def _connect(path: Path) -> Database:
     try:
         db.enable_wal()
         db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
+        db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL is truncated back to this
+        # Damage inside the file (a power cut on an SD card) passes the header and schema reads: found only
+        # later, it failed every retention pass, so the file grew and records were lost unreported
+        problem = db.execute("PRAGMA quick_check(1)").fetchone()[0]
+        if problem != "ok":
+            err = sqlite3.DatabaseError(f"database disk image is malformed: {problem}")
+            err.sqlite_errorcode = SQLITE_CORRUPT
+            raise err
         migrate(db)
     except BaseException:
         db.close()
@@ -329,8 +338,13 @@ class TelemetryStore:
                 if lost:
                     self._report_dropped(lost, unwritten)
             self._unwritten -= unwritten  # only now: a full disk can fail the COMMIT itself
-            if aged or delivered or dropped:
-                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # give the WAL's pages back too
+            if aged or delivered or dropped:  # give the WAL's pages back too, but never wait for a reader:
+                # this holds the store's lock, and a reader (a sqlite3 shell) made every append wait 10 s
+                self.db.execute("PRAGMA busy_timeout = 0")
+                try:
+                    self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                finally:
+                    self.db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             return RetentionReport(aged + delivered, lost, self.stored_bytes())
 
     def _delete_oldest(self, sent: int, excess_bytes: int) -> tuple[int, int]:
@@ -350,7 +364,7 @@ class TelemetryStore:
     def drop_undeliverable(self, row_ids: list[int], why: str) -> None:
         """Delete rows that can never be delivered, counted and reported under detail[why] ("invalid": no
         longer parses; "too_large": over the broker's packet limit)."""
-        with self.db.atomic():
+        with self._lock, self.db.atomic():  # the outbox thread's call: other threads share the connection
             self.db.conn.executemany("DELETE FROM records WHERE id = ?", [(i,) for i in row_ids])
             self._report_dropped(len(row_ids), 0, {why: len(row_ids)})
 

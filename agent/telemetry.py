@@ -151,8 +151,9 @@ class Telemetry:
         except StoreFull:
             self.store.count_unwritten()  # the next retention pass reports it as a dropped_rows event
             return
-        except sqlite3.Error:
+        except (sqlite3.Error, ValueError):  # damaged file, a record over the batch limit: lost, and said so
             log.exception("telemetry: a %s record could not be stored", type(body).__name__)
+            self.store.count_unwritten()
             return
         if self.link is not None:
             self.link.notify()

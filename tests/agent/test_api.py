@@ -152,6 +152,12 @@ def test_text_completions_with_text_and_token_id_prompts(tiny):
     chunks = list(by_ids)
     assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
     assert client.models.list().data[0].id == "tiny"
+    # a batch of one token list, as OpenAI accepts it (found in review: refused)
+    batch = client.completions.create(model="tiny", prompt=[[5, 6, 7, 8]], max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert batch.usage.prompt_tokens == 4 and batch.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+        client.completions.create(model="tiny", prompt=[[5, 6], [7, 8]], max_tokens=4)
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,42 @@ def test_a_corrupt_database_is_set_aside_and_a_new_one_started(db_path):
     assert TelemetryStore(db_path, "dev-1").recovered_from is None  # the new file is fine on the next start
 
 
+def test_damage_inside_the_file_is_found_at_start(db_path):
+    """Found in review: damage past the header and schema (8 kB overwritten mid-file) opened without a word,
+    then failed every retention pass, so the file grew, and records were lost unreported."""
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(3000):
+        store.append(EventRecord(kind="tick", detail={"i": i, "pad": "x" * 200}))
+    store.close()
+    data = bytearray(db_path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8192] = bytes(range(256)) * 32
+    db_path.write_bytes(bytes(data))
+    store = TelemetryStore(db_path, "dev-1")
+    assert store.recovered_from is not None and store.recovered_from.stat().st_size == len(data)
+    store.append(request())
+    store.close()
+
+
+def test_retention_never_waits_for_a_reader_holding_the_wal(db_path):
+    """Found in review: the WAL checkpoint waited out the 10 s busy timeout behind a reader (a sqlite3 shell),
+    holding the store's lock, so every append (one on the API's event loop) waited too."""
+    import time
+
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(50):
+        store.append(EventRecord(kind="tick", detail={"i": i}))
+    store.mark_sent([r.row_id for r in store.unsent(50)])
+    reader = sqlite3.connect(db_path)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM records").fetchone()  # a read transaction stays open
+    t0 = time.monotonic()
+    report = store.enforce(max_age_s=1e9, max_bytes=0)
+    assert report.deleted_delivered == 50 and time.monotonic() - t0 < 2
+    reader.close()
+    store.close()
+
+
 def test_a_database_that_cannot_be_opened_is_an_error_and_left_alone(tmp_path):
     path = tmp_path / "telemetry.db"
     path.mkdir()  # not a file at all: SQLite cannot open it, nothing is corrupt
