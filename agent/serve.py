@@ -443,6 +443,8 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
         if time.monotonic() > deadline:
             raise ServeError(f"the first model is still loading after {LOADING_WAIT_S:.0f} s: not switching now")
         time.sleep(0.1)
+    if backend.engine is not None:  # its config carries what SIGHUP changed since the start: kept, not reverted
+        config = backend.engine.config
     try:
         new = load_engine(bundle.path, config, notifier)
     except MemoryBudgetError:

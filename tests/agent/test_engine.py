@@ -325,6 +325,24 @@ def test_a_switch_while_the_first_model_loads_waits_for_it(tiny_bundle):
     backend.engine.stop()
 
 
+def test_a_model_switch_keeps_what_sighup_changed(tiny_bundle):
+    """Found in review: a switch loaded the new model with the settings read at start, silently undoing
+    every live change SIGHUP had applied since (max_queue, the default max_tokens, speculation...)."""
+    import agent.serve as serve
+    from agent.api import Backend
+
+    started_with = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, max_queue=64)
+    old = serve.load_engine(tiny_bundle.path, started_with)
+    backend = Backend(old.bundle.manifest)
+    backend.mark_ready(old)
+    old.config = old.config.model_copy(update={"max_queue": 7, "default_max_tokens": 33})  # as reload_live does
+    serve.swap_engine(backend, tiny_bundle, started_with, None)
+    assert backend.engine is not old
+    assert (backend.engine.config.max_queue, backend.engine.config.default_max_tokens) == (7, 33)
+    backend.engine.stop()
+    old.stop()
+
+
 def test_budget_too_small_is_a_clear_error(tiny_bundle):
     with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ MB"):
         Engine(tiny_bundle, EngineConfig(memory_budget_mb=64))
