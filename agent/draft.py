@@ -29,13 +29,6 @@ class DraftModel:
     def forget(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)
 
-    def warm_up(self, context: int) -> None:
-        """Its largest step once (a catch-up chunk over the whole context), before the engine measures memory."""
-        chunk = min(self.chunk_tokens, context)
-        cache = self.runner.new_cache(1, context)
-        self.runner.forward(np.zeros((1, chunk), np.int64), np.array([context - 1]), np.array([chunk]),
-                            np.array([[chunk - 1]]), cache)
-
     def propose(self, seq_id: int, ids: list[int], k: int) -> list[int]:
         """k greedy tokens after ids (ids = the sequence so far, including its last, not-yet-verified token)."""
         pool = self.kv.where[seq_id]

@@ -132,9 +132,9 @@ class Engine:
             d = self.draft.bundle.config
             per_token += kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim,
                                             self.draft.runner.kv_dtype.itemsize)
-        self._warm_up()
-        if self.draft is not None:
-            self.draft.warm_up(self.max_context)
+        self.runner.warm_up(self.config.prefill_chunk_tokens, self.max_context)
+        if self.draft is not None:  # its catch-up runs in the same chunks
+            self.draft.runner.warm_up(self.config.prefill_chunk_tokens, self.max_context)
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         budget = self.config.memory_budget_mb * MB
         need = required_budget_bytes(self.baseline_bytes, per_token, self.config.min_context)
@@ -163,14 +163,6 @@ class Engine:
                  self.config.prefix_block_tokens, self.prefix.nbytes / MB if self.prefix else 0,
                  self.config.memory_budget_mb)
         return pool
-
-    def _warm_up(self) -> None:
-        """Run the largest step once (a full prefill chunk attending over the whole context)."""
-        chunk = min(self.config.prefill_chunk_tokens, self.max_context)
-        cache = self.runner.new_cache(1, self.max_context)
-        ids = np.zeros((1, chunk), np.int64)
-        self.runner.forward(ids, np.array([self.max_context - 1]), np.array([chunk]), np.array([[chunk - 1]]), cache)
-        del cache
 
     # ---- submission (any thread) ----
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestHandle:
@@ -248,14 +240,19 @@ class Engine:
                 self._fail_running("internal error")
                 busy, failed = True, failed + 1
                 if failed >= MAX_FAILED_STEPS:  # not one request's bad luck: the model itself no longer runs
-                    log.critical("%d engine steps in a row failed: stopping, so that the service restarts", failed)
-                    with self._submit_lock:
-                        self._stop.set()  # no heartbeat after this: systemd's watchdog restarts the service
+                    self._give_up(f"{failed} engine steps in a row failed")
             if not busy:
                 self._recheck_spinning()
                 self._wake.wait(self._wake_interval_s)
                 self._wake.clear()
         self._end_held("unavailable: the engine stopped before the request finished")
+
+    def _give_up(self, why: str) -> None:
+        """From the loop: stop it. _run then ends what it holds, and with no heartbeat after it systemd's
+        watchdog restarts the service."""
+        log.critical("%s: stopping, so that the service restarts", why)
+        with self._submit_lock:
+            self._stop.set()
 
     def _end_held(self, message: str) -> None:
         """End every request held (queued, waiting or running) with an error: none is left waiting."""
@@ -275,9 +272,7 @@ class Engine:
         except Exception:  # the loop must outlive a failed measurement or rebuild
             log.exception("re-measuring spin_wait failed")
             if self.runner.session is None:  # neither the new session nor the old one could be built
-                log.critical("the engine has no model session left: stopping, so that the service restarts")
-                with self._submit_lock:
-                    self._stop.set()  # _run ends what it holds; no heartbeat after it, so the watchdog acts
+                self._give_up("the engine has no model session left")
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):

@@ -252,6 +252,13 @@ class ModelRunner:
             return False
         return True
 
+    def warm_up(self, chunk_tokens: int, context: int) -> None:
+        """Run the largest step once (a prefill chunk attending over the whole context), so that what it
+        allocates is resident before the engine measures memory."""
+        chunk = min(chunk_tokens, context)
+        self.forward(np.zeros((1, chunk), np.int64), np.array([context - 1]), np.array([chunk]),
+                     np.array([[chunk - 1]]), self.new_cache(1, context))
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
         keys = [lazy_zeros(shape, self.kv_dtype) for _ in range(self.num_layers)]
