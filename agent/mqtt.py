@@ -53,10 +53,10 @@ COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (log
 REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
-STABLE_CONNECTION_S = 60.0
+STABLE_CONNECTION_S = 60.0  # a connection that lasted this long resets the backoff; a shorter one does not
 JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status reported while away is not lost)
 # {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
-EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())  # a connection that lasted this long resets the backoff; a shorter one does not
+EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())
 
 
 class LinkState(enum.Enum):
