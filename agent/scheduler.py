@@ -1,8 +1,9 @@
 """Scheduling policy: which sequences run in the next step, and how many prompt tokens each prefills.
 
 Pure bookkeeping over Sequence objects and the KV pool; it runs nothing. Admission is first come, first
-served within a priority: the head of the queue is admitted when a slot that holds its tokens so far plus
-the next one is free, and nothing behind it jumps ahead, so no request starves. A sequence that fills its
+served within a priority (which ages; past max_queue_wait_s arrival order alone): the head of the queue is
+admitted when a slot that holds its tokens so far plus the next one is free, and nothing behind it jumps
+ahead, so no request starves. A sequence that fills its
 slot moves to a free slot of a larger class (never one that a waiting request ahead of it needs); when
 none is free, a holder of a large-enough slot that came after it is preempted (the smallest such slot,
 then the last come), or the sequence itself when there is none: its slot is freed, it waits again with
@@ -30,7 +31,7 @@ class StepPlan:
         return not self.prefills and not self.decodes
 
 
-AGING_S = 10.0  # a waiting request gains one priority level per this many seconds, so none starves
+AGING_S = 10.0  # a waiting request gains one priority level per this many seconds
 
 
 class Scheduler:
@@ -58,10 +59,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @staticmethod
-    def _order_key(now: float):
-        """Queue order: effective priority (lower first, aged by time since submission), then arrival."""
-        return lambda s: (s.priority - (now - s.t_submit) // AGING_S, s.t_submit, s.seq_id)
+    def _order_key(self, now: float):
+        """Queue order: effective priority (lower first, aged by time since submission), then arrival. A request
+        submitted more than max_queue_wait_s ago (a preempted one: a new one is refused by then) comes before
+        all others, in arrival order: priorities span 2^32 levels, more than aging alone overcomes, and a
+        preempted request is not refused, so without this a stream of higher priorities could keep it
+        waiting for ever."""
+        overdue_before = now - self.max_queue_wait_s
+        return lambda s: ((0, s.t_submit, s.seq_id) if s.t_submit < overdue_before
+                          else (1, s.priority - (now - s.t_submit) // AGING_S, s.t_submit, s.seq_id))
 
     def _queue_order(self, now: float) -> list[Sequence]:
         return sorted(self.waiting, key=self._order_key(now))

@@ -9,6 +9,7 @@ import pytest
 from agent.config import EngineConfig
 from agent.engine import Engine, RequestError
 from agent.kv_cache import KVPool
+from agent.openai_models import PRIORITY_RANGE
 from agent.memory import SizeClass
 from agent.prefix_cache import PrefixCache
 from agent.sampling_params import SamplingParams
@@ -164,6 +165,28 @@ def test_fcfs_within_priority_and_aging():
     sched.add(new_high)
     sched.add(old_low)
     assert sched.admit() == [old_low]
+
+
+def test_a_preempted_request_goes_first_once_overdue_whatever_the_priorities():
+    """Found in review: priorities span 2^32 levels, aging gains one level per AGING_S and a preempted request is
+    never refused as overloaded, so a stream of higher-priority arrivals kept it waiting for ever. Once it was
+    submitted more than max_queue_wait_s ago it goes first."""
+    lowest, highest = PRIORITY_RANGE[1], PRIORITY_RANGE[0]
+    kv = KVPool([SizeClass(32, 1)], num_layers=1, kv_heads=1, head_dim=2)
+    sched = Scheduler(kv, 16, max_queue_wait_s=5.0)
+    now = time.perf_counter()
+    low = make_seq(30, priority=lowest, t_submit=now - 4.0, prompt=6)
+    low.admit()
+    low.preempt()  # as grow() leaves it: waiting again, admitted once
+    sched.add(low)
+    urgent = make_seq(30, priority=highest, t_submit=now)
+    sched.add(urgent)
+    assert sched.admit() == [urgent]  # within the maximum wait, priority decides
+    sched.finish(urgent, FinishReason.STOP)
+    low.t_submit = now - 6.0  # as if two more seconds had passed
+    later = make_seq(30, priority=highest, t_submit=time.perf_counter())
+    sched.add(later)
+    assert sched.admit() == [low] and later in sched.waiting
 
 
 def test_a_blocked_head_is_never_overtaken_for_its_slot():
