@@ -64,7 +64,8 @@ class ChatMessage(_Request):
     def as_template_message(self) -> dict:
         # OpenAI: "developer" messages replace "system" ones for newer models; templates only know "system".
         role = "system" if self.role == "developer" else self.role
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # parts joined by a newline as vLLM does: "".join ran "Describe:" and "the cat" into one word's tokens
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return {"role": role, "content": text}
 
 

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.api import Backend
 from agent.config import ApiConfig, EngineConfig
 from agent.engine import Engine
+from agent.openai_models import ChatMessage
 from agent.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
 from agent.wire import Manifest
 from quantize.package import build_bundle
@@ -358,6 +359,13 @@ def test_what_openai_and_vllm_clients_legally_send_is_understood(tiny):
                               "(got 'image_url')")
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": None}]})
     assert r.status_code == 400 and "content must be a string or a list of text parts" in r.json()["error"]["message"]
+
+
+def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():
+    """Found in review: parts were joined with nothing between them, running the last word of one into the next."""
+    msg = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Summarize:"},
+                                                                  {"type": "text", "text": "the cat sat."}]})
+    assert msg.as_template_message() == {"role": "user", "content": "Summarize:\nthe cat sat."}
 
 
 def test_overloaded_engine_answers_429_with_retry_after(tiny_bundle):
