@@ -14,6 +14,7 @@ pins one.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -34,8 +35,8 @@ class PrefixCache:
         self.keys = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
         self.values = [lazy_zeros(shape, dtype) for _ in range(num_layers)]
         # chain key -> (store block index or Live, the block's tokens); most recently used last
-        self.index: OrderedDict[tuple, tuple[int | Live, tuple[int, ...]]] = OrderedDict()
-        self.chains: dict[int, list[tuple]] = {}  # sequence id -> chain keys of all its prompt's full blocks
+        self.index: OrderedDict[bytes, tuple[int | Live, tuple[int, ...]]] = OrderedDict()
+        self.chains: dict[int, list[bytes]] = {}  # sequence id -> chain keys of all its prompt's full blocks
         self.free = list(range(num_blocks - 1, -1, -1))
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -49,11 +50,14 @@ class PrefixCache:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def _chain(self, ids: list[int], n_blocks: int):
-        """(chain key, tokens) of each of the first n_blocks full blocks of ids."""
-        key: tuple = ()
+        """(chain key, tokens) of each of the first n_blocks full blocks of ids. The key is a SHA-256 of the
+        parent's key and the block's tokens: Python's 64-bit hash() of ints is not seeded, so one local client
+        could craft a prompt whose prefix collides with another's and be served that KV (vLLM's advisory
+        GHSA-rm76-4mrf-v9r8; SHA-256 is its default since v0.10.2). ~1 us a block."""
+        key = b""
         for b in range(n_blocks):
             tokens = tuple(ids[b * self.block_tokens:(b + 1) * self.block_tokens])
-            key = (hash(key), tokens)
+            key = hashlib.sha256(key + np.asarray(tokens, np.int64).tobytes()).digest()
             yield key, tokens
 
     def load(self, prompt_ids: list[int], pool: SlotPool, slot: int, count: bool = True) -> int:
@@ -126,7 +130,7 @@ class PrefixCache:
         for key, _, block in moves:
             self.index[key] = (block, self.index[key][1])
 
-    def _take_block(self, protect: set[tuple]) -> int | None:
+    def _take_block(self, protect: set[bytes]) -> int | None:
         """A free store block, evicting the least recently used stored (not living, not protected) block."""
         if self.free:
             return self.free.pop()

@@ -1,6 +1,7 @@
 """Serving many requests: batching equals sequential, prefix-cache reuse, admission control, fairness."""
 from __future__ import annotations
 
+import hashlib
 import time
 
 import numpy as np
@@ -233,6 +234,16 @@ def test_a_slot_moved_when_another_finishes_keeps_the_kv_of_this_step(tiny_bundl
     ref_pool, n = alone.kv.where[ref.seq.seq_id], moved.num_computed
     for buf, ref_buf in zip(pool.keys + pool.values, ref_pool.keys + ref_pool.values):
         np.testing.assert_allclose(buf[0, :, :n], ref_buf[ref_pool.slot_of(ref.seq.seq_id), :, :n], atol=1e-4)
+
+
+def test_block_keys_are_sha256_chained_over_the_tokens():
+    """Found in review: keys chained Python's hash(), which is not seeded for ints, so a crafted prompt could
+    collide with another client's prefix and be served its KV. A key is SHA-256 over its parent's and its tokens."""
+    kv = KVPool([SizeClass(64, 1)], num_layers=1, kv_heads=1, head_dim=4)
+    cache = PrefixCache(4, 16, kv, num_layers=1, kv_heads=1, head_dim=4)
+    keys = [key for key, _ in cache._chain(list(range(40)), 2)]
+    first = hashlib.sha256(np.arange(16, dtype=np.int64).tobytes()).digest()
+    assert keys == [first, hashlib.sha256(first + np.arange(16, 32, dtype=np.int64).tobytes()).digest()]
 
 
 def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
