@@ -132,6 +132,7 @@ class ModelConfig(_Frozen):
     tie_word_embeddings: bool
     attention_bias: bool = False
     sliding_window: int | None = None
+    rope_freq_factors: list[float] | None = None  # RoPE scaling, already in the graph's cos/sin tables
     bos_token_id: int | None
     eos_token_ids: list[int]
     add_bos_token: bool

@@ -55,6 +55,8 @@ def calibrate(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, thr
         runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads)
         sums = {k: np.zeros(capture_width(g, k), np.float64) for k in keys}
         hessians = {k: np.zeros((capture_width(g, k),) * 2, np.float64) for k in keys} if with_hessians else {}
-        for window in windows(ids, g.context_length):
+        positions = 0
+        for window in windows(ids, g.context_length, ckpt.tokenizer.prompt_bos):
             _accumulate(runner, window, keys, g, sums, hessians)
-    return Calibration({k: (v / len(ids)).astype(np.float32) for k, v in sums.items()}, hessians)
+            positions += len(window)
+    return Calibration({k: (v / positions).astype(np.float32) for k, v in sums.items()}, hessians)

@@ -35,6 +35,7 @@ class Geometry:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     sliding_window: int | None = None  # Mistral-style local attention, None when unused
+    rope_freq_factors: tuple[float, ...] | None = None  # RoPE scaling: divisors of its frequencies (quantize.rope)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,6 +48,11 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...]
     add_bos_token: bool
     chat_template: str | None
+
+    @property
+    def prompt_bos(self) -> int | None:
+        """The token the engine puts before every prompt, if any (calibration and evaluation do the same)."""
+        return self.bos_token_id if self.add_bos_token else None
 
 
 @dataclass(frozen=True)

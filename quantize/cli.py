@@ -130,6 +130,15 @@ def _print_summary(bundle) -> None:
                    f"mean KL {q.mean_kl:.4f}, p99 KL {q.p99_kl:.4f}, top-1 {q.top1_agreement:.1%}")
 
 
+def _check_reference(b, ref) -> None:
+    """Found in review: any bundle was accepted as the reference, and figures against another model printed."""
+    if ref.manifest.precision != "fp32":
+        raise ValueError(f"--reference must be an fp32 bundle (it is {ref.manifest.precision})")
+    if ref.manifest.source_sha256 != b.manifest.source_sha256:
+        raise ValueError(f"--reference was built from another checkpoint ({ref.manifest.source_name}) "
+                         f"than the bundle ({b.manifest.source_name})")
+
+
 @cli.command("eval")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--reference", required=True, type=click.Path(path_type=Path), help="The fp32 bundle.")
@@ -146,11 +155,13 @@ def eval_(bundle, reference, text_file, threads, as_json):
 
     try:
         b, ref = open_bundle(bundle), open_bundle(reference)
+        _check_reference(b, ref)
         text = text_file.read_text()
         ids = encode(b.tokenizer_json(), text)
         if len(ids) < 2:
             raise ValueError(f"{text_file}: the text needs at least 2 tokens")
-        q = compare(b.runner(threads), ref.runner(threads), ids, text, b.config.context_length)
+        bos = b.config.bos_token_id if b.config.add_bos_token else None
+        q = compare(b.runner(threads), ref.runner(threads), ids, text, b.config.context_length, bos)
     except USER_ERRORS as e:
         _fail(e)
     if as_json:

@@ -33,16 +33,21 @@ def chunked_logits(runner: ModelRunner, ids: list[int], chunk: int = CHUNK_TOKEN
         yield start, log_softmax(logits[0])
 
 
-def windows(ids: list[int], context_length: int) -> list[list[int]]:
+def windows(ids: list[int], context_length: int, bos: int | None = None) -> list[list[int]]:
     """Non-overlapping windows of at most context_length tokens (a text longer than the context is
-    scored window by window, each from an empty cache, as perplexity tools do)."""
-    return [ids[i:i + context_length] for i in range(0, len(ids), context_length)]
+    scored window by window, each from an empty cache, as perplexity tools do), each starting with bos
+    when the model's prompts do: the engine adds it, and llama.cpp's perplexity adds it to every chunk."""
+    if bos is None:
+        return [ids[i:i + context_length] for i in range(0, len(ids), context_length)]
+    step = context_length - 1
+    return [[bos] + ids[i:i + step] for i in range(0, len(ids), step)]
 
 
-def compare(runner: ModelRunner, reference: ModelRunner, ids: list[int], text: str, context_length: int) -> Quality:
-    """Quality of `runner` against `reference` over token ids (the text's, for its hash)."""
+def compare(runner: ModelRunner, reference: ModelRunner, ids: list[int], text: str, context_length: int,
+            bos: int | None = None) -> Quality:
+    """Quality of `runner` against `reference` over token ids (the text's, for its hash); bos: see windows()."""
     kls, agree, nll, ref_nll, n_pred = [], 0, 0.0, 0.0, 0
-    for window in windows(ids, context_length):
+    for window in windows(ids, context_length, bos):
         for (start, lp), (_, ref_lp) in zip(chunked_logits(runner, window), chunked_logits(reference, window)):
             kls.append((np.exp(ref_lp) * (ref_lp - lp)).sum(-1))  # KL(reference || quantized), per position
             agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
@@ -58,7 +63,7 @@ def compare(runner: ModelRunner, reference: ModelRunner, ids: list[int], text: s
         reference_perplexity=float(np.exp(ref_nll / n_pred)),
         mean_kl=float(kl.mean()),
         p99_kl=float(np.percentile(kl, 99)),
-        top1_agreement=agree / len(ids),
+        top1_agreement=agree / len(kl),  # over every position scored (a BOS's too)
         text_sha256=hashlib.sha256(text.encode()).hexdigest(),
     )
 

@@ -15,10 +15,13 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from agent.bundle import file_sha256
+from quantize import rope
 from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks
 from quantize.tokenizer import tokenizer_from_gguf
 
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+# Q5_0 / Q5_1: llama-quantize's fallbacks for Q4_K / Q5_K when a row is not a multiple of 256 (SmolLM2's
+# 576-wide rows), so most of a small model's Q4_K_M or Q5_K_M file is in them.
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 KEPT_BLOCK_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
@@ -33,6 +36,8 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors: read into the geometry
+IGNORED_SUFFIXES = (".attn_rot_embd",)  # old converters' RoPE inverse frequencies: recomputed from rope_theta
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -156,7 +161,21 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
         rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
+        rope_freq_factors=_rope_factors(reader, head_dim, path),
     )
+
+
+def _rope_factors(reader: GGUFReader, head_dim: int, path: Path) -> rope.Factors:
+    """RoPE scaling as llama.cpp reads it: a type (linear when only a factor is given), a factor (or the old
+    `rope.scale_linear`), and Llama 3's per-frequency divisors in the rope_freqs tensor."""
+    a = "llama."
+    kind = _field(reader, a + "rope.scaling.type", "linear")
+    factor = _field(reader, a + "rope.scaling.factor", 0.0) or _field(reader, a + "rope.scale_linear", 0.0) or 1.0
+    if not isinstance(kind, str) or isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise CheckpointError(f"malformed RoPE scaling metadata (type {kind!r}, factor {factor!r})")
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    return rope.gguf_factors(kind, float(factor), None if t is None else _tensor_rows(t, path)[0], head_dim,
+                             str(path))
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -211,8 +230,11 @@ def _load(path: Path) -> Checkpoint:
     blocks: dict[str, SourceBlocks] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
-            continue  # e.g. rope_freqs: recomputed from rope_theta
+        if t.name == ROPE_FREQS or t.name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name is None:  # a bias, say: building the model without it would give a wrong model, silently
+            raise CheckpointError(f"{path}: tensor {t.name} is not supported for architecture 'llama' "
+                                  "(the graph has no place for it)")
         w, shape = _tensor_rows(t, path)
         n_heads = {"attn_q.weight": geometry.num_heads, "attn_k.weight": geometry.num_kv_heads}.get(
             t.name.split(".", 2)[-1])

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from onnx import TensorProto, helper, numpy_helper
 
 from agent import wire
-from quantize import nbits
+from quantize import nbits, rope
 from quantize.checkpoint import Checkpoint, Geometry, SourceBlocks
 from quantize.precision import Precision, QuantSpec
 
@@ -234,7 +234,7 @@ def rotary_cache(b: GraphBuilder, g: Geometry) -> None:
     Built from positions x inverse frequencies at session start (ORT folds it to a constant) rather
     than stored: for an 8k context the two tables would add 2 MB to the file.
     """
-    inv_freq = (g.rope_theta ** (-np.arange(0, g.head_dim, 2, dtype=np.float64) / g.head_dim)).astype(np.float32)
+    inv_freq = rope.inv_freq(g.rope_theta, g.head_dim, g.rope_freq_factors).astype(np.float32)
     n = "/model/rotary"
     pos = b.one("Range", [b.const(f"{n}.start", np.array(0, np.float32)),
                           b.const(f"{n}.limit", np.array(g.context_length, np.float32)),
@@ -299,7 +299,9 @@ def plan_linears(ckpt: Checkpoint, spec: QuantSpec) -> dict:
         for kind, names in groups.items():
             precision = spec.precision_of(kind, i)
             src = [ckpt.source_blocks.get(f"model.layers.{i}.{n}.weight") for n in names]
-            keep = spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
+            # one MatMulNBits has one bit width: a group mixing Q8_0 with Q4_x parts is requantized
+            keep = (spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
+                    and len({nbits.source_bits(s) for s in src}) == 1)
             plans[kind].append(LinearPlan(precision, spec.block_sizes.get(kind, spec.block_size), spec.is_symmetric(kind),
                                           src if keep else None))
     return plans

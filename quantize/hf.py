@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
+from quantize import rope
 from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, expected_weight_shapes
 from quantize.tokenizer import tokenizer_from_hf_folder
 
@@ -64,10 +65,7 @@ def _architecture(config: dict, folder: Path) -> str:
 
 
 def _check_supported_options(config: dict, arch: str, folder: Path) -> None:
-    """Reject config options that change the maths the graph builder implements."""
-    if config.get("rope_scaling") is not None:
-        raise CheckpointError(f"{folder}: unsupported rope_scaling {config['rope_scaling']!r} "
-                              "(only plain RoPE, rope_scaling null, is supported)")
+    """Reject config options that change the maths the graph builder implements (RoPE's: quantize.rope)."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{folder}: unsupported hidden_act {act!r} (supported: 'silu')")
@@ -108,6 +106,8 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
     _check_supported_options(config, arch, folder)
     try:
         hidden, heads, layers = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+        head_dim = int(config.get("head_dim") or hidden // heads)  # Mistral configs may write head_dim: null
+        rope_theta, rope_factors = rope.hf_rope(config, head_dim, f"{folder}/config.json")
         geometry = Geometry(
             architecture=arch,
             vocab_size=int(config["vocab_size"]),
@@ -116,14 +116,15 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),  # Mistral configs may write head_dim: null
+            head_dim=head_dim,
             context_length=int(config["max_position_embeddings"]),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             # A folder without lm_head.weight can only mean the embedding is reused, whatever the config says.
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or not has_lm_head,
             attention_bias=arch == "qwen2",
             sliding_window=_sliding_window(config, arch, layers, folder),
+            rope_freq_factors=rope_factors,
         )
     except KeyError as e:
         raise CheckpointError(f"{folder}/config.json: missing required key {e.args[0]!r}") from e
@@ -260,6 +261,17 @@ def _hf_architecture(g: Geometry) -> str:
     return "LlamaForCausalLM"
 
 
+def _rope_scaling(g: Geometry) -> dict | None:
+    """RoPE scaling in transformers' terms. Divisors read from a GGUF's rope_freqs do not say which parameters
+    made them (unless they are all one factor: linear scaling), so such a model cannot be written out."""
+    factors = g.rope_freq_factors
+    if factors is None:
+        return None
+    if len(set(factors)) == 1:
+        return {"rope_type": "linear", "factor": factors[0]}
+    raise CheckpointError("RoPE frequency factors (a Llama 3 rope_freqs) cannot be written as a config.json")
+
+
 def config_for(ckpt: Checkpoint, dtype: str) -> dict:
     """config.json for ckpt, in the keys transformers (and onnxruntime-genai's builder) read."""
     g, tok = ckpt.geometry, ckpt.tokenizer
@@ -276,7 +288,7 @@ def config_for(ckpt: Checkpoint, dtype: str) -> dict:
         "head_dim": g.head_dim,
         "max_position_embeddings": g.context_length,
         "rope_theta": g.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(g),
         "rms_norm_eps": g.rms_norm_eps,
         "hidden_act": "silu",
         "tie_word_embeddings": g.tie_word_embeddings,

@@ -25,10 +25,10 @@ CHUNK_TOKENS = 256
 K_SCALE_INPUT, V_SCALE_INPUT = 12, 13  # GroupQueryAttention's input slots for k_scale and v_scale
 
 
-def kv_absmax(runner: ModelRunner, ids: list[int], context_length: int) -> np.ndarray:
+def kv_absmax(runner: ModelRunner, ids: list[int], context_length: int, bos: int | None = None) -> np.ndarray:
     """Largest |key| and |value| per layer and channel over ids: [layers, 2, kv_heads * head_dim]."""
     out = np.zeros((runner.num_layers, 2, runner.kv_heads * runner.head_dim), np.float32)
-    for window in windows(ids, context_length):
+    for window in windows(ids, context_length, bos):
         cache = runner.new_cache(1, len(window))
         for start in range(0, len(window), CHUNK_TOKENS):
             n = len(window[start:start + CHUNK_TOKENS])

@@ -48,6 +48,10 @@ _GPTQ_BATCH_COLUMNS = 128
 _GGUF_KEEPABLE = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}
 
 
+def source_bits(src: SourceBlocks) -> int:
+    return _GGUF_KEEPABLE[src.ggml_type][0]
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: numpy fields make a generated __eq__ ambiguous
 class BlockQuantized:
     """A weight [N, K] in MatMulNBits' layout; `dequantize()` gives back the float matrix it stands for."""

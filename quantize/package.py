@@ -119,7 +119,7 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads,
     runner = unverified.runner(threads)
     if calib_ids:
         progress("calibrating the int8 KV cache's scales")
-        absmax = kv_absmax(runner, calib_ids, ckpt.geometry.context_length)
+        absmax = kv_absmax(runner, calib_ids, ckpt.geometry.context_length, ckpt.tokenizer.prompt_bos)
         onnx.save_model(int8_kv_graph(tmp / wire.GRAPH, absmax), str(tmp / wire.GRAPH_INT8_KV))
     progress("recording the golden greedy continuation")
     prompt_ids = encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)
@@ -143,7 +143,7 @@ def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Qua
     ids = encode(ckpt.tokenizer.tokenizer_json, eval_text)
     if spec.precision == "fp32":
         progress(f"evaluating perplexity over {len(ids)} tokens")
-        return compare(runner, runner, ids, eval_text, ckpt.geometry.context_length)
+        return compare(runner, runner, ids, eval_text, ckpt.geometry.context_length, ckpt.tokenizer.prompt_bos)
     ref_dir = tmp.with_name(tmp.name + "-ref")
     ref_dir.mkdir()
     progress("building the fp32 reference graph for evaluation")
@@ -153,4 +153,4 @@ def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Qua
 
     reference = ModelRunner(ref_dir / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads)
     progress(f"evaluating against fp32 over {len(ids)} tokens")
-    return compare(runner, reference, ids, eval_text, ckpt.geometry.context_length)
+    return compare(runner, reference, ids, eval_text, ckpt.geometry.context_length, ckpt.tokenizer.prompt_bos)

@@ -14,10 +14,13 @@ def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
 
 
-def rope(x: np.ndarray, theta: float) -> np.ndarray:
-    # x: [H, T, D]; rotate the two halves of each head (HF's rotate_half convention)
+def rope(x: np.ndarray, theta: float, factors: tuple[float, ...] | None = None) -> np.ndarray:
+    # x: [H, T, D]; rotate the two halves of each head (HF's rotate_half convention); factors divide the
+    # frequencies (RoPE scaling)
     d = x.shape[-1]
     inv_freq = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
     ang = np.arange(x.shape[1])[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = np.cos(ang), np.sin(ang)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -34,8 +37,8 @@ def attention(ckpt: Checkpoint, i: int, x: np.ndarray) -> np.ndarray:
             y = y + ckpt.layer(i, f"self_attn.{name}.bias")
         return y.reshape(t, heads, g.head_dim).transpose(1, 0, 2)  # [H, T, D]
 
-    q = rope(proj("q_proj", g.num_heads), g.rope_theta)
-    k = rope(proj("k_proj", g.num_kv_heads), g.rope_theta)
+    q = rope(proj("q_proj", g.num_heads), g.rope_theta, g.rope_freq_factors)
+    k = rope(proj("k_proj", g.num_kv_heads), g.rope_theta, g.rope_freq_factors)
     v = proj("v_proj", g.num_kv_heads)
     rep = g.num_heads // g.num_kv_heads
     k, v = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)

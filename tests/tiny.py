@@ -48,7 +48,7 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 # Byte offsets of the float16 scale fields in each K-quant block (llama.cpp's block_q4_K/q5_K/q6_K).
-_KQUANT_F16_FIELDS = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+_KQUANT_F16_FIELDS = {QT.Q2_K: (80, 82), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
 
 
 def random_kquant_rows(shape: tuple[int, int], qtype: QT, rng: np.random.Generator) -> np.ndarray:
@@ -76,8 +76,9 @@ def _add(writer: GGUFWriter, name: str, w: np.ndarray, qtype: QT) -> None:
 def write_tiny_llama(path: Path, *, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                      intermediate: int = 128, layers: int = 2, context: int = 256, tied: bool = True,
                      types: tuple[QT, ...] = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q4_1),
-                     architecture: str = "llama") -> Path:
-    """Write a random Llama GGUF to path; weight tensors cycle through `types`."""
+                     architecture: str = "llama", extra=None) -> Path:
+    """Write a random Llama GGUF to path; weight tensors cycle through `types`. extra(writer): more metadata
+    and tensors, written before the file is closed."""
     rng = np.random.default_rng(seed)
     tokens, token_types = vocab()
     head_dim = hidden // heads
@@ -122,6 +123,8 @@ def write_tiny_llama(path: Path, *, seed: int = 0, hidden: int = 64, heads: int 
     _add(writer, "output_norm.weight", 1 + rand(hidden, scale=0.1), QT.F32)
     if not tied:
         _add(writer, "output.weight", rand(len(tokens), hidden, scale=0.3), QT.F16)
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

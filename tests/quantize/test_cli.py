@@ -56,6 +56,19 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
         assert w in lines[0]
 
 
+def test_eval_refuses_a_reference_that_is_not_the_same_models_fp32(built, tmp_path):
+    """Found in review: any bundle was taken as the reference, and figures against another model printed."""
+    root, text = built
+    r = run("eval", str(root / "fp32"), "--reference", str(root / "int4"), "--text", str(text))
+    assert_one_line_error(r, "--reference must be an fp32 bundle")
+    other = tmp_path / "other"
+    r = run("build", str(write_tiny_llama(tmp_path / "other.gguf", seed=9)), "--precision", "fp32", "--no-eval",
+            "--out", str(other))
+    assert r.returncode == 0, r.stderr
+    r = run("eval", str(root / "int4"), "--reference", str(other), "--text", str(text))
+    assert_one_line_error(r, "another checkpoint", "other.gguf")
+
+
 def test_existing_output_is_refused_and_left_alone(built, tiny_gguf):
     root, _ = built
     before = (root / "fp32" / "manifest.json").read_bytes()

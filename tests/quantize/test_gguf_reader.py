@@ -61,6 +61,51 @@ def test_unknown_architecture_is_named(tmp_path):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    path = write_tiny_llama(tmp_path / "q5.gguf", types=(QT.Q5_0,))
-    with pytest.raises(CheckpointError, match="Q5_0"):
+    path = write_tiny_llama(tmp_path / "q2.gguf", hidden=256, intermediate=256, types=(QT.Q2_K,))
+    with pytest.raises(CheckpointError, match="Q2_K"):
         load_checkpoint(path)
+
+
+def test_q5_0_and_q5_1_read_as_the_same_weights_as_q8_0(tmp_path):
+    """Found in review: Q5_0 / Q5_1 (llama-quantize's fallbacks for Q4_K / Q5_K on SmolLM2's 576-wide rows, so
+    most of its Q4_K_M file) were refused. The same random model in Q8_0 is the yardstick: any mistake in
+    reading the blocks or un-permuting the rows would be far bigger than the 5-bit rounding."""
+    exact = load_checkpoint(write_tiny_llama(tmp_path / "q8.gguf", types=(QT.Q8_0,), seed=4))
+    five = load_checkpoint(write_tiny_llama(tmp_path / "q5.gguf", types=(QT.Q5_0, QT.Q5_1), seed=4))
+    for name, w in exact.weights.items():
+        assert np.abs(five.weights[name] - w).max() < 0.06 * max(np.abs(w).max(), 0.1), name
+
+
+def test_a_tensor_the_graph_has_no_place_for_is_an_error_not_dropped(tmp_path):
+    """Found in review: attn_q.bias and the like were skipped, building a model that silently differed."""
+    def bias(writer):
+        writer.add_tensor("blk.0.attn_q.bias", np.ones(64, np.float32))
+
+    with pytest.raises(CheckpointError, match="blk.0.attn_q.bias"):
+        load_checkpoint(write_tiny_llama(tmp_path / "bias.gguf", extra=bias))
+
+
+def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
+    """Found in review: rope_freqs (every Llama 3.1/3.2 GGUF) and linear scaling were ignored. The divisors are
+    the rope_freqs tensor times the linear factor; YaRN is refused."""
+    freqs = np.linspace(1.0, 8.0, 8).astype(np.float32)  # head_dim 16: 8 frequencies
+
+    def llama3(writer):
+        writer.add_tensor("rope_freqs.weight", freqs)
+
+    def linear(writer):
+        writer.add_string("llama.rope.scaling.type", "linear")
+        writer.add_float32("llama.rope.scaling.factor", 4.0)
+
+    def yarn(writer):
+        writer.add_string("llama.rope.scaling.type", "yarn")
+        writer.add_float32("llama.rope.scaling.factor", 4.0)
+
+    plain = load_checkpoint(write_tiny_llama(tmp_path / "plain.gguf")).geometry
+    assert plain.rope_freq_factors is None
+    g = load_checkpoint(write_tiny_llama(tmp_path / "l3.gguf", extra=llama3)).geometry
+    np.testing.assert_allclose(g.rope_freq_factors, freqs)
+    g = load_checkpoint(write_tiny_llama(tmp_path / "lin.gguf", extra=linear)).geometry
+    assert g.rope_freq_factors == (4.0,) * 8
+    with pytest.raises(CheckpointError, match="yarn"):
+        load_checkpoint(write_tiny_llama(tmp_path / "yarn.gguf", extra=yarn))

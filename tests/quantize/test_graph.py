@@ -106,3 +106,44 @@ def test_k_quant_and_bf16_tensors_load_and_match_reference(tmp_path):
     ids = list(range(5, 17))
     logits = runner.forward(np.array([ids]), np.array([11]), np.array([12]), np.arange(12)[None], runner.new_cache(1, 16))
     assert rel_err(logits[0], reference.forward(ckpt, ids)) < 1e-4
+
+
+def test_rope_scaling_reaches_the_graph(tmp_path):
+    """The graph's rotary tables divide the frequencies by the checkpoint's factors, as the reference does; a
+    graph without them differs from it (so the factors are not a no-op on this model)."""
+    import dataclasses
+
+    from quantize.checkpoint import load_checkpoint
+    from tiny import write_tiny_llama
+
+    def llama3(writer):
+        writer.add_tensor("rope_freqs.weight", np.array([1, 1, 1.5, 2, 4, 8, 8, 8], np.float32))
+
+    ckpt = load_checkpoint(write_tiny_llama(tmp_path / "l3.gguf", extra=llama3))
+    model, _ = build_graph(ckpt, QuantSpec())
+    save(model, tmp_path / "model.onnx")
+    g = ckpt.geometry
+    runner = ModelRunner(tmp_path / "model.onnx", g.num_layers, g.num_kv_heads, g.head_dim, threads=2)
+    ids = list(range(5, 45))
+    logits = runner.forward(np.array([ids]), np.array([39]), np.array([40]), np.arange(40)[None],
+                            runner.new_cache(1, 48))[0]
+    assert rel_err(logits, reference.forward(ckpt, ids)) < 1e-4
+    unscaled = dataclasses.replace(ckpt, geometry=dataclasses.replace(g, rope_freq_factors=None))
+    assert rel_err(logits, reference.forward(unscaled, ids)) > 1e-3
+
+
+def test_windows_start_with_bos_when_prompts_do():
+    """Found in review: calibration and evaluation ran text without the BOS the engine puts before every prompt
+    of an add_bos_token model; each window now starts with it, as llama.cpp's perplexity does per chunk."""
+    from quantize.evaluate import windows
+
+    assert windows(list(range(1, 8)), 4) == [[1, 2, 3, 4], [5, 6, 7]]
+    assert windows(list(range(1, 8)), 4, bos=0) == [[0, 1, 2, 3], [0, 4, 5, 6], [0, 7]]
+
+
+def test_keep_source_quant_requantizes_a_group_of_mixed_bit_widths(tiny_checkpoint):
+    """Found in review: layer 1's fused q/k/v of the tiny model (Q8_0 + Q4_0 + Q4_1) hit a bare assert, an
+    internal error. One MatMulNBits has one bit width, so that group is requantized; uniform ones are kept."""
+    _, report = build_graph(tiny_checkpoint, QuantSpec(precision="int4", keep_source_quant=True))
+    assert "/model/layers.1/attn/qkv_proj: int4 gptq block 64 asym" in report
+    assert "/model/layers.0/attn/o_proj: kept source blocks Q4_0" in report

@@ -230,11 +230,36 @@ def test_qwen2_window_applies_only_with_use_sliding_window_on_every_layer(tiny_c
         hf.load(tmp_path / "some")
 
 
+def test_rope_scaling_and_transformers_5_rope_parameters_are_read(tiny_checkpoint, tmp_path):
+    """Found in review: transformers 5 writes rope_theta inside `rope_parameters`, which was ignored (the model
+    got theta 10000), and Llama 3's scaling was refused. Both are read; the scaling as divisors of RoPE's
+    frequencies: 1 above the high-frequency wavelength, the factor below the low one, blended between."""
+    tok = tiny_checkpoint.tokenizer.tokenizer_json
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    write_hf_folder(tmp_path / "v5", "llama", tok)
+    config = json.loads((tmp_path / "v5" / "config.json").read_text())
+    del config["rope_theta"], config["rope_scaling"]
+    config["rope_parameters"] = llama3 | {"rope_theta": 500000.0}
+    (tmp_path / "v5" / "config.json").write_text(json.dumps(config))
+    g = hf.load(tmp_path / "v5").geometry
+    # head_dim 16, theta 5e5: wavelengths 2 pi 5e5^(i/8) = 6, 32, 167, 861 (< 8192/4), 4443 (between), 23k...
+    wavelen = 2 * np.pi * 500000.0 ** (4 / 8)
+    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    assert g.rope_theta == 500000.0
+    np.testing.assert_allclose(g.rope_freq_factors, [1, 1, 1, 1, 1 / ((1 - smooth) / 8 + smooth), 8, 8, 8])
+    write_hf_folder(tmp_path / "v4", "llama", tok, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    g = hf.load(tmp_path / "v4").geometry
+    assert (g.rope_theta, g.rope_freq_factors) == (500000.0, (2.0,) * 8)
+
+
 # ---- what we refuse ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, needle", [
     ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel.*LlamaForCausalLM"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.*llama3"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' without 'low_freq_factor'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "one set for every layer"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
 ])

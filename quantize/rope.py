@@ -1,0 +1,80 @@
+"""RoPE's inverse frequencies and the scalings that divide them, read the same way from GGUF and from Hugging Face.
+
+llama.cpp and transformers both express a supported scaling as one divisor per frequency of the plain
+frequencies theta^(-2i/d): linear scaling divides every frequency by `factor` (positions over factor);
+Llama 3's keeps the high frequencies, divides the low ones by `factor` and blends in between. llama.cpp's
+converter stores those divisors as the `rope_freqs` tensor of a GGUF; a Hugging Face config gives the
+parameters they are computed from. Any other scaling (YaRN, LongRoPE, dynamic NTK) changes more than the
+frequencies and is refused: a model built without it would run, and be wrong past a few hundred tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from quantize.checkpoint import CheckpointError
+
+Factors = tuple[float, ...] | None  # one divisor per frequency (head_dim / 2), None: plain RoPE
+
+
+def inv_freq(theta: float, head_dim: int, factors: Factors = None) -> np.ndarray:
+    """[head_dim / 2] float64 inverse frequencies, divided by the scaling's factors."""
+    freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return freq if factors is None else freq / np.asarray(factors, np.float64)
+
+
+def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   original_context: float) -> tuple[float, ...]:
+    """Llama 3.1's divisors (transformers' `_compute_llama3_parameters`, llama.cpp's `rope_freqs`)."""
+    wavelen = 2 * math.pi / inv_freq(theta, head_dim)
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    divisors = np.where(wavelen > low_wavelen, factor, np.where(wavelen < high_wavelen, 1.0,
+                                                                1 / ((1 - smooth) / factor + smooth)))
+    return tuple(float(d) for d in divisors)
+
+
+def hf_rope(config: dict, head_dim: int, where: str) -> tuple[float, Factors]:
+    """(rope_theta, factors) of a transformers config.json: v4 writes `rope_theta` and `rope_scaling`, v5 one
+    `rope_parameters` object holding both."""
+    params = config.get("rope_parameters")
+    if params is None:
+        params = config.get("rope_scaling") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(f"{where}: unsupported rope parameters {params!r} (one set for every layer is "
+                              "supported)")
+    try:
+        theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind == "default":
+            return theta, None
+        if kind == "linear":
+            return theta, (float(params["factor"]),) * (head_dim // 2)
+        if kind == "llama3":
+            return theta, llama3_factors(theta, head_dim, float(params["factor"]), float(params["low_freq_factor"]),
+                                         float(params["high_freq_factor"]),
+                                         float(params["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise CheckpointError(f"{where}: rope_type {kind!r} without {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: rope parameters are not usable numbers ({e})") from e
+    raise CheckpointError(f"{where}: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+def gguf_factors(scaling_type: str, scaling_factor: float, rope_freqs: np.ndarray | None, head_dim: int,
+                 where: str) -> Factors:
+    """Divisors from a GGUF's `rope.scaling.type` / `.factor` and its `rope_freqs` tensor (both may apply)."""
+    divisors = np.ones(head_dim // 2)
+    if rope_freqs is not None:
+        if rope_freqs.size != head_dim // 2 or not np.all(np.isfinite(rope_freqs)) or np.any(rope_freqs <= 0):
+            raise CheckpointError(f"{where}: rope_freqs must hold {head_dim // 2} positive factors")
+        divisors = divisors * rope_freqs.reshape(-1)
+    if scaling_type == "linear":
+        if not scaling_factor > 0:
+            raise CheckpointError(f"{where}: rope.scaling.factor {scaling_factor!r} is not a positive number")
+        divisors = divisors * scaling_factor
+    elif scaling_type != "none":
+        raise CheckpointError(f"{where}: unsupported rope.scaling.type {scaling_type!r} (supported: none, linear, "
+                              "and Llama 3's rope_freqs)")
+    return None if np.all(divisors == 1) else tuple(float(d) for d in divisors)
