@@ -387,10 +387,11 @@ class TelemetryReader:
         self.db = Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S))
 
     def request_rows(self, since_ts: float) -> list[dict]:
-        """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s."""
+        """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s,
+        completion_tokens."""
         return list(self.db.query(
             "SELECT model, version, strftime('%Y-%m-%dT%H:00Z', ts, 'unixepoch') AS hour, ttft_ms, "
-            "decode_tokens_per_s FROM requests WHERE ts >= ? ORDER BY model, version, hour", [since_ts]))
+            "decode_tokens_per_s, completion_tokens FROM requests WHERE ts >= ? ORDER BY model, version, hour", [since_ts]))
 
     def finish_reasons(self, since_ts: float) -> dict[str, int]:
         return {row["finish_reason"]: row["n"] for row in self.db.query(

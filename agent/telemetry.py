@@ -31,7 +31,8 @@ from agent.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSe
 from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
 from agent.store import RetentionReport, StoreFull, TelemetryReader, TelemetryStore, max_file_bytes
-from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord
+from agent.wire import (EventRecord, RequestFigures, RequestRecord, SampleRecord, decode_speed_samples, percentile,
+                        ttft_samples)
 
 if TYPE_CHECKING:
     from agent.mqtt import MqttLink
@@ -236,15 +237,6 @@ def parse_window(text: str) -> float:
     return seconds
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def summary(state_dir: Path, since_s: float, now: float | None = None) -> dict:
     """Speed and latency by model, version and hour, and request counts by finish reason, over a window."""
     reader = TelemetryReader(Path(state_dir) / DB_NAME)
@@ -260,11 +252,14 @@ def summary(state_dir: Path, since_s: float, now: float | None = None) -> dict:
 
 
 def _figures(key: tuple, rows: list[dict]) -> dict:
-    tps = [r["decode_tokens_per_s"] for r in rows]
-    ttft = [r["ttft_ms"] for r in rows]
+    tps, ttft = decode_speed_samples(rows), ttft_samples(rows)
     return {"model": key[0], "version": key[1], "hour": key[2], "requests": len(rows),
             "decode_tokens_per_s_p50": percentile(tps, 50), "decode_tokens_per_s_p95": percentile(tps, 95),
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p95": percentile(ttft, 95)}
+
+
+def _cell(x: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"  # None: no request in the hour had one
 
 
 def format_summary(s: dict) -> str:
@@ -272,8 +267,8 @@ def format_summary(s: dict) -> str:
              f"{'TTFT ms p50':>12} {'p95':>8}"]
     for r in s["by_hour"]:
         lines.append(f"{r['model']:<24} {r['version']:<22} {r['hour']:<18} {r['requests']:>5} "
-                     f"{r['decode_tokens_per_s_p50']:>10.1f} {r['decode_tokens_per_s_p95']:>8.1f} "
-                     f"{r['ttft_ms_p50']:>12.0f} {r['ttft_ms_p95']:>8.0f}")
+                     f"{_cell(r['decode_tokens_per_s_p50'], 10, 1)} {_cell(r['decode_tokens_per_s_p95'], 8, 1)} "
+                     f"{_cell(r['ttft_ms_p50'], 12, 0)} {_cell(r['ttft_ms_p95'], 8, 0)}")
     reasons = ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "none"
     st = s["store"]
     lines.append(f"finish reasons: {reasons}")

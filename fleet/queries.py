@@ -2,8 +2,8 @@
 
 The database is opened read-only (SQLite `mode=ro`), so a query can never change what the consumer wrote.
 Percentiles are computed here, over the raw per-request figures, with linear interpolation between ranks.
-Decode speed percentiles leave out requests with fewer than 2 completion tokens (their
-decode_tokens_per_s is 0 by definition, see agent.wire.RequestFigures). Times are the devices' clocks.
+TTFT percentiles leave out requests that produced no token, decode speed ones those with fewer than 2
+(agent.wire.ttft_samples / decode_speed_samples). Times are the devices' clocks.
 
     db = open_readonly("fleet.db"); rows = tps(db, since_s=24 * 3600, by="model")
 """
@@ -19,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlite_utils
+
+from agent.wire import decode_speed_samples, percentile, ttft_samples
 
 GROUPINGS = ("device", "model", "version", "hour")
 _GROUP_SQL = {  # the SQL expression each --by groups on
@@ -56,16 +58,6 @@ def parse_duration_s(text: str) -> float:
     return seconds
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    """The p-th percentile (0-100) of `values`, interpolating linearly between closest ranks."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * p / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -74,13 +66,9 @@ def _round(x: float | None, digits: int = 1) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def _decode_speeds(rows: list[dict]) -> list[float]:
-    return [r["decode_tokens_per_s"] for r in rows if r["completion_tokens"] >= 2]
-
-
 def summarize(rows: list[dict]) -> dict:
     """Request figures -> count, TTFT and decode percentiles, tokens served (completion tokens)."""
-    ttfts, speeds = [r["ttft_ms"] for r in rows], _decode_speeds(rows)
+    ttfts, speeds = ttft_samples(rows), decode_speed_samples(rows)
     return {
         "requests": len(rows),
         "ttft_p50_ms": _round(percentile(ttfts, 50)), "ttft_p95_ms": _round(percentile(ttfts, 95)),
@@ -108,7 +96,7 @@ def devices(db: sqlite_utils.Database, now: float | None = None) -> list[dict]:
     by_model = _requests_since(db, now - 3600, key_sql="device_id || '|' || model || '@' || version")
     rows = []
     for d in db.query("select * from devices order by id"):
-        speeds = _decode_speeds(by_model.get(f"{d['id']}|{d['model']}@{d['version']}", []))
+        speeds = decode_speed_samples(by_model.get(f"{d['id']}|{d['model']}@{d['version']}", []))
         rows.append({
             "id": d["id"], "online": d["status"] == "online", "status": d["status"] or "unknown",
             "last_seen": iso(d["last_seen"]),

@@ -21,7 +21,7 @@ from agent.cli import cli
 from agent.config import TelemetryConfig
 from agent.store import (MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, max_file_bytes,
                          migrate)
-from agent.telemetry import DB_NAME, Telemetry, parse_window, percentile, summary
+from agent.telemetry import DB_NAME, Telemetry, format_summary, parse_window, summary
 from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord, TelemetryRecord
 
 REPO = Path(__file__).resolve().parents[2]
@@ -319,11 +319,23 @@ def test_summary_gives_percentiles_by_model_version_and_hour_and_finish_reasons(
     assert result["store"] == {"records": 62, "unsent": 62, "dropped_undelivered": 0}
 
 
-def test_percentile_matches_numpy():
-    xs = [3.0, 1.0, 7.5, 2.0, 9.0, 4.0, 4.0]
-    for q in (0, 5, 50, 95, 100):
-        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
-    assert percentile([42.0], 95) == 42.0
+def test_requests_without_a_token_count_in_no_ttft_or_speed_percentile(db_path):
+    """Found in review: a shed request (no token, ttft_ms 0) counted as a 0 ms TTFT and a 0 tok/s decode, so the
+    more a device refused the faster it looked. A model with only such requests shows '-'."""
+    now = 1_700_000_000.0
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(3):
+        store.append(request(ttft_ms=400.0 + i, tps=20.0), ts=now - i)
+    for i in range(5):
+        store.append(request(ttft_ms=0.0, tps=0.0, reason="error", tokens=0), ts=now - 10 - i)
+    store.append(request(model="shed", ttft_ms=0.0, tps=0.0, reason="error", tokens=0), ts=now - 20)
+    result = summary(db_path.parent, since_s=3600, now=now)
+    by = {r["model"]: r for r in result["by_hour"]}
+    assert by["smollm2"]["requests"] == 8
+    assert by["smollm2"]["ttft_ms_p50"] == 401.0 and by["smollm2"]["decode_tokens_per_s_p50"] == 20.0
+    assert by["shed"]["ttft_ms_p50"] is None
+    shed_line, = [line for line in format_summary(result).splitlines() if line.startswith("shed ")]
+    assert shed_line.split()[-4:] == ["-", "-", "-", "-"]
 
 
 def test_parse_window():

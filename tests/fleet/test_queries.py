@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.wire import (DeviceState, RequestFigures, RequestRecord, TelemetryRecord)
+from agent.wire import DeviceState, RequestFigures, RequestRecord, TelemetryRecord, percentile
 from fleet import queries
 from fleet.queries import QueryError
 from fleet.store import FleetStore, Ingest
@@ -56,7 +56,7 @@ def test_missing_database_is_a_user_error(tmp_path):
 
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
 def test_percentile_matches_numpy(values, p):
-    assert queries.percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-9, abs=1e-6)
+    assert percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-9, abs=1e-6)
 
 
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("24h", 86400), ("7d", 604800),
@@ -137,3 +137,17 @@ def test_timeseries_buckets(db):
 
 def test_rejected(db):
     assert [(r["device"], r["reason"], r["count"]) for r in queries.rejected(db)] == [("dev-9", "schema", 1)]
+
+
+def test_requests_that_produced_no_token_have_no_ttft(tmp_path):
+    """Found in review: a shed request (no token, ttft_ms 0) counted as a 0 ms TTFT, so the more a device refused
+    the better its TTFT p50 looked (0 ms once it shed half)."""
+    store = FleetStore(tmp_path / "f.db")
+    ingest = Ingest()
+    served = [request(i, NOW - 100 + i, "m", "v1", 10, 2000 + i) for i in range(4)]
+    shed = [request(10 + i, NOW - 50 + i, "m", "v1", 0, 0, completion=0) for i in range(6)]
+    ingest.add_records("dev-1", served + shed, NOW)
+    store.commit(ingest)
+    store.close()
+    row, = queries.tps(queries.open_readonly(tmp_path / "f.db"), since_s=3600, by="version", now=NOW)
+    assert row["requests"] == 10 and row["ttft_p50_ms"] == 2001.5 and row["decode_tps_p50"] == 10
