@@ -231,8 +231,9 @@ class UpdateJob:
             raise JobFailed(JobState.REJECTED, f"model needs about {(weights + RUNTIME_OVERHEAD_BYTES) // MB} MB, "
                                                f"more than memory_budget_mb={self.ctx.memory_budget_mb}")
         current = self.ctx.current().manifest
-        if (m.name, m.version) == (current.name, current.version):
-            raise JobFailed(JobState.REJECTED, f"{m.name}@{m.version} is already the current model")
+        if (m.name, m.version) == (current.name, current.version):  # what the fleet wants is already so (Mender
+            # skips an installed artifact too): a failure here halted a re-run rollout at its first wave
+            raise JobFailed(JobState.SUCCEEDED, f"{m.name}@{m.version} is already the current model: nothing to do")
         if m.created_at < current.created_at and not self.doc.allow_downgrade:
             raise JobFailed(JobState.REJECTED, f"downgrade from {current.version} ({current.created_at}) refused "
                                                "without allow_downgrade")

@@ -333,8 +333,7 @@ def keygen(out):
 def _db(db_path: Path):
     from fleet.store import FleetStore
 
-    store = FleetStore(db_path)  # runs migrations
-    return store
+    return FleetStore(queries.existing_db(db_path))  # runs migrations; `serve` alone creates the database
 
 
 @cli.command()
@@ -361,6 +360,8 @@ def publish(bundle, key_path, artifacts_dir, db_path):
 @click.option("--to", "devices", multiple=True, help="Device id (repeatable).")
 @click.option("--group", default=None, help="Devices whose id matches this glob.")
 @click.option("--all", "to_all", is_flag=True, help="Every device in the registry.")
+@click.option("--include-offline", is_flag=True,
+              help="With --all/--group: offline devices too (each waits out --device-timeout if it stays away).")
 @click.option("--wave-size", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
 @click.option("--allow-downgrade", is_flag=True)
@@ -373,8 +374,8 @@ def publish(bundle, key_path, artifacts_dir, db_path):
 @click.option("--mqtt", "url", default=None, help="Accepted for symmetry; the serving fleet process publishes.")
 @db_option
 @user_errors
-def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
-           device_timeout_s, wait, timeout_s, url, db_path):
+def deploy(target, devices, group, to_all, include_offline, wave_size, max_failure_rate, allow_downgrade,
+           min_tokens_per_s, device_timeout_s, wait, timeout_s, url, db_path):
     """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running).
 
     Example: edge-fleet deploy smollm2-135m-instruct@int4-b64a-1a2b3c4d --all --wave-size 2 --wait
@@ -383,6 +384,7 @@ def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_do
 
     store = _db(db_path)
     chosen = list(dict.fromkeys(_devices(store.db, devices, group, to_all)))  # each device once
+    chosen = _needing(store.db, chosen, target, offline_too=include_offline or not (to_all or group))
     job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
                         device_timeout_s=device_timeout_s)
     click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {min(wave_size, len(chosen))}")
@@ -393,6 +395,22 @@ def deploy(target, devices, group, to_all, wave_size, max_failure_rate, allow_do
     click.echo(f"job {job_id}: {state}")
     if state != "SUCCEEDED":
         sys.exit(1)
+
+
+def _needing(db, chosen: list[str], target: str, offline_too: bool) -> list[str]:
+    """The chosen devices that need the job. Found in review: re-running a halted rollout sent the target to
+    devices already on it, and every offline device of --all waited out its timeout: both counted as failures
+    and halted the rollout at once. A device named with --to is deployed to even when offline."""
+    rows = {r["id"]: r for r in db.query("select id, status, model, version from devices")}
+    current = [d for d in chosen if d in rows and f"{rows[d]['model']}@{rows[d]['version']}" == target]
+    offline = [] if offline_too else [d for d in chosen if d in rows and rows[d]["status"] != "online"]
+    for what, ids in (("already on " + target, current), ("offline (--include-offline to add them)", offline)):
+        if ids:
+            click.echo(f"skipped {len(ids)} device(s) {what}: {', '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}")
+    left = [d for d in chosen if d not in current and d not in offline]
+    if not left:
+        raise click.ClickException("no device needs this deployment")
+    return left
 
 
 def _devices(db, devices, group, to_all) -> list[str]:
@@ -435,7 +453,10 @@ def job(job_id, db_path, as_json):
     """
     from fleet.updates import job_rows
 
-    echo_rows(job_rows(_db(db_path).db, job_id), as_json)
+    rows = job_rows(_db(db_path).db, job_id)
+    if not rows:  # a job always has devices: create_job refuses an empty one
+        raise click.ClickException(f"unknown job {job_id!r} (edge-fleet jobs lists them)")
+    echo_rows(rows, as_json)
 
 
 @cli.command()

@@ -37,10 +37,16 @@ class QueryError(ValueError):
     """A question the database cannot answer as asked (a user error)."""
 
 
-def open_readonly(path: Path | str) -> sqlite_utils.Database:
+def existing_db(path: Path | str) -> Path:
+    """path, if a fleet database is there: a mistyped --db must be an error, not a new empty fleet."""
     path = Path(path)
     if not path.is_file():
         raise QueryError(f"no fleet database at {path} (start `edge-fleet serve --db {path}` first)")
+    return path
+
+
+def open_readonly(path: Path | str) -> sqlite_utils.Database:
+    path = existing_db(path)
     return sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
 
 

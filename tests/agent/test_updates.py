@@ -516,3 +516,14 @@ def test_each_update_deletes_the_bundle_no_link_names_any_more(tmp_path):
     assert sorted(p.name for p in store.models.iterdir() if p.name != ".staging") == ["b", "c"]
     store.activate(store.models / "b")  # re-activating the previous one displaces nothing
     assert (store.models / "c").exists() and store.link("current").name == "b"
+
+
+def test_a_job_for_the_model_already_running_succeeds_without_a_download(tmp_path, bundles, keys):
+    """Found in review: it was REJECTED, a failure to the fleet, so re-running a halted rollout (whose first
+    devices were already updated) halted again at once. The fleet's wish already holds: SUCCEEDED, as Mender
+    skips an installed artifact."""
+    v1, _ = bundles
+    dev = Device(tmp_path, v1, keys)
+    doc = job(v1.manifest, keys / "fleet.key", "http://127.0.0.1:9/nothing-here", min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
+    assert "already the current model" in dev.reports[-1].reason and dev.serving.manifest.version == v1.manifest.version

@@ -165,3 +165,32 @@ def test_cmd_round_trips(broker, consumers, devices, fleet_db):
     assert re.search(r"dev-a\s+yes", table) and "dev-mute" not in table
     failed = run("cmd", "dev-a", "benchmark", *mqtt, ok=False)  # the simulator does not implement it
     assert "unknown command 'benchmark'" in failed.output
+
+
+def test_deploy_skips_devices_already_on_the_target_and_offline_ones(filled_db):
+    """Found in review: re-running a rollout sent the target to devices already on it (each answered REJECTED)
+    and --all included offline devices (each timed out): either halted the rollout at its first wave."""
+    store = FleetStore(filled_db)
+    store.db["models"].insert({"name": "smollm2", "version": "int8-b2", "manifest": "{}", "signature": "",
+                               "key_id": "", "published_at": 0.0})
+    store.close()
+    out = run("deploy", "smollm2@int8-b2", "--all", "--db", filled_db).output
+    assert "skipped 2 device(s) already on smollm2@int8-b2: dev-1, dev-2" in out
+    assert "skipped 1 device(s) offline" in out and "dev-4" in out
+    assert "to 1 device(s)" in out  # dev-3 alone
+    out = run("deploy", "smollm2@int8-b2", "--all", "--include-offline", "--db", filled_db).output
+    assert "to 2 device(s)" in out  # dev-3 and dev-4
+    out = run("deploy", "smollm2@int8-b2", "--to", "dev-4", "--db", filled_db).output
+    assert "to 1 device(s)" in out  # named: deployed to although offline
+    result = run_main("deploy", "smollm2@int8-b2", "--to", "dev-1", "--db", filled_db)
+    assert result.returncode != 0 and "no device needs this deployment" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["job", "job-nope"], ["deploy", "smollm2@int4-a1", "--all"], ["rollback", "dev-1"]])
+def test_a_mistyped_db_or_job_is_an_error_and_creates_nothing(filled_db, tmp_path, args):
+    """Found in review: deploy, rollback and job created an empty database at a mistyped --db (job printed
+    "(no rows)" and exit 0, as it did for an unknown job id)."""
+    result = run_main(*args, "--db", tmp_path / "typo.db")
+    assert result.returncode != 0 and "no fleet database at" in result.stderr and not (tmp_path / "typo.db").exists()
+    result = run_main("job", "job-nope", "--db", filled_db)
+    assert result.returncode != 0 and "unknown job 'job-nope'" in result.stderr
