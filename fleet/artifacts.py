@@ -88,8 +88,16 @@ class RangeHandler(SimpleHTTPRequestHandler):
             remaining -= len(chunk)
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")  # every interface: no address a device could fetch from
+
+
 class ArtifactServer:
-    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, handler=RangeHandler):
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, handler=RangeHandler,
+                 public_url: str | None = None):
+        """public_url: what devices fetch from (needed behind a wildcard bind, a NAT or a proxy)."""
+        if public_url is None and host in WILDCARD_HOSTS:
+            raise ValueError(f"artifact server bound to {host or '*'!r}: devices need the URL they reach it at")
+        self.public_url = public_url.rstrip("/") if public_url else None
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.httpd = ThreadingHTTPServer((host, port), lambda *a: handler(*a, directory=str(self.root)))
@@ -97,6 +105,8 @@ class ArtifactServer:
 
     @property
     def base_url(self) -> str:
+        if self.public_url:
+            return self.public_url
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 

@@ -17,6 +17,7 @@ import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import click
@@ -134,6 +135,8 @@ def cli() -> None:
 @click.option("--artifacts-http", default=None, help="Serve published bundles on HOST:PORT and drive rollouts.")
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
               show_default=True, help="Where `edge-fleet publish` puts bundles (the HTTP root).")
+@click.option("--artifacts-url", default=None, help="The URL devices fetch bundles from (default: "
+              "http://HOST:PORT of --artifacts-http; required when HOST is 0.0.0.0 or ::).")
 @click.option("--jobs-username", default=None, help="Broker user of the rollouts' own connection (with "
               "--artifacts-http; default --username). A broker that makes the user the client id needs another.")
 @click.option("--jobs-password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -143,11 +146,13 @@ def cli() -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @user_errors
 def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, artifacts_http, artifacts_dir,
-          jobs_username, jobs_password_file, keep, verbose):
+          artifacts_url, jobs_username, jobs_password_file, keep, verbose):
     """Consume device state and telemetry into the database until SIGINT/SIGTERM.
 
     Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
     """
+    from fleet.artifacts import WILDCARD_HOSTS
+    from fleet.consumer import Artifacts
     from fleet.consumer import serve as run
     from fleet.mqtt import parse_url
 
@@ -170,8 +175,16 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
         host, _, port = artifacts_http.rpartition(":")
         if not host or not port.isdigit():
             raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT")
-        jobs_auth = auth if jobs_username is None else credentials(jobs_username, jobs_password_file, ca_file)
-        artifacts = (host, int(port), artifacts_dir, jobs_auth)
+        if artifacts_url is None and host.strip("[]") in WILDCARD_HOSTS:  # found in review: devices were told
+            # to fetch from http://0.0.0.0:PORT, i.e. from themselves, and every rollout failed
+            raise click.BadParameter(f"--artifacts-http {artifacts_http!r} listens on every interface: give "
+                                     "--artifacts-url http://NAME:PORT, the address devices reach this server at")
+        if artifacts_url is not None:
+            parts = urllib.parse.urlsplit(artifacts_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+                raise click.BadParameter(f"--artifacts-url {artifacts_url!r}: expected http(s)://HOST[:PORT][/PATH]")
+        jobs_auth = None if jobs_username is None else credentials(jobs_username, jobs_password_file, ca_file)
+        artifacts = Artifacts(host.strip("[]"), int(port), artifacts_dir, jobs_auth, artifacts_url)
     stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts, keep_s)
     click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
                f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")

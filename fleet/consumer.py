@@ -261,17 +261,27 @@ class Consumer:
         return now, self.stats.inserted
 
 
-def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts):
-    """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver.
-    artifacts: (host, port, directory[, the link's own credentials: a broker with use_username_as_clientid
-    closes one of two connections that share a user])."""
+@dataclass(frozen=True)
+class Artifacts:
+    """Where serve publishes bundles over HTTP for rollouts."""
+
+    host: str
+    port: int
+    directory: Path
+    credentials: Credentials | None = None  # the jobs link's own: a broker with use_username_as_clientid
+    # closes one of two connections that share a user
+    public_url: str | None = None  # what devices fetch from, when not http://host:port (a wildcard bind)
+
+
+def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts: Artifacts):
+    """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver."""
     from fleet.artifacts import ArtifactServer
     from fleet.mqtt import Link, Session
     from fleet.updates import RolloutDriver
 
-    host, port, directory, *own = artifacts
-    credentials = own[0] if own else credentials
-    server = ArtifactServer(directory, host, port).start()
+    credentials = artifacts.credentials or credentials
+    server = ArtifactServer(artifacts.directory, artifacts.host, artifacts.port,
+                            public_url=artifacts.public_url).start()
     holder: dict = {}
     link = Link(url, Session(client_id=f"{client_id}-jobs", persistent=False, manual_ack=False),
                 [("edge/v1/+/jobs/update", 1)], lambda m: holder["driver"].on_status(m.topic, m.payload),
@@ -285,10 +295,10 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
 
 
 def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
-          credentials: Credentials = Credentials(), artifacts: tuple | None = None,
+          credentials: Credentials = Credentials(), artifacts: Artifacts | None = None,
           keep_s: float | None = None) -> Stats:
-    """Run a consumer until `stop` is set; returns its totals. With artifacts (host, port, directory) it also
-    serves published bundles over HTTP and drives model rollouts. keep_s: telemetry retention."""
+    """Run a consumer until `stop` is set; returns its totals. With artifacts it also serves published
+    bundles over HTTP and drives model rollouts. keep_s: telemetry retention."""
     store = FleetStore(db_path)
     consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None

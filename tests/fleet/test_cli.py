@@ -194,3 +194,19 @@ def test_a_mistyped_db_or_job_is_an_error_and_creates_nothing(filled_db, tmp_pat
     assert result.returncode != 0 and "no fleet database at" in result.stderr and not (tmp_path / "typo.db").exists()
     result = run_main("job", "job-nope", "--db", filled_db)
     assert result.returncode != 0 and "unknown job 'job-nope'" in result.stderr
+
+
+def test_artifacts_on_every_interface_need_the_url_devices_reach(filled_db, tmp_path):
+    """Found in review: bound to 0.0.0.0 (as fleet.env suggested), the server told devices to fetch from
+    http://0.0.0.0:PORT, i.e. from themselves, and every rollout failed."""
+    from fleet.artifacts import ArtifactServer
+
+    result = run_main("serve", "--mqtt", "mqtt://127.0.0.1:1", "--artifacts-http", "0.0.0.0:0", "--db", filled_db)
+    assert result.returncode == 2 and "--artifacts-url" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match="devices need the URL"):
+        ArtifactServer(tmp_path / "a", "0.0.0.0", 0)
+    server = ArtifactServer(tmp_path / "a", "0.0.0.0", 0, public_url="http://fleet.example:8080/")
+    try:
+        assert server.base_url == "http://fleet.example:8080"
+    finally:
+        server.httpd.server_close()
