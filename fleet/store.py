@@ -28,6 +28,7 @@ from agent.wire import DeviceState, TelemetryRecord
 BUSY_TIMEOUT_S = 30.0  # replicas sharing one file wait this long for the write lock before failing a commit
 
 # ---- migrations -------------------------------------------------------------------------------------------
+CLOCK_SLACK_S = 300.0  # how far ahead of the fleet's clock a device's stamp may be before it is replaced
 KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
 PRIMARY_KEY = ("device_id", "boot_id", "seq")
 
@@ -98,7 +99,12 @@ class Ingest:
     rejected: Counter = field(default_factory=Counter)  # (device_id, reason) -> messages
 
     def add_records(self, device_id: str, records: list[TelemetryRecord], seen_at: float) -> None:
-        self.records.extend((device_id, r) for r in records)
+        # A stamp ahead of the fleet's clock is the device's clock running ahead (no RTC, NTP not yet synced):
+        # stored as it was, it put the device's whole history into every "last hour", stretched the report's
+        # time axis and escaped retention. Such records are stamped with their arrival instead.
+        latest = seen_at + CLOCK_SLACK_S
+        self.records.extend((device_id, r if r.ts <= latest else r.model_copy(update={"ts": seen_at}))
+                            for r in records)
         self.mark_seen(device_id, seen_at)
 
     def add_state(self, state: DeviceState, seen_at: float, live: bool = False) -> None:

@@ -151,3 +151,19 @@ def test_requests_that_produced_no_token_have_no_ttft(tmp_path):
     store.close()
     row, = queries.tps(queries.open_readonly(tmp_path / "f.db"), since_s=3600, by="version", now=NOW)
     assert row["requests"] == 10 and row["ttft_p50_ms"] == 2001.5 and row["decode_tps_p50"] == 10
+
+
+def test_a_device_clock_far_ahead_is_stamped_with_arrival(tmp_path):
+    """Found in review: a device 180 days ahead put its whole history into `tps --since 1h` and escaped
+    retention. A stamp more than CLOCK_SLACK_S ahead of the fleet's clock becomes the arrival time."""
+    store = FleetStore(tmp_path / "f.db")
+    ingest = Ingest()
+    ahead = [request(i, NOW + 180 * 86400 - 3600 * i, "m", "v1", 10, 100) for i in range(30)]
+    ingest.add_records("dev-skew", ahead, NOW)
+    ingest.add_records("dev-ok", [request(0, NOW - 10, "m", "v1", 10, 100), request(1, NOW + 60, "m", "v1", 10, 100)],
+                       NOW)
+    store.commit(ingest)
+    assert sorted({ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-skew'")}) == [NOW]
+    assert sorted(ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-ok'")) == [
+        NOW - 10, NOW + 60]  # a minute ahead is within the slack: kept as sent
+    store.close()

@@ -25,9 +25,9 @@ def records(boot: str, seqs, ts: float = 1000.0):
     return out
 
 
-def ingest_of(device_id: str, recs) -> Ingest:
+def ingest_of(device_id: str, recs, seen_at: float = 2000.0) -> Ingest:
     ingest = Ingest()
-    ingest.add_records(device_id, recs, seen_at=2000.0)
+    ingest.add_records(device_id, recs, seen_at=seen_at)
     return ingest
 
 
@@ -200,7 +200,7 @@ def test_prune_deletes_old_telemetry_in_batches_and_keeps_the_registry(tmp_path,
     monkeypatch.setattr(store_module, "PRUNE_BATCH_ROWS", 4)  # several batches per table
     store = FleetStore(tmp_path / "f.db")
     store.commit(ingest_of("d1", records("old", range(1, 40), ts=1000.0)))
-    store.commit(ingest_of("d1", records("new", range(1, 40), ts=9000.0)))
+    store.commit(ingest_of("d1", records("new", range(1, 40), ts=9000.0), seen_at=9000.0))
     ingest = Ingest()
     ingest.add_state(state(1), 100.0)
     store.commit(ingest)
@@ -219,8 +219,8 @@ def test_the_consumer_prunes_old_telemetry_when_it_starts(broker, consumers, fle
     from fleet_support import wait_until
 
     store = FleetStore(fleet_db)
-    store.commit(ingest_of("d1", records("old", range(1, 10), ts=time.time() - 100 * 86400)))
-    store.commit(ingest_of("d1", records("new", range(1, 10), ts=time.time() - 86400)))
+    store.commit(ingest_of("d1", records("old", range(1, 10), ts=time.time() - 100 * 86400), time.time()))
+    store.commit(ingest_of("d1", records("new", range(1, 10), ts=time.time() - 86400), time.time()))
     consumers(store=store, keep_s=90 * 86400.0)
     db = connect(fleet_db)
     wait_until(lambda: sum(db[t].count for t in ("requests", "samples", "events")) == 9,
