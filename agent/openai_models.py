@@ -2,15 +2,19 @@
 
 Requests follow the OpenAI API reference for /v1/chat/completions and /v1/completions (strict JSON types,
 n = 1 only, an unknown field is an error) plus vLLM's extension names: top_k, min_p, repetition_penalty,
-ignore_eos and priority. Sampling ranges are checked once, by `SamplingParams`; this module only maps
+ignore_eos and priority. OpenAI parameters this server does not implement (logprobs, logit_bias, tools,
+echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
+call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
 fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
 the engine's `RequestFigures`. Nothing here does I/O.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      field_validator, model_validator)
 
 from agent.sampling_params import SamplingParams
 from agent.wire import RequestFigures
@@ -69,6 +73,16 @@ class ChatMessage(_Request):
         return {"role": role, "content": text}
 
 
+def _off(*values) -> Any:
+    """A parameter accepted only as null or one of `values` (what it is when the feature is off)."""
+    def check(v):
+        if v is None or any(type(v) is type(d) and v == d for d in values):
+            return None
+        allowed = " or ".join(["null", *(json.dumps(d) for d in values)])
+        raise ValueError(f"{json.dumps(v)[:60]} is not supported by this server (only {allowed})")
+    return Annotated[Any, AfterValidator(check)]
+
+
 class SamplingRequest(_Request):
     """Fields both endpoints share; ranges are SamplingParams' (one definition)."""
 
@@ -93,6 +107,17 @@ class SamplingRequest(_Request):
     priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # ours: speculative decoding for this request ("off", "ngram" prompt lookup, "draft" model)
     speculative: Literal["off", "ngram", "draft"] | None = None
+    # OpenAI's, not implemented: accepted when off (found in review: LangChain's OpenAI LLM sends
+    # "logit_bias": {} and "logprobs": null on every call, and got "unknown field")
+    logit_bias: _off({}) = None
+    logprobs: _off(False) = None
+    top_logprobs: _off(0) = None
+    response_format: _off({"type": "text"}) = None
+    store: _off(False) = None
+    service_tier: _off("auto", "default") = None
+    tools: _off([]) = None
+    tool_choice: _off("none", "auto") = None
+    parallel_tool_calls: _off(True, False) = None  # no tools: nothing runs in parallel either way
 
     @model_validator(mode="after")
     def _check_choices_and_stream(self):
@@ -148,6 +173,9 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     # OpenAI also allows a batch of prompts; with n = 1 only, a list must hold exactly one.
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: _off(False) = None
+    suffix: _off("") = None
+    best_of: _off(1) = None
 
     def prompt_text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):

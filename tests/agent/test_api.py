@@ -316,14 +316,14 @@ def test_errors_have_openai_status_and_body(tiny):
         client.completions.create(model="tiny", prompt="the " * 300)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
     http = tiny.http()
-    cases = [(b'{"model": "tiny", "messages": [', "invalid_json"), (b'{"model":"tiny","prompt":"x","logprobs":1}',
+    cases = [(b'{"model": "tiny", "messages": [', "invalid_json"), (b'{"model":"tiny","prompt":"x","logprob":1}',
                                                                     "unknown_parameter"),
              (b'{"model":"tiny","prompt":"x","n":2}', "invalid_value"),
              (b'{"model":"tiny","prompt":"x","temperature":"hot"}', "invalid_value")]
     for body, code in cases:
         r = http.post("/v1/completions", content=body)
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
-    assert "logprobs" in http.post("/v1/completions", content=cases[1][0]).json()["error"]["message"]
+    assert "logprob" in http.post("/v1/completions", content=cases[1][0]).json()["error"]["message"]
     assert http.post("/v1/completions", content=b"x" * (5 << 20)).status_code == 413
     assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
     wrong_method = http.get("/v1/chat/completions")
@@ -359,6 +359,24 @@ def test_what_openai_and_vllm_clients_legally_send_is_understood(tiny):
                               "(got 'image_url')")
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": None}]})
     assert r.status_code == 400 and "content must be a string or a list of text parts" in r.json()["error"]["message"]
+
+
+def test_openai_parameters_we_do_not_implement_are_accepted_when_off_and_refused_by_name_otherwise(tiny):
+    """Found in review: LangChain's OpenAI LLM sends "logit_bias": {} and "logprobs": null on every call (others
+    send store / response_format / parallel_tool_calls at their defaults) and got 400 "unknown field"."""
+    http = tiny.http()
+    body = {"model": "tiny", "prompt": ["hello"], "max_tokens": 2, "logit_bias": {}, "logprobs": None, "seed": None,
+            "echo": False, "suffix": None, "best_of": 1}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    chat = {"model": "tiny", "messages": USER_HI, "max_tokens": 2, "logprobs": False, "top_logprobs": None,
+            "store": False, "response_format": {"type": "text"}, "parallel_tool_calls": False, "tools": []}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    r = http.post("/v1/chat/completions", json=chat | {"logprobs": True})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logprobs"
+    assert err["message"] == "logprobs: true is not supported by this server (only null or false)"
+    r = http.post("/v1/completions", json=body | {"logit_bias": {"5": 100}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
 def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():
