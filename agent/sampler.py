@@ -129,17 +129,6 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(starts[block]) + offset
 
 
-def distribution(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
-                 output_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The (ids, probabilities) that sample() draws from, for a non-greedy request (speculative sampling
-    needs the target's exact distribution to accept or reject a draft)."""
-    x = apply_penalties(logits, params, prompt_ids, output_ids)
-    ids = top_k_candidates(x, params.top_k)
-    probs = softmax(x if len(ids) == len(x) else x[ids], params.temperature)
-    ids, probs = top_p_filter(ids, probs, params.top_p)
-    return min_p_filter(ids, probs, params.min_p)
-
-
 def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
            rng: np.random.Generator) -> int:
     """The next token id from logits [V] float32."""

@@ -5,11 +5,14 @@ Drafts come from prompt lookup (the continuation of the longest recent n-gram th
 the prompt or output) or from a draft model. The target runs [last token, d1..dk] in one pass (k+1
 query rows on top of the cache); rejected positions are simply overwritten by the next step.
 
-Acceptance keeps the output exactly what plain decoding would give: greedy requests accept a draft token
-only if it is the argmax; sampled requests use the speculative-sampling rule (Leviathan et al. 2023,
-Chen et al. 2023): accept d with probability min(1, p(d)/q(d)), else draw from the residual
-max(0, p - q) renormalised. A prompt-lookup draft is deterministic (q is one-hot), so the rule becomes
-accept with probability p(d), else draw from p with d removed.
+Acceptance keeps the output exactly what plain decoding would give. Both kinds of draft are one token per
+position (prompt lookup, and the draft model's greedy choice: q is one-hot), so at each position the target
+samples its own token exactly as plain decoding does (argmax, or one draw from the request's generator)
+and the draft token is accepted when it is that token. A draft token is thus accepted with probability
+p(d), else the output is p's draw given it is not d: the speculative-sampling rule of Leviathan et al. and
+Chen et al. (2023) for a one-hot q. Drawing it this way uses the generator exactly as plain decoding would,
+so a seeded request gives the same text with or without speculation and whatever else is in the batch
+(found in review: the accept-then-residual form drew a varying number of times).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.sampler import apply_penalties, distribution, draw
+from agent.sampler import sample
 from agent.sampling_params import SamplingParams
 
 
@@ -120,31 +123,10 @@ def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_
     out: list[int] = []
     history = list(output_ids)
     for i, d in enumerate(draft):
-        token = _accept_or_replace(d, logits[i], params, prompt_ids, history, rng)
+        token = sample(logits[i], params, prompt_ids, history, rng)  # what plain decoding gives here
         out.append(token)
         history.append(token)
         if token != d:
             return out
-    out.append(_sample_one(logits[len(draft)], params, prompt_ids, history, rng))
+    out.append(sample(logits[len(draft)], params, prompt_ids, history, rng))
     return out
-
-
-def _accept_or_replace(d: int, row: np.ndarray, params: SamplingParams, prompt_ids, history, rng) -> int:
-    if params.is_greedy:
-        return int(np.argmax(apply_penalties(row, params, prompt_ids, history)))
-    ids, probs = distribution(row, params, prompt_ids, history)
-    hit = np.flatnonzero(ids == d)
-    p_d = float(probs[hit[0]]) / float(probs.sum()) if len(hit) else 0.0
-    if rng.random() < p_d:
-        return d
-    residual = probs.copy()
-    if len(hit):
-        residual[hit[0]] = 0.0  # q is one-hot on d: max(0, p - q) removes d
-    return int(ids[draw(residual, rng)])
-
-
-def _sample_one(row: np.ndarray, params: SamplingParams, prompt_ids, history, rng) -> int:
-    if params.is_greedy:
-        return int(np.argmax(apply_penalties(row, params, prompt_ids, history)))
-    ids, probs = distribution(row, params, prompt_ids, history)
-    return int(ids[draw(probs, rng)])
