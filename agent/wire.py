@@ -176,12 +176,20 @@ class RequestFigures(_Frozen):
 # Which requests a percentile of these figures counts (the agent's summary and the fleet's queries): one that
 # produced no token has no time to first token (its ttft_ms is 0: shed, cancelled or failed first), one with
 # fewer than 2 tokens no decode speed. Counting those zeros made an overloaded device look faster.
+def has_ttft(completion_tokens: int) -> bool:
+    return completion_tokens >= 1
+
+
+def has_decode_speed(completion_tokens: int) -> bool:
+    return completion_tokens >= 2
+
+
 def ttft_samples(rows) -> list[float]:
-    return [r["ttft_ms"] for r in rows if r["completion_tokens"] >= 1]
+    return [r["ttft_ms"] for r in rows if has_ttft(r["completion_tokens"])]
 
 
 def decode_speed_samples(rows) -> list[float]:
-    return [r["decode_tokens_per_s"] for r in rows if r["completion_tokens"] >= 2]
+    return [r["decode_tokens_per_s"] for r in rows if has_decode_speed(r["completion_tokens"])]
 
 
 def percentile(values: list[float], q: float) -> float | None:
