@@ -204,27 +204,35 @@ class RolloutDriver:
         while not self._stop.wait(self.interval_s):
             try:
                 with self._lock, _open(self.db_path) as db:
-                    for job in list(db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value])):
-                        try:
-                            self._advance(db, job)
-                        except sqlite3.Error:
-                            raise  # the database, not the job: the next pass retries
-                        except Exception as e:  # this job cannot be carried out: it ends, the others go on
-                            log.exception("rollout %s failed", job["id"])
-                            db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
-                                       [JobState.FAILED.value, f"cannot be carried out: {e}", time.time(), job["id"]])
-                    db.conn.commit()
+                    self._pass(db)
             except Exception:  # a bad database state must not stop the driver
                 log.exception("rollout pass failed")
 
-    def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
-        # a notified device that has not finished within the job's device timeout of its notification is
-        # TIMED_OUT (progress reports do not extend it: a device stuck at 99% must end too)
+    def _pass(self, db: sqlite_utils.Database) -> None:
+        """Time out silent devices, then advance every job in progress."""
+        self._time_out_devices(db)
+        for job in list(db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value])):
+            try:
+                self._advance(db, job)
+            except sqlite3.Error:
+                raise  # the database, not the job: the next pass retries
+            except Exception as e:  # this job cannot be carried out: it ends, the others go on
+                log.exception("rollout %s failed", job["id"])
+                db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
+                           [JobState.FAILED.value, f"cannot be carried out: {e}", time.time(), job["id"]])
+        db.conn.commit()
+
+    @staticmethod
+    def _time_out_devices(db: sqlite_utils.Database) -> None:
+        """A notified device that has not finished within its job's device timeout of the notice is TIMED_OUT
+        (progress reports do not extend it: a device stuck at 99% must end too). Every job's devices: those
+        of a halted job still installing stayed IN_PROGRESS for good (found in review)."""
         db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
-                   "updated_at = ? where job_id = ? and notified = 1 and state not in (?, ?, ?, ?, ?) "
-                   "and notified_at < ?",
-                   [JobState.TIMED_OUT.value, time.time(), job["id"], *sorted(s.value for s in TERMINAL_JOB_STATES),
-                    time.time() - (job.get("device_timeout_s") or 1800.0)])
+                   "updated_at = ? where notified = 1 and state not in (?, ?, ?, ?, ?) and notified_at < ? - "
+                   "(select coalesce(device_timeout_s, 1800.0) from jobs where jobs.id = job_devices.job_id)",
+                   [JobState.TIMED_OUT.value, time.time(), *sorted(s.value for s in TERMINAL_JOB_STATES), time.time()])
+
+    def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
                              "order by wave, rowid", [job["id"]]))
         devices = [DeviceJob(r["device_id"], r["wave"], JobState(r["state"])) for r in rows]

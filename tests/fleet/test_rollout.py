@@ -65,9 +65,7 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     store.db.conn.commit()
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     db = sqlite_utils.Database(tmp_path / "fleet.db")
-    job = db["jobs"].get(job_id)
-    driver._advance(db, job)
-    db.conn.commit()
+    driver._pass(db)
     assert db["job_devices"].get((job_id, "quiet"))["state"] == "TIMED_OUT"
     assert db["jobs"].get(job_id)["state"] == "FAILED"
 
@@ -125,9 +123,29 @@ def test_progress_reports_do_not_extend_the_device_timeout(tmp_path):
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     report(driver, job_id, P, ts=time.time())  # reported just now, notified 2 s ago
     db = sqlite_utils.Database(tmp_path / "fleet.db")
-    driver._advance(db, db["jobs"].get(job_id))
-    db.conn.commit()
+    driver._pass(db)
     assert recorded(store, job_id) == "TIMED_OUT" and db["jobs"].get(job_id)["state"] == "FAILED"
+
+
+def test_a_device_still_installing_when_its_rollout_halted_times_out_too(tmp_path):
+    """Found in review: the timeout pass looked only at jobs in progress, so a halted job's devices that were
+    still installing (and then went silent) showed IN_PROGRESS for good."""
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["dev-a", "dev-b"], 2, 0.0, device_timeout_s=1.0)
+    store.db.execute("update job_devices set notified = 1, notified_at = ? where job_id = ?",
+                     [time.time() - 2.0, job_id])
+    store.db.execute("update jobs set state = 'FAILED' where id = ?", [job_id])  # halted by dev-b's failure
+    store.db.execute("update job_devices set state = 'IN_PROGRESS' where device_id = 'dev-a'")
+    store.db.execute("update job_devices set state = 'FAILED' where device_id = 'dev-b'")
+    store.db.conn.commit()
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    driver._pass(db)
+    assert recorded(store, job_id) == "TIMED_OUT" and recorded(store, job_id, "dev-b") == "FAILED"
 
 
 def published_store(tmp_path):
