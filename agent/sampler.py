@@ -3,7 +3,8 @@
 Pure numpy, no I/O. Each request owns a `np.random.Generator` made by `make_rng(params.seed)` and every
 non-greedy step draws exactly one uniform number from it, so the same seed and the same logits give the
 same tokens, whatever else is in the batch. Filters run in the order HF transformers applies its warpers
-(temperature, top-k, top-p, min-p), and only on the surviving candidates: top-k uses argpartition, top-p
+(temperature, top-k, top-p, min-p; llama.cpp's order too, while vLLM applies min-p before top-k/top-p, so
+with both set it keeps fewer tokens), and only on the surviving candidates: top-k uses argpartition, top-p
 sorts just the few tokens that hold its probability mass, so a step over a 49k vocabulary stays well
 under a millisecond in the common settings.
 
