@@ -174,6 +174,10 @@ class Engine:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
                                f"{self.kv.max_capacity} (prompt plus at least one generated token)",
                                "context_length_exceeded")
+        vocab_size = self.bundle.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is outside this model's vocabulary "
+                               f"[0, {vocab_size})", "invalid_value", param="logit_bias")
         if params.speculative == "draft" and self.draft is None:
             raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)",
                                param="speculative")

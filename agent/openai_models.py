@@ -2,7 +2,7 @@
 
 Requests follow the OpenAI API reference for /v1/chat/completions and /v1/completions (strict JSON types,
 n = 1 only, an unknown field is an error) plus vLLM's extension names: top_k, min_p, repetition_penalty,
-ignore_eos and priority. OpenAI parameters this server does not implement (logprobs, logit_bias, tools,
+ignore_eos and priority. OpenAI parameters this server does not implement (logprobs, tools,
 echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
 call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
 fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
@@ -99,6 +99,7 @@ class SamplingRequest(_Request):
     stream: Annotated[bool, BeforeValidator(lambda v: False if v is None else v)] = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for OpenAI compatibility; not used
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     # vLLM's extension names
     top_k: int | None = None
     min_p: float | None = None
@@ -108,8 +109,7 @@ class SamplingRequest(_Request):
     # ours: speculative decoding for this request ("off", "ngram" prompt lookup, "draft" model)
     speculative: Literal["off", "ngram", "draft"] | None = None
     # OpenAI's, not implemented: accepted when off (found in review: LangChain's OpenAI LLM sends
-    # "logit_bias": {} and "logprobs": null on every call, and got "unknown field")
-    logit_bias: _off({}) = None
+    # "logit_bias": {} and "logprobs": null on every call, and got "unknown field"; logit_bias is implemented)
     logprobs: _off(False) = None
     top_logprobs: _off(0) = None
     response_format: _off({"type": "text"}) = None
@@ -139,7 +139,7 @@ class SamplingRequest(_Request):
 
         defaults: values for the fields the request leaves out (the device's set_config sampling defaults)."""
         fields = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
-                  "min_p", "repetition_penalty", "ignore_eos", "speculative")
+                  "min_p", "repetition_penalty", "ignore_eos", "speculative", "logit_bias")
         defaults = dict(defaults or {})
         max_tokens = self.requested_max_tokens()
         if max_tokens is None:

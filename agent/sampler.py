@@ -34,10 +34,14 @@ def make_rng(seed: int | None) -> np.random.Generator:
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
                     output_ids: Sequence[int]) -> np.ndarray:
-    """logits [V] with the repetition, presence and frequency penalties applied (a copy; input untouched)."""
-    if not params.has_penalties:
+    """logits [V] with the logit bias and the repetition, presence and frequency penalties applied (a copy;
+    input untouched)."""
+    if not params.adjusts_logits:
         return logits
     x = np.array(logits, dtype=np.float32, copy=True)
+    if params.logit_bias:
+        ids = np.fromiter(params.logit_bias, np.int64, len(params.logit_bias))
+        x[ids] += np.fromiter(params.logit_bias.values(), np.float32, len(ids))
     if params.repetition_penalty != 1:
         # vLLM: every token seen in prompt or output; dividing a positive logit and multiplying a
         # negative one both make the token less likely when the penalty is > 1.

@@ -57,6 +57,32 @@ def _check_seed(seed: int | None) -> int | None:
     return seed
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_TOKENS = 1024  # a bound on the work one request adds to every step
+
+
+def _token_id_keys(value: object) -> object:
+    # OpenAI's logit_bias maps token ids written as JSON object keys (strings) to biases
+    if not isinstance(value, dict):
+        return value
+    try:
+        return {int(k): v for k, v in value.items()}
+    except (TypeError, ValueError):
+        bad = next(k for k in value if not str(k).lstrip("-").isdigit())
+        raise ValueError(f"logit_bias keys must be token ids, got {bad!r}") from None
+
+
+def _check_logit_bias(bias: dict[int, float]) -> dict[int, float]:
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    for token, b in bias.items():
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (>= 0), got {token}")
+        if not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {token}")
+    return bias
+
+
 class SamplingParams(BaseModel):
     """Sampling settings of one request; defaults match the OpenAI API (temperature 1, nothing filtered)."""
 
@@ -79,6 +105,9 @@ class SamplingParams(BaseModel):
     # or "draft" (a smaller draft model, when the engine has one). Output distribution is unchanged.
     speculative: Literal["off", "ngram", "draft"] | None = None
     ignore_eos: bool = False  # keep generating through EOS until max_tokens (benchmarks); the engine's rule
+    # OpenAI's logit_bias, added to the logits before the penalties (vLLM's order) and any sampling or argmax
+    logit_bias: Annotated[dict[int, float], BeforeValidator(_token_id_keys), AfterValidator(_check_logit_bias)] = \
+        Field(default_factory=dict)
 
     @property
     def is_greedy(self) -> bool:
@@ -87,6 +116,7 @@ class SamplingParams(BaseModel):
         return self.temperature < 1e-5
 
     @property
-    def has_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty applies (the sampler then works on a copy of the row)."""
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
-                or self.frequency_penalty != 0)
+                or self.frequency_penalty != 0 or bool(self.logit_bias))

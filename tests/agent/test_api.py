@@ -375,8 +375,12 @@ def test_openai_parameters_we_do_not_implement_are_accepted_when_off_and_refused
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "logprobs"
     assert err["message"] == "logprobs: true is not supported by this server (only null or false)"
-    r = http.post("/v1/completions", json=body | {"logit_bias": {"5": 100}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert http.post("/v1/completions", json=body | {"logit_bias": {"5": 100}}).status_code == 200  # implemented
+    for bias, needle in (({"999999": 1}, "outside this model's vocabulary"), ({"abc": 1}, "must be token ids"),
+                         ({"5": 101}, "in [-100, 100]")):
+        r = http.post("/v1/completions", json=body | {"logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        assert needle in r.json()["error"]["message"]
 
 
 def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():

@@ -107,6 +107,25 @@ def test_penalty_changes_greedy_choice():
     assert sample(x, params, prompt_ids=[0], output_ids=[], rng=make_rng(0)) == 1
 
 
+def test_logit_bias_is_added_before_the_penalties_and_steers_greedy_and_sampled_choices():
+    """OpenAI's logit_bias (vLLM applies it before the penalties): -100 bans a token, +100 all but forces it."""
+    x = np.array([2.0, -2.0, 3.0, -1.0], np.float32)
+    out = apply_penalties(x, SamplingParams(logit_bias={"0": 1.0, 3: -1.0}, repetition_penalty=2.0), [0], [])
+    np.testing.assert_allclose(out, [1.5, -2.0, 3.0, -2.0])  # token 0: (2 + 1) / 2; token 3 unseen: -1 - 1
+    greedy = SamplingParams(temperature=0, logit_bias={2: -100.0})
+    assert sample(x, greedy, [], [], make_rng(0)) == 0
+    forced = SamplingParams(temperature=1.0, logit_bias={1: 100.0}, seed=3)
+    assert {sample(x, forced, [], [], make_rng(i)) for i in range(50)} == {1}
+
+
+@pytest.mark.parametrize("bias, message", [({"a": 1.0}, "keys must be token ids, got 'a'"),
+                                           ({-1: 1.0}, "(>= 0), got -1"), ({5: 100.5}, "in [-100, 100]"),
+                                           ({5: float("nan")}, "in [-100, 100]")])
+def test_a_bad_logit_bias_names_what_is_wrong(bias, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SamplingParams(logit_bias=bias)
+
+
 # ---- filters on a handcrafted distribution ----------------------------------------------------------
 
 @pytest.mark.parametrize("top_p, kept", [(0.5, [0]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (0.99, [0, 1, 2, 3]),
@@ -230,6 +249,6 @@ def test_params_defaults_frozen_and_strict():
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.stop) == (256, 1.0, 1.0, 0, 0.0, [])
     with pytest.raises(ValidationError):
         p.temperature = 0.5
-    with pytest.raises(ValidationError, match="logit_bias"):
-        SamplingParams(logit_bias={})
+    with pytest.raises(ValidationError, match="best_of"):
+        SamplingParams(best_of=1)
     assert SamplingParams(stop="###").stop == ["###"]  # OpenAI allows a lone string
