@@ -44,6 +44,7 @@ from agent.wire import Manifest
 log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream sentinel
+SWITCH_WAIT_S = 90.0  # how long a request waits for a model switch (the old model's drain, then the load)
 
 
 # ---- errors -----------------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class Backend:
         self.on_finished: list[Callable[[Manifest, Finished], None]] = []
         # sampling defaults for what a request leaves out, as the fleet last set them (set_config)
         self.sampling_defaults: Callable[[], dict] = dict
+        self.switching = threading.Event()  # a model switch is under way: requests wait for it (SWITCH_WAIT_S)
 
     @property
     def model_ids(self) -> tuple[str, str]:
@@ -448,6 +450,7 @@ class OpenAIServer:
     async def complete(self, request: Request, kind: Kind) -> Response:
         req = self.parse(await self.read_body(request), kind.request_model)
         for _ in range(3):  # a model switch may stop the engine while the request is tokenized for it
+            await self._wait_for_switch()
             engine = self.backend.require_engine()
             try:
                 # Tokenizing a long prompt takes milliseconds: off the loop, so other streams keep flowing.
@@ -465,6 +468,12 @@ class OpenAIServer:
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
         return await self.relay(request, events, kind, reply, req.stream)
+
+    async def _wait_for_switch(self) -> None:
+        """While a model switch drains the old model and loads the new one, wait (not 503) for a while."""
+        deadline = time.monotonic() + SWITCH_WAIT_S
+        while self.backend.switching.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _observe(self, handle: RequestHandle, manifest: Manifest) -> Callable[[Finished], None]:
         def observe(fin: Finished) -> None:

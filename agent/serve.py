@@ -34,7 +34,7 @@ from agent.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig
 from agent.engine import Engine
 from agent.metrics import Metrics
-from agent.memory import MemoryBudgetError
+from agent.process import trim_heap
 from agent.telemetry import Telemetry
 from agent.trust import load_trusted_keys
 from agent.updates import ModelStore, UpdateContext, UpdateService
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 LISTEN_BACKLOG = 128  # pending connections per listener; clients beyond it are refused by the kernel
 PROBE_TIMEOUT_S = 1.0  # how long a stale-socket probe waits for a live server to accept
 LOADING_WAIT_S = 300.0  # a model switch waits this long for the first model to finish loading (TimeoutStartSec=)
+DRAIN_BEFORE_SWITCH_S = 60.0  # a switch lets the old model's requests finish this long, then stops them
 
 
 class ServeError(RuntimeError):
@@ -433,9 +434,12 @@ def describe_device(backend: Backend) -> dict:
 
 
 def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifier | None) -> None:
-    """Activate a new model: load it beside the old one, switch new requests to it, let the old finish.
-    If the budget cannot hold both, the old engine drains, stops and lets go of its memory first (new
-    requests meanwhile get 503 with Retry-After). If the new one still fails to load, the caller rolls back."""
+    """Activate a new model: the old one finishes what it holds, stops and lets go of its memory, then the new
+    one is measured and loaded with the whole budget; requests arriving meanwhile wait for it (api
+    SWITCH_WAIT_S). Found in review: loaded beside a busy old model, the new one's budget counted only what
+    the old held at that moment, so the old one's requests went on filling its KV cache past
+    memory_budget_mb, and the new model kept a KV cache sized around the old one until a restart. If the
+    new model fails to load, the caller rolls back (the same way)."""
     # A job can arrive while the first model still loads (a rollback queued for an offline device): swapped in
     # then, the loader's mark_ready() replaced it, and it ran on unused beside the one served.
     deadline = time.monotonic() + LOADING_WAIT_S
@@ -445,22 +449,19 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
         time.sleep(0.1)
     if backend.engine is not None:  # its config carries what SIGHUP changed since the start: kept, not reverted
         config = backend.engine.config
+    backend.switching.set()
     try:
-        new = load_engine(bundle.path, config, notifier)
-    except MemoryBudgetError:
-        log.warning("the memory budget cannot hold both models: draining the old one before switching")
         old = backend.engine
-        _drain(old, timeout_s=60)
-        old.stop()
-        old.close()  # stopped alone, it kept its session and KV cache: the second load failed the same way
-        del old
-        gc.collect()
-        new = load_engine(bundle.path, config, notifier)
-        backend.swap(new)
-        return
-    old = backend.swap(new)
-    if old is not None:
-        threading.Thread(target=lambda: (_drain(old, 300), old.stop()), name="retire-engine", daemon=True).start()
+        if old is not None:
+            _drain(old, timeout_s=DRAIN_BEFORE_SWITCH_S)
+            old.stop()
+            old.close()  # stopped alone, it kept its session and KV cache (the API still references it)
+            del old
+            gc.collect()
+            trim_heap()
+        backend.swap(load_engine(bundle.path, config, notifier))
+    finally:
+        backend.switching.clear()
 
 
 def _drain(engine: Engine, timeout_s: float) -> None:
