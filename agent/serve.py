@@ -365,7 +365,12 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
 
 def boot_model(store: ModelStore, model: Path | None) -> Path:
     """The bundle to serve. A model named on the command line or in the config becomes `current` (linked
-    into the store, not copied); without one, the store's verified `current` (what updates installed)."""
+    into the store, not copied); without one, or when it names the store's `current` itself (the shipped
+    agent.toml does), the store's verified `current`, else `previous` (what updates installed). Found in
+    review: the shipped config's `model = .../current` was opened directly, so a damaged `current` stopped
+    the agent (a restart loop) instead of falling back to `previous`."""
+    if model is not None and Path(model).absolute() == (store.root / "current").absolute():
+        model = None
     if model is not None:
         bundle = open_bundle(model)  # verified before anything points at it
         if store.link("current") != Path(model).resolve():

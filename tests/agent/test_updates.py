@@ -527,3 +527,19 @@ def test_a_job_for_the_model_already_running_succeeds_without_a_download(tmp_pat
     doc = job(v1.manifest, keys / "fleet.key", "http://127.0.0.1:9/nothing-here", min_tokens_per_s=0)
     assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
     assert "already the current model" in dev.reports[-1].reason and dev.serving.manifest.version == v1.manifest.version
+
+
+def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path, bundles, keys, server):
+    """Found in review: systemd/agent.toml sets model = /var/lib/edge-agent/current, which boot_model opened
+    directly, so a damaged current stopped the agent (a restart loop) instead of serving previous."""
+    from agent.bundle import open_bundle
+    from agent.serve import boot_model
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    up = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "v2"), min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, up).run() is JobState.SUCCEEDED
+    (dev.store.link("current") / wire.GRAPH).write_bytes(b"damaged")
+    served = boot_model(dev.store, dev.store.root / "current")
+    assert open_bundle(served).manifest.version == v1.manifest.version
+    assert dev.store.link("current") == served.resolve()
