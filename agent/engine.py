@@ -99,6 +99,9 @@ class Engine:
         reset_peak_rss()
         self.runner = bundle.runner(config.threads, config.spin_wait, config.kv_dtype)
         self.draft = self._load_draft(draft)
+        if config.speculative == "draft" and self.draft is None:  # found in review: it quietly ran prompt lookup
+            raise ValueError("speculative = 'draft' needs a draft model (generate --draft-model); without one use "
+                             "'ngram' or 'off'")
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
         self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s,

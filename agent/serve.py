@@ -26,12 +26,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
+from pydantic import ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agent.api import Backend, ServerState, create_app
 from agent.bundle import open_bundle
 from agent.sdnotify import Notifier
-from agent.config import AgentConfig, ApiConfig, EngineConfig
+from agent.config import AgentConfig, ApiConfig, EngineConfig, describe_errors
 from agent.engine import Engine
 from agent.metrics import Metrics
 from agent.process import trim_heap
@@ -300,6 +301,9 @@ def reload_live(backend: Backend, new: AgentConfig) -> list[str]:
     if engine is None:
         return []
     changed = {f: getattr(new.engine, f) for f in LIVE_ENGINE_FIELDS if getattr(new.engine, f) != getattr(engine.config, f)}
+    if changed.get("speculative") == "draft" and engine.draft is None:  # it would quietly run prompt lookup
+        log.error("SIGHUP: speculative = 'draft' needs a draft model, which this agent has none of: not applied")
+        del changed["speculative"]
     engine.config = engine.config.model_copy(update=changed)  # replaced, not mutated: readers see old or new
     engine.scheduler.max_queue_wait_s = engine.config.max_queue_wait_s
     restart = [f for f in type(new.engine).model_fields
@@ -309,15 +313,42 @@ def reload_live(backend: Backend, new: AgentConfig) -> list[str]:
     return restart
 
 
-def _install_sighup(backend: Backend, reload_config: Callable[[], AgentConfig] | None) -> None:
+def restart_keys(started: AgentConfig, new: AgentConfig) -> list[str]:
+    """Keys outside [engine] (which reload_live handles) that changed since the start: they need a restart.
+    Found in review: a SIGHUP after editing [api], [telemetry], [updates] (a trusted key rotated) or `model`
+    logged nothing about them, as if applied."""
+    old, now = started.model_dump(exclude={"engine"}), new.model_dump(exclude={"engine"})
+
+    def walk(a, b, prefix: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [k for key in sorted(a.keys() | b.keys()) for k in walk(a.get(key), b.get(key), prefix + key + ".")]
+        return [] if a == b else [prefix.rstrip(".")]
+    return walk(old, now, "")
+
+
+def _install_sighup(backend: Backend, reload_config: Callable[[], AgentConfig] | None, started: AgentConfig) -> None:
     if reload_config is None or threading.current_thread() is not threading.main_thread():
         return
 
     def on_hup(signum, frame) -> None:
         try:
-            reload_live(backend, reload_config())
-        except Exception as e:  # a bad edit of the file must not take the service down
+            new = reload_config()
+        except ValidationError as e:  # a bad edit of the file must not take the service down
+            log.error("SIGHUP: config not reloaded: %s", describe_errors(e).replace("\n", "; "))
+            return
+        except Exception as e:
             log.error("SIGHUP: config not reloaded: %s", str(e).splitlines()[0])
+            return
+        if backend.engine is None:
+            log.warning("SIGHUP while the model loads: nothing applied; send it again once the agent is ready")
+            return
+        others = restart_keys(started, new)
+        if others:
+            log.warning("SIGHUP: needs a restart, not applied: %s", ", ".join(others))
+        try:
+            reload_live(backend, new)
+        except Exception as e:
+            log.error("SIGHUP: config not applied: %s", str(e).splitlines()[0])
 
     signal.signal(signal.SIGHUP, on_hup)
 
@@ -343,7 +374,7 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
         server = ApiServer(Backend(manifest), sockets, api)
         server.uvicorn.notifier = notifier
         telemetry, updates = _start_services(config, store, server, notifier)
-        _install_sighup(server.backend, reload_config)
+        _install_sighup(server.backend, reload_config, config)
         server.load_in_background(lambda: load_engine(store.bootable().path, config.engine, notifier))
         announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"
                  + (f" and http://{api.tcp}" if api.tcp else "") + " (loading the model)")

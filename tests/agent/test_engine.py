@@ -400,3 +400,29 @@ def test_a_failing_remeasurement_does_not_stop_the_loop(tiny_bundle, monkeypatch
     finally:
         e.stop()
     assert failures and out.figures.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_sighup_names_every_key_it_cannot_apply_and_never_fakes_a_draft_model(tiny_bundle, caplog):
+    """Found in review: SIGHUP said nothing about changes outside [engine] (a rotated trusted key, [api], `model`),
+    and speculative = 'draft' without a draft model was accepted at start and on reload, then quietly ran
+    prompt lookup."""
+    import agent.serve as serve
+    from agent.api import Backend
+    from agent.config import AgentConfig
+
+    started = AgentConfig.model_validate({"engine": {"threads": 2, "memory_budget_mb": 16000, "min_context": 64}})
+    edited = AgentConfig.model_validate({
+        "model": "/elsewhere", "engine": {"threads": 2, "memory_budget_mb": 16000, "min_context": 64,
+                                          "max_queue": 9, "speculative": "draft"},
+        "api": {"max_connections": 17}, "updates": {"trusted_keys": ["/etc/edge-agent/new.pub"]}})
+    assert serve.restart_keys(started, edited) == ["api.max_connections", "model", "updates.trusted_keys"]
+    engine = serve.load_engine(tiny_bundle.path, started.engine)
+    backend = Backend(engine.bundle.manifest)
+    backend.mark_ready(engine)
+    caplog.set_level("INFO", logger="agent.serve")
+    serve.reload_live(backend, edited)
+    assert engine.config.max_queue == 9 and engine.config.speculative != "draft"
+    assert "speculative = 'draft' needs a draft model" in caplog.text
+    engine.stop()
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, speculative="draft"))
