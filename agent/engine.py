@@ -140,17 +140,19 @@ class Engine:
             self.draft.runner.warm_up(self.config.prefill_chunk_tokens, self.max_context)
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         budget = self.config.memory_budget_mb * MB
-        need = required_budget_bytes(self.baseline_bytes, per_token, self.config.min_context)
+        min_tokens = min(self.config.min_context, self.max_context)  # a max_context below min_context is the need
+        need = required_budget_bytes(self.baseline_bytes, per_token, min_tokens, self.config.prefix_cache_fraction)
         if budget < need:
             raise MemoryBudgetError(f"memory_budget_mb={self.config.memory_budget_mb} is too small for "
                                     f"{self.bundle.manifest.name}@{self.bundle.manifest.version}: it needs at least "
-                                    f"{-(-need // MB)} MB ({self.baseline_bytes / MB:.0f} MB model and runtime + "
-                                    f"{self.config.min_context}-token KV cache)")
+                                    f"{-(-need // MB)} MB ({self.baseline_bytes / MB:.0f} MB model and runtime + a "
+                                    f"{min_tokens}-token KV cache, beside prefix_cache_fraction="
+                                    f"{self.config.prefix_cache_fraction:g} of it for the prefix cache)")
         capacities = class_capacities(self.max_context, min(self.config.kv_smallest_class, self.max_context))
         kv_bytes = budget - self.baseline_bytes
         prefix_blocks = int(kv_bytes * self.config.prefix_cache_fraction) // (per_token * self.config.prefix_block_tokens)
         classes = plan_slots(kv_bytes - prefix_blocks * per_token * self.config.prefix_block_tokens, per_token,
-                             capacities, self.config.min_context)
+                             capacities, min_tokens)
         try:
             pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         except (MemoryError, OSError) as e:  # address space is reserved up front, though pages come on use

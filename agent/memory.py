@@ -8,6 +8,7 @@ long rows).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MB = 1 << 20
@@ -60,5 +61,9 @@ def plan_slots(kv_budget_bytes: int, bytes_per_token: int, capacities: list[int]
     return [SizeClass(c, n) for c, n in slots.items() if n > 0]
 
 
-def required_budget_bytes(baseline_bytes: int, bytes_per_token: int, min_context: int) -> int:
-    return baseline_bytes + min_context * bytes_per_token
+def required_budget_bytes(baseline_bytes: int, bytes_per_token: int, min_context: int,
+                          prefix_fraction: float = 0.0) -> int:
+    """The smallest budget that starts: the baseline, then a KV share that still holds one min_context
+    sequence after the prefix cache took its fraction (found in review: the fraction was left out, so the
+    figure the refusal named was refused too)."""
+    return baseline_bytes + math.ceil(min_context * bytes_per_token / (1 - prefix_fraction)) + bytes_per_token

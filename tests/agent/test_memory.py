@@ -1,7 +1,7 @@
 """Memory planning: from a KV byte budget to slot classes (agent/memory.py)."""
 import pytest
 
-from agent.memory import MemoryBudgetError, class_capacities, plan_slots
+from agent.memory import MB, MemoryBudgetError, class_capacities, plan_slots
 
 PER_TOKEN = 46_080  # SmolLM2's fp32 keys and values of one token
 CAPS = class_capacities(8192)  # 256, 1024, 4096, 8192
@@ -44,3 +44,22 @@ def test_the_plan_never_exceeds_the_budget_and_always_fits_min_context(tokens):
     classes = plan_slots(budget, PER_TOKEN, CAPS, min_context=512)
     assert planned_bytes(classes) <= budget
     assert max(c.capacity_tokens for c in classes) >= 512
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.9])
+@pytest.mark.parametrize("min_context", [16, 512, 4096])
+def test_the_budget_a_refusal_names_starts(fraction, min_context):
+    """Found in review: the figure left out the prefix cache's share, so budgets of exactly what the refusal
+    named (265 MB and more) were refused too. With the required budget, the engine's own split (prefix blocks
+    first, the rest to slots) leaves one min_context sequence."""
+    from agent.memory import required_budget_bytes
+
+    per_token, block = 46_080, 16  # SmolLM2's fp32 KV bytes a token, the default prefix block
+    baseline = 263 * MB
+    kv_bytes = required_budget_bytes(baseline, per_token, min_context, fraction) - baseline
+    prefix_blocks = int(kv_bytes * fraction) // (per_token * block)
+    plan_slots(kv_bytes - prefix_blocks * per_token * block, per_token, class_capacities(8192, 256), min_context)
+    with pytest.raises(MemoryBudgetError):  # and not much less would do
+        short = int(min_context * per_token * 0.99)
+        plan_slots(short - int(short * fraction) // (per_token * block) * per_token * block, per_token,
+                   class_capacities(8192, 256), min_context)
