@@ -182,13 +182,16 @@ def telemetry(state_dir, since, as_json):
 
 @cli.command("check-config")
 @click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="agent.toml")
-def check_config(config_path):
-    """Validate a config file without starting anything; exit 0 when it is valid.
+@click.option("--syntax-only", is_flag=True,
+              help="Only validate the file (on another machine than the device: skip the model, group and key checks).")
+def check_config(config_path, syntax_only):
+    """Validate a config file, and check what `serve` needs on this machine (the model bundle, the socket
+    group, the trusted keys) without starting anything; exit 0 when serve would start.
 
     Example: edge-agent check-config --config /etc/edge-agent/agent.toml
     """
     from agent.config import describe_errors
-    from agent.serve import load_agent_config
+    from agent.serve import environment_problems, load_agent_config
 
     try:
         config = load_agent_config(config_path)
@@ -196,6 +199,10 @@ def check_config(config_path):
         raise click.ClickException(f"{config_path}: invalid configuration\n{describe_errors(e)}") from e
     except (OSError, ValueError) as e:  # unreadable file, TOML syntax error (tomllib's error names the line)
         raise click.ClickException(f"{config_path}: {e}") from e
+    problems = [] if syntax_only else environment_problems(config)
+    if problems:
+        raise click.ClickException(f"{config_path}: valid, but serve would refuse it on this machine:\n"
+                                   + "\n".join(problems))
     click.echo(f"{config_path}: ok (model {config.model}, memory budget {config.engine.memory_budget_mb} MB, "
                f"socket {config.api.socket})")
 

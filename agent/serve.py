@@ -394,6 +394,39 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
         raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error
 
 
+def environment_problems(config: AgentConfig) -> list[str]:
+    """What `serve` would refuse at start on this machine, found without starting anything (check-config).
+    Found in review: check-config said ok for a model path that was not there and a socket group that did
+    not exist, and serve then failed at once."""
+    problems = []
+    store_current = config.telemetry.state_dir / "current"
+    if config.model is not None:
+        candidates = [Path(config.model)]
+        if Path(config.model).absolute() == store_current.absolute():  # serve falls back to previous
+            candidates.append(config.telemetry.state_dir / "previous")
+        errors = []
+        for path in candidates:
+            try:
+                Manifest.read(path)
+                break
+            except (OSError, ValueError) as e:
+                errors.append(f"{path}: {str(e).splitlines()[0]}")
+        else:
+            problems.append(f"model: not a readable bundle ({'; '.join(errors)})")
+    elif not (store_current.exists() or (config.telemetry.state_dir / "previous").exists()):
+        problems.append(f"model: none set and no installed model in {config.telemetry.state_dir}")
+    if config.api.socket_group is not None:
+        try:
+            _group_id(config.api.socket_group)
+        except ServeError as e:
+            problems.append(f"api.{e}")
+    try:
+        load_trusted_keys(list(config.updates.trusted_keys))
+    except (OSError, ValueError) as e:
+        problems.append(f"updates.trusted_keys: {str(e).splitlines()[0]}")
+    return problems
+
+
 def boot_model(store: ModelStore, model: Path | None) -> Path:
     """The bundle to serve. A model named on the command line or in the config becomes `current` (linked
     into the store, not copied); without one, or when it names the store's `current` itself (the shipped

@@ -8,13 +8,13 @@ from pathlib import Path
 SAMPLE = Path(__file__).parent.parent.parent / "systemd" / "agent.toml"
 
 
-def check(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agent.cli", "check-config", "--config", str(path)],
+def check(path: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent.cli", "check-config", "--config", str(path), *flags],
                           capture_output=True, text=True, timeout=60)
 
 
 def test_shipped_sample_is_valid():
-    r = check(SAMPLE)
+    r = check(SAMPLE, "--syntax-only")  # its model and state directory are the device's
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout
 
@@ -34,3 +34,21 @@ def test_toml_syntax_error_names_the_line(tmp_path):
     bad.write_text("model = 1\n[engine\n")
     r = check(bad)
     assert r.returncode != 0 and "line 2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_check_config_finds_what_serve_would_refuse_here(tmp_path, tiny_fp32_bundle):
+    """Found in review: a model path that was not there and a socket group that did not exist passed
+    check-config, and serve then failed at once."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'model = "{tmp_path / "nowhere"}"\n[api]\nsocket_group = "no-such-group-xyz"\n'
+                   f'[updates]\ntrusted_keys = ["{tmp_path / "missing.pub"}"]\n')
+    r = check(bad)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "serve would refuse it on this machine" in r.stderr
+    for needle in ("model: not a readable bundle", "no-such-group-xyz", "updates.trusted_keys"):
+        assert needle in r.stderr, r.stderr
+    assert check(bad, "--syntax-only").returncode == 0
+    good = tmp_path / "good.toml"
+    good.write_text(f'model = "{tiny_fp32_bundle.path}"\n[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
+    r = check(good)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
