@@ -472,7 +472,8 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             memory_budget_mb=config.engine.memory_budget_mb,
             current=lambda: backend.engine.bundle if backend.engine else store.bootable(),
             report=lambda u: _report_job(telemetry, u),
-            swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads)
+            swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads,
+            health_check_tokens=config.updates.health_check_tokens)
         updates = UpdateService(ctx)
         telemetry.link.on_job = updates.offer
     telemetry.start()

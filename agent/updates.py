@@ -148,6 +148,7 @@ class UpdateContext:
     report: Callable[[wire.JobStatusUpdate], None]
     swap: Callable[[Bundle], None]  # make the engine serve this bundle (drains the old one)
     threads: int | None = None
+    health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
 
@@ -324,7 +325,9 @@ class UpdateJob:
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)
         measure = self.ctx.measure or (lambda b, n: default_measure(b, self.ctx.threads, n))
         golden = bundle.manifest.golden.continuation_ids
-        n = min(self.doc.golden_tokens, len(golden))
+        # the job may ask for more than the device's own floor, never for less (found in review: the config's
+        # health_check_tokens was read nowhere)
+        n = min(max(self.doc.golden_tokens, self.ctx.health_check_tokens), len(golden))
         self.status(JobState.IN_PROGRESS, JobStep.HEALTH_CHECK)
         try:
             ids, tps = measure(bundle, max(n, 16))

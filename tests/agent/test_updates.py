@@ -543,3 +543,13 @@ def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path
     served = boot_model(dev.store, dev.store.root / "current")
     assert open_bundle(served).manifest.version == v1.manifest.version
     assert dev.store.link("current") == served.resolve()
+
+
+def test_the_devices_health_check_tokens_is_a_floor_the_job_cannot_lower(tmp_path, bundles, keys, server):
+    """Found in review: [updates] health_check_tokens validated and was then read nowhere."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    dev.ctx.health_check_tokens = 24
+    up = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "v2"), min_tokens_per_s=0)  # asks 16
+    assert UpdateJob(dev.ctx, up).run() is JobState.SUCCEEDED
+    assert dev.reports[-1].figures["golden_tokens"] == 24
