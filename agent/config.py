@@ -26,7 +26,9 @@ class EngineConfig(BaseModel):
     # 128 rather than 256: the same TTFT for 512- and 896-token prompts, ~8 MB less peak activation memory
     # and half the stall a long prompt puts between running streams' tokens (docs/benchmarks.md, 2026-12-03)
     prefill_chunk_tokens: int = Field(128, ge=16, le=8192, description="prompt tokens computed per engine step")
-    max_queue: int = Field(64, ge=0, description="requests that may wait for a slot before 'overloaded'")
+    # counted from submission to admission, so 0 refuses every request (tests use it to force 'overloaded')
+    max_queue: int = Field(64, ge=0, description="requests that may wait for a slot before 'overloaded' "
+                                                 "(0 refuses every request)")
     default_max_tokens: int = Field(1024, ge=1, description="completion limit of a chat request that sets none "
                                     "(OpenAI's is the whole context): where a runaway generation stops")
     max_queue_wait_s: float = Field(60.0, gt=0, description="a request waiting longer ends as 'overloaded'")
