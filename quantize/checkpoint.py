@@ -19,6 +19,15 @@ class CheckpointError(ValueError):
     """A checkpoint we cannot read: the message names what is unsupported or broken."""
 
 
+def finite(w: np.ndarray, name: str, where: Path | str) -> np.ndarray:
+    """w, if every value is a number: a NaN or infinity (a damaged scale, a bad conversion) would otherwise be
+    built into a model whose every answer is NaN. llama.cpp checks this only with --check-tensors."""
+    if not np.isfinite(w).all():
+        raise CheckpointError(f"{where}: tensor {name} holds NaN or infinite values (a damaged or badly "
+                              "converted file)")
+    return w
+
+
 @dataclass(frozen=True)
 class Geometry:
     architecture: str  # one of SUPPORTED_ARCHITECTURES

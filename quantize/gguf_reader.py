@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 
 from agent.bundle import file_sha256
 from quantize import rope
-from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks
+from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks, finite
 from quantize.tokenizer import tokenizer_from_gguf
 
 # Q5_0 / Q5_1: llama-quantize's fallbacks for Q4_K / Q5_K when a row is not a multiple of 256 (SmolLM2's
@@ -208,7 +208,7 @@ def _tensor_rows(t, path: Path) -> tuple[np.ndarray, tuple[int, ...]]:
         w = dequantize(np.asarray(t.data), t.tensor_type)
     except Exception as e:
         raise CheckpointError(f"{path}: tensor {t.name} could not be read ({e})") from e
-    return np.ascontiguousarray(w.reshape(shape), dtype=np.float32), shape
+    return finite(np.ascontiguousarray(w.reshape(shape), dtype=np.float32), t.name, path), shape
 
 
 def load(path: Path) -> Checkpoint:

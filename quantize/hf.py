@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from quantize import rope
-from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, expected_weight_shapes
+from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, expected_weight_shapes, finite
 from quantize.tokenizer import tokenizer_from_hf_folder
 
 # config.json `architectures[0]` -> Geometry.architecture
@@ -217,7 +217,7 @@ def _tensors(path: Path, header: dict, data_start: int) -> dict[str, np.ndarray]
             else:
                 raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype} "
                                       "(supported: F32, F16, BF16)")
-    return tensors
+    return {name: finite(w, name, path) for name, w in tensors.items()}
 
 
 def _select_weights(tensors: dict[str, np.ndarray], geometry: Geometry, folder: Path) -> dict[str, np.ndarray]:

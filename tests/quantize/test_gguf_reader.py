@@ -109,3 +109,19 @@ def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
     assert g.rope_freq_factors == (4.0,) * 8
     with pytest.raises(CheckpointError, match="yarn"):
         load_checkpoint(write_tiny_llama(tmp_path / "yarn.gguf", extra=yarn))
+
+
+def test_a_nan_or_infinite_weight_is_an_error_naming_the_tensor(tmp_path):
+    """Seen in the bad-input fuzz: a flipped scale byte dequantized to NaN, and the model was accepted (every
+    answer would have been NaN)."""
+    path = write_tiny_llama(tmp_path / "nan.gguf", types=(QT.F32,))
+    data = bytearray(path.read_bytes())
+    ckpt = load_checkpoint(path)
+    w = ckpt.weights["model.layers.0.mlp.down_proj.weight"]
+    needle = w[:1, :4].tobytes()  # the F32 tensor's first values, as stored (down is not permuted)
+    at = bytes(data).find(needle)
+    assert at > 0
+    data[at:at + 4] = np.float32(np.nan).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="blk.0.ffn_down.weight holds NaN"):
+        load_checkpoint(path)

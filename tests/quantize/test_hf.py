@@ -310,3 +310,11 @@ def test_a_config_json_of_the_wrong_shape_is_named(config, needle, tiny_checkpoi
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=needle):
         load_checkpoint(folder)
+
+
+def test_a_nan_weight_in_a_safetensors_file_is_an_error_naming_it(tiny_checkpoint, tmp_path):
+    weights = write_hf_folder(tmp_path / "m", "llama", tiny_checkpoint.tokenizer.tokenizer_json)
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    write_weights(tmp_path / "m", weights)
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight holds NaN"):
+        hf.load(tmp_path / "m")
