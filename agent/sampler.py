@@ -40,8 +40,8 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequ
         return logits
     x = np.array(logits, dtype=np.float32, copy=True)
     if params.logit_bias:
-        ids = np.fromiter(params.logit_bias, np.int64, len(params.logit_bias))
-        x[ids] += np.fromiter(params.logit_bias.values(), np.float32, len(ids))
+        ids, biases = params.logit_bias_arrays
+        x[ids] += biases
     if params.repetition_penalty != 1:
         # vLLM: every token seen in prompt or output; dividing a positive logit and multiplying a
         # negative one both make the token less likely when the penalty is > 1.

@@ -7,7 +7,10 @@ reported with its field name and the range it must lie in, so an API client can 
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Annotated, Literal
+
+import numpy as np
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
@@ -114,6 +117,12 @@ class SamplingParams(BaseModel):
         # vLLM's rule: a temperature this small is greedy in all but float rounding, and dividing logits by
         # it overflows (1e-50 made every probability 0 and the draw fail)
         return self.temperature < 1e-5
+
+    @cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, biases), built once per request rather than at every step."""
+        return (np.fromiter(self.logit_bias, np.int64, len(self.logit_bias)),
+                np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)))
 
     @property
     def adjusts_logits(self) -> bool:

@@ -394,16 +394,22 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
         raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error
 
 
+def names_store_current(model: Path, state_dir: Path) -> bool:
+    """Whether `model` is the store's own `current` link (as the shipped agent.toml names it), whose
+    fall-back to `previous` the store decides."""
+    return Path(model).absolute() == (Path(state_dir) / "current").absolute()
+
+
 def environment_problems(config: AgentConfig) -> list[str]:
     """What `serve` would refuse at start on this machine, found without starting anything (check-config).
     Found in review: check-config said ok for a model path that was not there and a socket group that did
     not exist, and serve then failed at once."""
     problems = []
-    store_current = config.telemetry.state_dir / "current"
+    state = config.telemetry.state_dir
     if config.model is not None:
         candidates = [Path(config.model)]
-        if Path(config.model).absolute() == store_current.absolute():  # serve falls back to previous
-            candidates.append(config.telemetry.state_dir / "previous")
+        if names_store_current(config.model, state):  # serve falls back to previous
+            candidates.append(state / "previous")
         errors = []
         for path in candidates:
             try:
@@ -413,8 +419,8 @@ def environment_problems(config: AgentConfig) -> list[str]:
                 errors.append(f"{path}: {str(e).splitlines()[0]}")
         else:
             problems.append(f"model: not a readable bundle ({'; '.join(errors)})")
-    elif not (store_current.exists() or (config.telemetry.state_dir / "previous").exists()):
-        problems.append(f"model: none set and no installed model in {config.telemetry.state_dir}")
+    elif not ((state / "current").exists() or (state / "previous").exists()):
+        problems.append(f"model: none set and no installed model in {state}")
     if config.api.socket_group is not None:
         try:
             _group_id(config.api.socket_group)
@@ -433,7 +439,7 @@ def boot_model(store: ModelStore, model: Path | None) -> Path:
     agent.toml does), the store's verified `current`, else `previous` (what updates installed). Found in
     review: the shipped config's `model = .../current` was opened directly, so a damaged `current` stopped
     the agent (a restart loop) instead of falling back to `previous`."""
-    if model is not None and Path(model).absolute() == (store.root / "current").absolute():
+    if model is not None and names_store_current(model, store.root):
         model = None
     if model is not None:
         bundle = open_bundle(model)  # verified before anything points at it
