@@ -50,7 +50,7 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None  # accepted, as OpenAI does; chat templates do not print it
+    name: str | None = None  # the participant's name, as OpenAI has it; passed to templates that print it
 
     @field_validator("content", mode="before")
     @classmethod
@@ -70,7 +70,7 @@ class ChatMessage(_Request):
         role = "system" if self.role == "developer" else self.role
         # parts joined by a newline as vLLM does: "".join ran "Describe:" and "the cat" into one word's tokens
         text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": role, "content": text}
+        return {"role": role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
 def _off(*values) -> Any:

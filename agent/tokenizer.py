@@ -23,7 +23,8 @@ from datetime import datetime
 from typing import Protocol
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -60,9 +61,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)  # templates that print today's date (Llama 3.1) call this
 
 
+class _GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body: transformers' AssistantTracker uses it to mark
+    assistant tokens for training (TRL's assistant-only loss writes it into fine-tunes' templates); rendering a
+    prompt, it does nothing."""
+
+    tags = {"generation"}
+
+    def parse(self, parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """The template compiled as HF transformers does; ValueError on a syntax error."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -128,8 +142,10 @@ class TextTokenizer:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
         try:
+            # tools and documents as transformers passes them without any: templates test `tools is not none`
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
+                                         documents=None)
         except Exception as e:  # the bundle's template on these messages: TemplateError, TypeError (None + str),
             # ZeroDivisionError, the sandbox's OverflowError for a huge range(): the request's answer, not a 500
             raise ValueError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e

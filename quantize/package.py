@@ -17,6 +17,7 @@ import onnx
 
 from agent import wire
 from agent.bundle import Bundle, file_sha256, open_bundle
+from agent.tokenizer import TextTokenizer
 from quantize.calibrate import Calibration, calibrate
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import compare, greedy
@@ -88,6 +89,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     out = Path(out)
     if out.exists() and not force:
         raise PackageError(f"{out} already exists (use --force to replace it)")
+    check_tokenizer(ckpt)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -106,6 +108,15 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp.with_name(tmp.name + "-ref"), ignore_errors=True)
     return open_bundle(out)
+
+
+def check_tokenizer(ckpt: Checkpoint) -> None:
+    """Load the tokenizer and chat template as the agent will, so that a bundle the device cannot load (a
+    template that does not compile, BOS required but missing) is refused here rather than there."""
+    try:
+        TextTokenizer(ckpt.tokenizer.tokenizer_json, ckpt.tokenizer)
+    except ValueError as e:
+        raise PackageError(f"the checkpoint's tokenizer would not load on the device: {e}") from e
 
 
 def _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads, progress, show_progress) -> None:

@@ -237,7 +237,9 @@ def tokenizer_from_hf_folder(folder: Path) -> TokenizerInfo:
     special_ids = {t["content"]: t["id"] for t in document.get("added_tokens", []) if t.get("special")}
     return TokenizerInfo(
         tokenizer_json=text,
-        bos_token_id=tokenizer.token_to_id(bos) if bos else generation.get("bos_token_id"),
+        # an explicit null (Qwen) means no BOS, as transformers reads it; only a missing key falls back
+        bos_token_id=(tokenizer.token_to_id(bos) if bos else None) if "bos_token" in config
+        else generation.get("bos_token_id"),
         eos_token_ids=_unique([*_hf_eos_ids(tokenizer, config, generation),
                                *_turn_end_ids(chat_template, special_ids)]),
         add_bos_token=bool(config.get("add_bos_token", _adds_bos(document, bos))),

@@ -390,6 +390,14 @@ def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():
     assert msg.as_template_message() == {"role": "user", "content": "Summarize:\nthe cat sat."}
 
 
+def test_a_message_name_reaches_the_template_only_when_given():
+    """Found in review: `name` was dropped, so a template that prints it (as transformers passes it) lost it."""
+    named = ChatMessage.model_validate({"role": "user", "content": "hi", "name": "ann"})
+    assert named.as_template_message() == {"role": "user", "content": "hi", "name": "ann"}
+    assert ChatMessage.model_validate({"role": "user", "content": "hi"}).as_template_message() == {
+        "role": "user", "content": "hi"}
+
+
 def test_overloaded_engine_answers_429_with_retry_after(tiny_bundle):
     engine = Engine(tiny_bundle, TINY_ENGINE.model_copy(update={"max_queue": 0}))  # every submit is 'overloaded'
     engine.start()

@@ -248,6 +248,19 @@ def test_template_errors_are_value_errors(smollm_json, template, messages, error
         make(smollm_json, template).render_chat(messages)
 
 
+# found in review: each differed from transformers' apply_chat_template
+def test_generation_block_renders_its_body(smollm_json):
+    tok = make(smollm_json, "{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
+                            "{% endfor %}")
+    assert tok.render_chat([{"role": "assistant", "content": "a"}]) == "[a]"
+
+
+def test_tools_and_documents_are_none_and_name_is_passed(smollm_json):
+    tok = make(smollm_json, "{% if tools is not none %}{{ tools | tojson }}{% endif %}{{ documents is none }}"
+                            "{% for m in messages %}{{ m.name }}:{{ m['content'] }}{% endfor %}")
+    assert tok.render_chat([{"role": "user", "content": "hi", "name": "ann"}]) == "Trueann:hi"
+
+
 def test_template_syntax_error_fails_at_load(smollm_json):
     with pytest.raises(ValueError, match="does not compile"):
         make(smollm_json, "{% for m in messages %}")

@@ -141,3 +141,11 @@ def test_an_output_that_appears_during_the_build_is_not_replaced_without_force(t
     build_bundle(tiny_checkpoint, QuantSpec(), link, name="tiny", force=True, progress=lambda s: None)
     assert link.is_dir() and not link.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "link"]  # no .link.old-PID left
+
+
+def test_a_chat_template_the_agent_cannot_compile_is_refused_at_build(tmp_path):
+    """Found in review: the template was first compiled on the device, so such a bundle built and shipped
+    and then could not load there."""
+    path = write_tiny_llama(tmp_path / "t.gguf", extra=lambda w: w.add_chat_template("{% for m in messages %}"))
+    assert_one_line_error(run("build", str(path), "--out", str(tmp_path / "out")), "chat template does not compile")
+    assert not (tmp_path / "out").exists()

@@ -143,6 +143,17 @@ def test_hf_folder(tmp_path, smollm_info):
     assert info.chat_template == "{{ m }}<|im_end|>"
 
 
+@pytest.mark.parametrize("config, bos", [
+    ({"bos_token": None}, None),  # Qwen's: no BOS, though generation_config has one (found in review)
+    ({}, 0),  # no bos_token at all: generation_config's
+])
+def test_hf_folder_bos_null_means_none(tmp_path, smollm_info, config, bos):
+    (tmp_path / "tokenizer.json").write_text(smollm_info.tokenizer_json, encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0}))
+    assert tokenizer_from_hf_folder(tmp_path).bos_token_id == bos
+
+
 def test_hf_folder_without_tokenizer_json(tmp_path):
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         tokenizer_from_hf_folder(tmp_path)
