@@ -124,7 +124,12 @@ def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
 
 
 def validate(ckpt: Checkpoint) -> None:
-    """Raise CheckpointError unless every expected tensor is present with the right shape."""
+    """Raise CheckpointError unless every expected tensor is present with the right shape and ONNX Runtime's
+    GroupQueryAttention can run the heads (with its rotary embedding it needs a head size that is a multiple
+    of 16: found in review, head_dim 8 failed inside ONNX Runtime)."""
+    if ckpt.geometry.head_dim % 16:
+        raise CheckpointError(f"{ckpt.source_name}: head_dim {ckpt.geometry.head_dim} is not supported (ONNX "
+                              "Runtime's GroupQueryAttention needs a multiple of 16)")
     for name, shape in expected_weight_shapes(ckpt.geometry).items():
         w = ckpt.weights.get(name)
         if w is None:

@@ -309,7 +309,11 @@ def plan_linears(ckpt: Checkpoint, spec: QuantSpec) -> dict:
 
 def capture_width(g: Geometry, key: str) -> int:
     """Width of the input of the projection whose HF weight is key."""
-    return g.intermediate_size if key.endswith("down_proj.weight") else g.hidden_size
+    if key.endswith("down_proj.weight"):
+        return g.intermediate_size
+    # o_proj reads the heads' outputs, num_heads x head_dim wide: not hidden_size when a config sets head_dim
+    # (Mistral-Nemo's 128 with hidden 5120 / 32 heads); found in review, every calibrated build of one failed
+    return g.num_heads * g.head_dim if key.endswith("o_proj.weight") else g.hidden_size
 
 
 def _capture_outputs(b: GraphBuilder, g: Geometry) -> list:

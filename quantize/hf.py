@@ -39,6 +39,9 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too; a corrupt length must not read the file
 # Tensors some exporters include that carry nothing we need (recomputed from rope_theta).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# transformers' defaults for keys a config may leave out (MistralConfig, Qwen2Config)
+MISTRAL_DEFAULT_WINDOW = 4096
+QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 # ---- config.json -> Geometry ------------------------------------------------------------------------
@@ -80,22 +83,25 @@ def _check_supported_options(config: dict, arch: str, folder: Path) -> None:
 def _sliding_window(config: dict, arch: str, num_layers: int, folder: Path) -> int | None:
     """The attention window, or None when every layer attends to the whole context.
 
-    Mistral applies `sliding_window` to every layer when set. Qwen2 applies it only when
-    `use_sliding_window` is true, and then only to layers >= `max_window_layers`; Geometry has one
-    window for all layers, so a split between windowed and full layers is an error.
+    Mistral applies `sliding_window` to every layer (transformers' default when the key is missing: 4096).
+    Qwen2 applies it only when `use_sliding_window` is true, and then to the layers `layer_types` marks
+    "sliding_attention" or, without that list, to layers >= `max_window_layers` (default 28), as
+    transformers reads them; Geometry has one window for all layers, so a split is an error.
     """
-    window = config.get("sliding_window")
+    window = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "mistral" else None)
     if arch == "llama" or window is None:
         return None
     if arch == "qwen2":
         if not config.get("use_sliding_window", False):
             return None
-        first = int(config.get("max_window_layers", num_layers))
-        if first >= num_layers:
+        kinds = config.get("layer_types") or ["sliding_attention" if i >= int(config.get(
+            "max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS)) else "full_attention" for i in range(num_layers)]
+        windowed = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        if not windowed:
             return None
-        if first > 0:
-            raise CheckpointError(f"{folder}: unsupported Qwen2 sliding window on layers {first}..{num_layers - 1} "
-                                  f"only (max_window_layers={first}); a window must cover all layers or none")
+        if len(windowed) < num_layers:
+            raise CheckpointError(f"{folder}: unsupported Qwen2 sliding window on layers {windowed[0]}..{windowed[-1]} "
+                                  f"only ({len(windowed)} of {num_layers}); a window must cover all layers or none")
     context = int(config["max_position_embeddings"])
     return int(window) if int(window) < context else None
 
@@ -128,6 +134,8 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
         )
     except KeyError as e:
         raise CheckpointError(f"{folder}/config.json: missing required key {e.args[0]!r}") from e
+    except CheckpointError:  # a refusal that already says what is wrong (a RoPE type, a split window)
+        raise
     except (TypeError, ValueError, ZeroDivisionError) as e:  # "hidden_size": null, "32", 0 heads
         raise CheckpointError(f"{folder}/config.json: a size is not a usable number ({e})") from e
     return geometry
@@ -151,13 +159,14 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def source_sha256(files: list[Path]) -> str:
-    """sha256 over the contents of the weight files, concatenated in sorted file-name order.
+def source_sha256(files: list[Path], config: dict) -> str:
+    """sha256 over config.json's content (canonical JSON) and the weight files', in sorted file-name order.
 
-    One digest for the whole weight set, independent of the config and tokenizer files (as a GGUF's
-    digest covers its single file). Shard boundaries are not hashed; shard names are fixed by the index.
+    The config is part of the model as a GGUF's metadata is of its file (found in review: two folders with
+    the same weights and another rope_theta had one digest, so `eval --reference` took one for the other);
+    the tokenizer files are not. Shard boundaries are not hashed; shard names are fixed by the index.
     """
-    h = hashlib.sha256()
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     for path in sorted(files, key=lambda p: p.name):
         with open(path, "rb") as f:
             while chunk := f.read(1 << 20):
@@ -229,6 +238,12 @@ def _select_weights(tensors: dict[str, np.ndarray], geometry: Geometry, folder: 
         shown = ", ".join(sorted(unexpected)[:5])
         raise CheckpointError(f"{folder}: unexpected tensors for {geometry.architecture}: {shown}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if (geometry.tie_word_embeddings and head is not None and embedding is not None
+            and not np.array_equal(head, embedding)):
+        # transformers 4 used the embedding, 5 the stored head: a model that runs differently in each
+        raise CheckpointError(f"{folder}: config.json ties the embeddings but lm_head.weight differs from "
+                              "model.embed_tokens.weight; set tie_word_embeddings to match the weights")
     return {n: np.ascontiguousarray(w) for n, w in tensors.items() if n in expected}
 
 
@@ -245,7 +260,7 @@ def load(folder: Path) -> Checkpoint:
         geometry=geometry,
         weights=_select_weights(tensors, geometry, folder),
         tokenizer=tokenizer_from_hf_folder(folder),
-        source_sha256=source_sha256(files),
+        source_sha256=source_sha256(files, config),
         source_name=folder.name,
     )
 

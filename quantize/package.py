@@ -26,6 +26,7 @@ from quantize.kv_int8 import int8_kv_graph, kv_absmax
 from quantize.precision import QuantSpec
 
 GOLDEN_TOKENS = 32
+MIN_GOLDEN_TOKENS = 16  # an update's health check generates at least this many (agent.updates)
 
 
 class PackageError(ValueError):
@@ -90,6 +91,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     if out.exists() and not force:
         raise PackageError(f"{out} already exists (use --force to replace it)")
     check_tokenizer(ckpt)
+    golden_tokens(ckpt, len(encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)))
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -119,6 +121,18 @@ def check_tokenizer(ckpt: Checkpoint) -> None:
         raise PackageError(f"the checkpoint's tokenizer would not load on the device: {e}") from e
 
 
+def golden_tokens(ckpt: Checkpoint, prompt_tokens: int) -> int:
+    """Tokens of the golden continuation: GOLDEN_TOKENS, fewer when the context cannot hold them after the
+    smoke prompt (found in review: a 32-token context failed inside ONNX Runtime), never fewer than an
+    update's health check reads (MIN_GOLDEN_TOKENS)."""
+    n = min(GOLDEN_TOKENS, ckpt.geometry.context_length - prompt_tokens)
+    if n < MIN_GOLDEN_TOKENS:
+        raise PackageError(f"context_length {ckpt.geometry.context_length} is too small: the bundle's smoke test "
+                           f"needs {prompt_tokens + MIN_GOLDEN_TOKENS} tokens ({prompt_tokens} of prompt, "
+                           f"{MIN_GOLDEN_TOKENS} generated)")
+    return n
+
+
 def _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads, progress, show_progress) -> None:
     progress(f"building {spec.precision} graph")
     report = write_graph(ckpt, spec, tmp, calib, show_progress)
@@ -135,7 +149,7 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads,
     progress("recording the golden greedy continuation")
     prompt_ids = encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)
     golden = wire.Golden(prompt=wire.SMOKE_PROMPT, prompt_ids=prompt_ids,
-                         continuation_ids=greedy(runner, prompt_ids, GOLDEN_TOKENS))
+                         continuation_ids=greedy(runner, prompt_ids, golden_tokens(ckpt, len(prompt_ids))))
     quality = None
     if eval_text:
         quality = _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress)

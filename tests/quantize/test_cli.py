@@ -149,3 +149,10 @@ def test_a_chat_template_the_agent_cannot_compile_is_refused_at_build(tmp_path):
     path = write_tiny_llama(tmp_path / "t.gguf", extra=lambda w: w.add_chat_template("{% for m in messages %}"))
     assert_one_line_error(run("build", str(path), "--out", str(tmp_path / "out")), "chat template does not compile")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_context_too_small_for_the_smoke_test_is_refused_at_build(tmp_path):
+    """Found in review: a 32-token context failed inside ONNX Runtime while recording the golden continuation."""
+    path = write_tiny_llama(tmp_path / "t.gguf", context=32)
+    assert_one_line_error(run("build", str(path), "--out", str(tmp_path / "out")), "context_length 32 is too small")
+    assert not (tmp_path / "out").exists()

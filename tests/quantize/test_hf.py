@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from agent.runner import ModelRunner
 from quantize import hf
 from quantize.checkpoint import CheckpointError, load_checkpoint
 from quantize.graph import build_graph
+from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
 VOCAB = 269  # the tiny GGUF tokenizer: 3 specials + 256 bytes + 10 merges
@@ -192,12 +194,18 @@ def test_bf16_and_f16_tensors_are_converted_exactly(tiny_checkpoint, tmp_path):
     assert all(w.dtype == np.float32 for w in ckpt.weights.values())
 
 
-def test_source_sha256_covers_the_sorted_safetensors_files(folders):
+def test_source_sha256_covers_the_config_and_the_sorted_safetensors_files(folders, tmp_path):
     folder = folders["llama"]
-    h = hashlib.sha256()
+    h = hashlib.sha256(json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True,
+                                  separators=(",", ":")).encode())
     for path in sorted(folder.glob("*.safetensors")):
         h.update(path.read_bytes())
     assert hf.load(folder).source_sha256 == h.hexdigest()
+    # found in review: another rope_theta over the same weights had the same digest
+    shutil.copytree(folder, tmp_path / "other")
+    config = json.loads((folder / "config.json").read_text()) | {"rope_theta": 10000.0}
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    assert hf.load(tmp_path / "other").source_sha256 != h.hexdigest()
 
 
 def test_unsharded_folder_without_lm_head_is_tied(tiny_checkpoint, tmp_path):
@@ -215,19 +223,40 @@ def test_unsharded_folder_without_lm_head_is_tied(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize("overrides, window", [
     ({"sliding_window": 4096}, None),  # not smaller than the context: no window
     ({"sliding_window": None}, None),
+    # no key at all: transformers' MistralConfig default (found in review: read as no window)
+    ({"sliding_window": "absent", "max_position_embeddings": 8192}, 4096),
 ])
 def test_mistral_window_only_when_smaller_than_context(overrides, window, tiny_checkpoint, tmp_path):
     write_hf_folder(tmp_path / "m", "mistral", tiny_checkpoint.tokenizer.tokenizer_json, **overrides)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    if config["sliding_window"] == "absent":
+        del config["sliding_window"]
+        (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     assert hf.load(tmp_path / "m").geometry.sliding_window == window
 
 
-def test_qwen2_window_applies_only_with_use_sliding_window_on_every_layer(tiny_checkpoint, tmp_path):
-    tok = tiny_checkpoint.tokenizer.tokenizer_json
-    write_hf_folder(tmp_path / "all", "qwen2", tok, use_sliding_window=True, max_window_layers=0)
-    assert hf.load(tmp_path / "all").geometry.sliding_window == 32
-    write_hf_folder(tmp_path / "some", "qwen2", tok, use_sliding_window=True, max_window_layers=1)
-    with pytest.raises(CheckpointError, match="max_window_layers"):
-        hf.load(tmp_path / "some")
+@pytest.mark.parametrize("overrides, window", [
+    ({"max_window_layers": 0}, 32),
+    ({"max_window_layers": 2}, None),
+    ({"max_window_layers": "absent"}, None),  # transformers' default 28: no layer of 2 is windowed
+    # found in review: layer_types, which transformers follows, was ignored
+    ({"max_window_layers": 2, "layer_types": ["sliding_attention"] * 2}, 32),
+    ({"max_window_layers": 1}, "layers 1..1 only"),
+    ({"max_window_layers": 0, "layer_types": ["full_attention", "sliding_attention"]}, "layers 1..1 only"),
+])
+def test_qwen2_window_applies_only_with_use_sliding_window_on_every_layer(overrides, window, tiny_checkpoint,
+                                                                         tmp_path):
+    write_hf_folder(tmp_path / "q", "qwen2", tiny_checkpoint.tokenizer.tokenizer_json, use_sliding_window=True,
+                    **overrides)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    if config["max_window_layers"] == "absent":
+        del config["max_window_layers"]
+        (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    if isinstance(window, str):
+        with pytest.raises(CheckpointError, match=window):
+            hf.load(tmp_path / "q")
+    else:
+        assert hf.load(tmp_path / "q").geometry.sliding_window == window
 
 
 def test_rope_scaling_and_transformers_5_rope_parameters_are_read(tiny_checkpoint, tmp_path):
@@ -262,11 +291,32 @@ def test_rope_scaling_and_transformers_5_rope_parameters_are_read(tiny_checkpoin
     ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "one set for every layer"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"head_dim": 8}, "head_dim 8 is not supported"),  # found in review: failed inside ONNX Runtime
 ])
 def test_unsupported_config_is_named(overrides, needle, tiny_checkpoint, tmp_path):
     write_hf_folder(tmp_path / "m", "llama", tiny_checkpoint.tokenizer.tokenizer_json, **overrides)
-    with pytest.raises(CheckpointError, match=needle):
+    with pytest.raises(CheckpointError, match=needle) as e:
         load_checkpoint(tmp_path / "m")
+    assert "not a usable number" not in str(e.value)  # found in review: refusals were wrapped in that
+
+
+def test_a_tied_config_with_a_different_stored_head_is_refused(tiny_checkpoint, tmp_path):
+    """Found in review: the stored head was dropped for the embedding (transformers 4) where transformers 5
+    uses it; which one a user meant cannot be known."""
+    write_hf_folder(tmp_path / "m", "llama", tiny_checkpoint.tokenizer.tokenizer_json)  # untied: has lm_head
+    config = json.loads((tmp_path / "m" / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+        load_checkpoint(tmp_path / "m")
+
+
+def test_a_calibrated_build_with_head_dim_other_than_hidden_over_heads(folders, tmp_path):
+    """Found in review: calibration captured o_proj's input as hidden_size wide, so every GPTQ or search build
+    of such a model (Mistral-Nemo's head_dim) failed inside ONNX Runtime."""
+    ckpt = load_checkpoint(folders["mistral"])  # head_dim 32, hidden 64 / 4 heads
+    bundle = build_bundle(ckpt, QuantSpec(precision="int4", block_size=16), tmp_path / "b", name="m",
+                          calibration_text="the cat sat on the mat. " * 20, progress=lambda _: None)
+    assert bundle.manifest.precision == "int4"
 
 
 def test_missing_config_or_weights_is_an_error(tmp_path):
