@@ -51,6 +51,7 @@ CommandHandler = Callable[[str, CommandRequest], CommandResponse]
 MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
 COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
 REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
+NO_MATCHING_SUBSCRIBERS = 0x10  # PUBACK reason (MQTT v5 3.4.2.1): accepted, and delivered to no one
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
 STABLE_CONNECTION_S = 60.0  # a connection that lasted this long resets the backoff; a shorter one does not
@@ -95,6 +96,7 @@ class _Connection:
         self.closed = threading.Event()
         self.reason: ReasonCode | None = None  # the CONNACK's reason code (MQTT v5 §3.2.2.2)
         self.max_packet: int | None = None  # the broker's Maximum Packet Size, if it sent one (§3.2.2.3.6)
+        self.subscriptions: dict[int, str] = {}  # SUBSCRIBE message id -> topic, to name a refused one
 
     @property
     def payload_limit(self) -> int:
@@ -246,9 +248,10 @@ class MqttLink:
         # A command or job comes from a live publisher, never a retained copy: one retained by mistake would
         # run again (a rollback, a set_config) on every reconnect.
         live_only = SubscribeOptions(qos=1, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND)
-        conn.client.subscribe(topic(self.device_id, "cmd", "req", "+"), options=live_only)
-        if self.on_job is not None:
-            conn.client.subscribe(topic(self.device_id, "jobs", "notify"), options=live_only)
+        wanted = [topic(self.device_id, "cmd", "req", "+")]
+        wanted += [topic(self.device_id, "jobs", "notify")] if self.on_job is not None else []
+        for name in wanted:
+            conn.subscriptions[conn.client.subscribe(name, options=live_only)[1]] = name
         conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,
                             retain=True)
         if not self._move(LinkState.CONNECTED):
@@ -358,9 +361,13 @@ def _on_disconnect(client, conn: _Connection, flags, reason_code, properties) ->
 
 
 def _on_subscribe(client, conn: _Connection, mid, reason_codes, properties) -> None:
-    for code in reason_codes:  # MQTT v5 §3.9.3: a code >= 0x80 means this subscription was refused
-        if code.is_failure:
-            log.error("mqtt: the broker refused our command subscription: %s (commands will not arrive)", code)
+    refused = [code for code in reason_codes if code.is_failure]  # MQTT v5 §3.9.3: >= 0x80 is a refusal
+    if refused:
+        # Found in review: the link stayed connected and "online" while deaf to commands and updates, and
+        # never asked again. Leave with the Will (the fleet sees it offline) and retry after the backoff.
+        log.error("mqtt: the broker refused our subscription to %s: %s (check its ACL); reconnecting to retry",
+                  conn.subscriptions.get(mid, "a command topic"), refused[0])
+        client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
 
 
 def _no_handler(name: str, request: CommandRequest) -> CommandResponse:
@@ -428,9 +435,13 @@ class _Outbox:
             rows = self._inflight.pop(mid, None) if conn is self._conn else None
             if rows is None:
                 continue  # a state or response publish, or an ack from an earlier connection
-            if reason.is_failure:  # MQTT v5 §3.4.2.1: the broker did not accept it (e.g. 0x87 not authorized)
-                log.warning("mqtt: the broker refused a batch of %d records: %s; retrying in %.0f s", len(rows),
-                            reason, REFUSED_PAUSE_S)
+            # MQTT v5 §3.4.2.1: the broker did not accept it (e.g. 0x87 not authorized), or accepted it for no
+            # one (0x10: the fleet server's session is gone, e.g. a broker restarted without persistence):
+            # found in review, those rows were marked sent and lost. Both keep the rows and retry later.
+            if reason.is_failure or reason.value == NO_MATCHING_SUBSCRIBERS:
+                log.warning("mqtt: the broker %s a batch of %d records: %s; retrying in %.0f s",
+                            "refused" if reason.is_failure else "delivered to no one", len(rows), reason,
+                            REFUSED_PAUSE_S)
                 self._cursor = min(self._cursor, rows[0] - 1)
                 self._paused_until = time.monotonic() + REFUSED_PAUSE_S
                 continue

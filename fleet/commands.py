@@ -93,6 +93,11 @@ class _Waiter:
             self.outcomes.setdefault(device_id, outcome)
             self.done.notify_all()
 
+    def fail(self, device_id: str, error: str) -> None:
+        with self.done:
+            self.outcomes.setdefault(device_id, Outcome(device_id, False, error=error))
+            self.done.notify_all()
+
     def _outcome(self, device_id: str, payload: bytes) -> Outcome:
         latency_ms = round((time.monotonic() - self.sent_at) * 1000, 1)
         try:
@@ -118,14 +123,16 @@ def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: 
                 [(topic(d, "cmd", "res", run_id), 1) for d in devices], waiter.on_message, credentials).start()
     try:
         if not link.wait_ready(CONNECT_TIMEOUT_S):
-            raise CommandError(f"cannot reach the MQTT broker at {url}")
+            raise CommandError(link.refusal or f"cannot reach the MQTT broker at {url}")
         waiter.sent_at = time.monotonic()
         for device_id in devices:
             correlation = uuid.uuid4().bytes
             waiter.pending[correlation] = device_id
-            link.publish(topic(device_id, "cmd", "req", name), request, qos=1,
-                         response_topic=topic(device_id, "cmd", "res", run_id), correlation_data=correlation,
-                         expiry_s=math.ceil(timeout_s))
+            sent = link.publish_confirmed(topic(device_id, "cmd", "req", name), request, CONNECT_TIMEOUT_S,
+                                          response_topic=topic(device_id, "cmd", "res", run_id),
+                                          correlation_data=correlation, expiry_s=math.ceil(timeout_s))
+            if sent is not True:  # refused by the ACL (found in review: reported as a device that never answered)
+                waiter.fail(device_id, f"request not sent: {sent or 'the connection to the broker was lost'}")
         waiter.wait(len(devices), waiter.sent_at + timeout_s)
     finally:
         link.stop()

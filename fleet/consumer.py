@@ -37,6 +37,11 @@ RETRY_CAP_S = 5.0  # a failing commit (disk full, database locked) is retried wi
 LOG_EVERY_S = 10.0  # ingest-rate summary period
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
+PUBACK_WAIT_S = 5.0  # a rollout notice without the broker's PUBACK by then goes again next pass
+# Messages received and not yet written. Bounded: QoS 0 is outside the broker's flow control (Receive
+# Maximum), so one device flooding its topic at QoS 0 grew an unbounded inbox to 1 GB in 20 s (found in
+# review). A full inbox blocks paho's network thread, which stops reading: TCP then pushes back on the broker.
+INBOX_MAX_MESSAGES = 20_000
 
 # rejection reasons, as stored in rejected.reason
 TOO_LARGE = "too_large"  # payload over MAX_PAYLOAD_BYTES
@@ -144,7 +149,7 @@ class Consumer:
         self.store = store
         self.window_s, self.keep_s = window_s, keep_s
         self.stats = Stats()
-        self._inbox: queue.Queue[Inbound] = queue.Queue()
+        self._inbox: queue.Queue[Inbound] = queue.Queue(INBOX_MAX_MESSAGES)
         self._stopping = threading.Event()
         self._rejection_logged: dict[tuple[str, str], float] = {}
         self.link = Link(url, Session(client_id), subscriptions(shared_group), self._inbox.put, credentials)
@@ -286,8 +291,8 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
     link = Link(url, Session(client_id=f"{client_id}-jobs", persistent=False, manual_ack=False),
                 [("edge/v1/+/jobs/update", 1)], lambda m: holder["driver"].on_status(m.topic, m.payload),
                 credentials)
-    holder["driver"] = driver = RolloutDriver(db_path, lambda t, p, e: link.publish(t, p, qos=1, expiry_s=e),
-                                                   server.base_url)
+    holder["driver"] = driver = RolloutDriver(
+        db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e), server.base_url)
     link.start()
     driver.start()
     log.info("artifacts on %s; rollouts running", server.base_url)

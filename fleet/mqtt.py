@@ -32,6 +32,7 @@ KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x
 BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
 STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
+PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)
 
 
 class LinkError(ValueError):
@@ -148,6 +149,13 @@ class Link:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._accepted = False  # the current connection got a successful CONNACK
+        # why the broker last turned us down (a refused subscription); None once subscribed
+        self.refusal: str | None = None
+        # message id -> (arrival number, PUBACK reason code), insertion-ordered and bounded; the arrival number
+        # tells a PUBACK for this publish from one for an earlier publish with the same (wrapped) id
+        self._pubacks: dict[int, tuple[int, object]] = {}
+        self._puback_count = 0
+        self._puback_cond = threading.Condition()
         self._client = self._make_client()
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -193,10 +201,32 @@ class Link:
                 expiry_s: int | None = None) -> bool:
         """Queue a message; False if we are not connected. Response topic, correlation data and message
         expiry are MQTT v5 PUBLISH properties (3.3.2.3.3, 3.3.2.3.5, 3.3.2.3.6)."""
+        return self._publish(topic, payload, qos, retain, response_topic, correlation_data, expiry_s) is not None
+
+    def publish_confirmed(self, topic: str, payload: bytes, timeout_s: float, response_topic: str | None = None,
+                          correlation_data: bytes | None = None, expiry_s: int | None = None) -> bool | str:
+        """Publish at QoS 1 and wait for the broker's PUBACK: True if it took the message, False if it was not
+        sent or no PUBACK came (try again), or the reason it refused (MQTT v5 3.4.2.1, e.g. "Not
+        authorized" from its ACL: trying again will not help). Found in review: a refused command or rollout
+        notice counted as sent, and surfaced only later as a device that never answered."""
+        with self._puback_cond:
+            before = self._puback_count
+        # not under the condition's lock: paho calls on_publish holding a lock that publish() takes
+        mid = self._publish(topic, payload, 1, False, response_topic, correlation_data, expiry_s)
+        if mid is None:
+            return False
+        with self._puback_cond:
+            if not self._puback_cond.wait_for(lambda: self._pubacks.get(mid, (0,))[0] > before, timeout_s):
+                return False
+            reason = self._pubacks.pop(mid)[1]
+        return f"the broker refused it: {reason}" if reason.is_failure else True
+
+    def _publish(self, topic, payload, qos, retain, response_topic, correlation_data, expiry_s) -> int | None:
+        """paho's message id of the queued message, or None if it was not queued."""
         if self._state is not LinkState.CONNECTED:
             # paho would queue it anyway and send it after the reconnect, while our caller, told False,
             # tries again: a rollout's notices piled up through an outage and went out as a burst of copies
-            return False
+            return None
         props = Properties(PacketTypes.PUBLISH)
         if response_topic is not None:
             props.ResponseTopic = response_topic
@@ -205,7 +235,7 @@ class Link:
         if expiry_s is not None:
             props.MessageExpiryInterval = max(1, int(min(expiry_s, MAX_EXPIRY_S)))
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
-        return info.rc == paho.MQTT_ERR_SUCCESS
+        return info.mid if info.rc == paho.MQTT_ERR_SUCCESS else None
 
     # ---- connection loop ------------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -265,6 +295,7 @@ class Link:
         client.on_disconnect = self._handle_disconnect
         client.on_subscribe = self._handle_subscribe
         client.on_message = self._handle_message
+        client.on_publish = self._handle_publish
         return client
 
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -285,10 +316,27 @@ class Link:
             self._ready.set()
 
     def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
-        refused = [(t, str(rc)) for (t, _), rc in zip(self.subscriptions, reason_codes) if rc.is_failure]
+        refused = [f"{t} ({rc})" for (t, _), rc in zip(self.subscriptions, reason_codes) if rc.is_failure]
         if refused:
-            log.error("broker refused subscriptions: %s", refused)
+            # Found in review: the link counted itself ready, so the consumer stored nothing of what devices
+            # sent (acknowledged to them by the broker) and said only this. Without its subscriptions it is
+            # deaf: drop the connection, so that it stays not ready and retries them after its backoff.
+            self.refusal = "the broker refused the subscription to " + ", ".join(refused)
+            log.error("%s: reconnecting to retry (check the broker's ACL for %s)", self.refusal,
+                      self.credentials.username or self.session.client_id)
+            client.disconnect()
+            return
+        self.refusal = None
         self._ready.set()
+
+    def _handle_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        with self._puback_cond:
+            self._puback_count += 1
+            self._pubacks.pop(mid, None)  # re-inserted last: the oldest entries are the ones evicted
+            self._pubacks[mid] = (self._puback_count, reason_code)
+            while len(self._pubacks) > PUBACK_RESULTS_KEPT:
+                del self._pubacks[next(iter(self._pubacks))]
+            self._puback_cond.notify_all()
 
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._ready.clear()

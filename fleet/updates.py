@@ -165,7 +165,8 @@ class RolloutDriver:
 
     def __init__(self, db_path: Path, publish_mqtt: Callable[[str, bytes, float], bool], artifacts_base_url: str,
                  interval_s: float = 0.5):
-        """publish_mqtt(topic, payload, expiry_s): QoS 1 with that message expiry; False if not sent."""
+        """publish_mqtt(topic, payload, expiry_s): QoS 1 with that message expiry; True once the broker took
+        it, False if not sent (tried again next pass), or the reason the broker refused it (the device fails)."""
         self.db_path, self.publish_mqtt, self.base_url, self.interval_s = db_path, publish_mqtt, artifacts_base_url, interval_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -242,10 +243,17 @@ class RolloutDriver:
         for device_id in d.notify:
             # expires with the device's timeout: a device offline past it would otherwise install, on its
             # return, a rollout the fleet had already counted as TIMED_OUT and perhaps halted
-            if self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode(),
-                                 job.get("device_timeout_s") or 1800.0):
+            sent = self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode(),
+                                     job.get("device_timeout_s") or 1800.0)
+            if sent is True:
                 db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ? "
                            "where job_id = ? and device_id = ?", [now := time.time(), now, job["id"], device_id])
+            elif sent:  # refused (an ACL): found in review, it was counted as notified and timed out later
+                log.error("job %s: the notice to %s was not delivered: %s", job["id"], device_id, sent)
+                db.execute("update job_devices set notified = 1, state = ?, reason = ?, notified_at = ?, "
+                           "updated_at = ? where job_id = ? and device_id = ?",
+                           [JobState.FAILED.value, f"job notice not delivered: {sent}", now := time.time(), now,
+                            job["id"], device_id])
         for device_id in d.cancel:
             db.execute("update job_devices set state = ? where job_id = ? and device_id = ?",
                        [JobState.CANCELED.value, job["id"], device_id])

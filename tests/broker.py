@@ -71,3 +71,40 @@ class Broker:
         self.stop()
         time.sleep(down_s)
         self.start()
+
+
+def dynamic_security_plugin() -> str:
+    found = sorted(Path("/usr/lib").glob("*/mosquitto_dynamic_security.so")) + sorted(
+        Path("/usr/lib").glob("mosquitto_dynamic_security.so"))
+    if not found:
+        raise RuntimeError("mosquitto's dynamic-security plugin is not installed (run .ci/setup)")
+    return str(found[0])
+
+
+def acl_denying_broker(workdir: Path, users: dict[str, str], publish: dict[str, list[str]],
+                       subscribe: dict[str, list[str]]) -> Broker:
+    """A started broker whose access control refuses out loud: Mosquitto's dynamic-security plugin answers a
+    denied SUBSCRIBE with SUBACK 0x87 (an acl_file grants it and then delivers nothing) and a denied PUBLISH
+    with PUBACK 0x87. users: name -> password (each its own client id); publish / subscribe: name -> the
+    topic patterns it may use. Everything else is denied."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "dynsec.json"
+    subprocess.run(["mosquitto_ctrl", "dynsec", "init", str(config), "admin", "admin-pw"], check=True,
+                   capture_output=True)
+    broker = Broker(workdir / "broker", extra_config=(f"allow_anonymous false\nplugin {dynamic_security_plugin()}\n"
+                                                      f"plugin_opt_config_file {config}\n")).start()
+
+    def ctrl(*args: str) -> None:
+        subprocess.run(["mosquitto_ctrl", "-h", "127.0.0.1", "-p", str(broker.port), "-u", "admin", "-P", "admin-pw",
+                        "dynsec", *args], check=True, capture_output=True)
+
+    for user, password in users.items():
+        ctrl("createClient", user, "-c", user, "-p", password)
+        ctrl("createRole", f"role-{user}")
+        ctrl("addClientRole", user, f"role-{user}")
+        for pattern in publish.get(user, []):
+            ctrl("addRoleACL", f"role-{user}", "publishClientSend", pattern, "allow")
+        for pattern in subscribe.get(user, []):
+            ctrl("addRoleACL", f"role-{user}", "subscribePattern", pattern, "allow")
+    return broker

@@ -61,7 +61,7 @@ class Fleet:
     that records every message, indexed for the assertions."""
 
     def __init__(self, broker, subscribe: list[str], client_id: str = "fleet-test", username: str | None = None,
-                 password: str | None = None):
+                 password: str | None = None, ca_file: Path | None = None):
         self.subscriptions = subscribe
         self.cond = threading.Condition()
         self.messages: list[paho.MQTTMessage] = []
@@ -73,6 +73,8 @@ class Fleet:
         c.reconnect_delay_set(0.05, 0.5)
         if username:
             c.username_pw_set(username, password)
+        if ca_file:
+            c.tls_set(ca_certs=str(ca_file))
         c.on_connect, c.on_message, c.on_subscribe = self._on_connect, self._on_message, self._on_subscribe
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = 300
@@ -340,7 +342,8 @@ def test_commands_round_trip_with_correlation_data(broker, links):
     handler = commands_for(config, flush=lambda: made[0].flush(1.0))
     link = links(broker.url, "dev-c", handler=handler, username="dev-c", password="hunter2")
     made.append(link)
-    fleet = Fleet(broker, subscribe=["edge/v1/dev-c/cmd/res/#"])
+    # telemetry too: a batch nobody subscribes to is kept (PUBACK "no matching subscribers")
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-c/cmd/res/#", "edge/v1/dev-c/tele"])
     assert wait_until(lambda: link.is_connected)
 
     fleet.request("dev-c", "ping", b"{}", correlation=b"\x00\xffcorr")
@@ -644,8 +647,10 @@ def test_mqtts_verifies_the_broker_against_the_given_ca(tmp_path, links, caplog)
         url = f"mqtts://127.0.0.1:{b.port}"
         link = links(url, "dev-tls", ca_file=ca)
         assert wait_until(lambda: link.is_connected)
+        fleet = Fleet(b, subscribe=["edge/v1/dev-tls/tele"], ca_file=ca)
         link.store.append(EventRecord(kind="tick"))
         assert link.flush(5) == {"unsent": 0, "connected": True}
+        fleet.close()
         untrusting = links(url, "dev-tls2")  # the system's CAs do not know the test CA: no connection
         assert wait_until(lambda: "certificate verify failed" in caplog.text, 5)
         assert not untrusting.is_connected
@@ -795,3 +800,36 @@ def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving
 
 if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
     child_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+
+
+# ---- (e) a broker that refuses or delivers to no one ---------------------------------------------------------
+
+def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, monkeypatch):
+    """Found in review: PUBACK 0x10 'no matching subscribers' (the fleet's session gone with a broker that lost
+    its state) counted as delivered, and the rows were marked sent and lost."""
+    import agent.mqtt
+
+    monkeypatch.setattr(agent.mqtt, "REFUSED_PAUSE_S", 0.3)
+    link = links(broker.url, "dev-n")
+    assert wait_until(lambda: link.is_connected)
+    link.store.append(EventRecord(kind="tick"))
+    assert link.flush(1.0) == {"unsent": 1, "connected": True}
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-n/tele"], client_id="fleet-late")
+    assert wait_until(lambda: link.flush(0.2)["unsent"] == 0, 10)
+    assert fleet.wait(lambda f: any(m.topic == "edge/v1/dev-n/tele" for m in f.messages))
+    fleet.close()
+
+
+def test_a_refused_subscription_takes_the_device_offline_and_is_retried(tmp_path, links, caplog):
+    """Found in review: with its command subscription refused the link stayed connected and 'online', deaf to
+    commands and updates, and never subscribed again."""
+    from broker import acl_denying_broker
+
+    b = acl_denying_broker(tmp_path / "dynsec", {"dev-s": "pw"}, {"dev-s": ["edge/v1/dev-s/#"]}, {})
+    try:
+        link = links(b.url, "dev-s", username="dev-s", password="pw")
+        assert wait_until(lambda: "refused our subscription to edge/v1/dev-s/cmd/req/+" in caplog.text)
+        assert wait_until(lambda: not link.is_connected)
+        assert wait_until(lambda: caplog.text.count("refused our subscription") >= 2)  # it asks again
+    finally:
+        b.stop()

@@ -91,3 +91,27 @@ def test_a_publish_while_disconnected_is_refused_and_never_sent_later(broker):
         assert [m.payload for m in received] == [b"after"]
     finally:
         link.stop()
+
+
+def test_refused_subscriptions_and_publishes_are_named(tmp_path):
+    """Found in review: a refused subscription counted as ready (the consumer then stored nothing devices sent)
+    and a refused publish as sent (a command or a rollout notice the ACL dropped looked like a silent device)."""
+    from broker import acl_denying_broker
+
+    b = acl_denying_broker(tmp_path / "dynsec", {"fleet-a": "pw"}, {"fleet-a": ["edge/v1/dev-1/cmd/req/#"]},
+                           {"fleet-a": ["edge/v1/+/cmd/res/#"]})
+    try:
+        deaf = Link(b.url, Session("fleet-a"), [("edge/v1/+/tele", 1)], lambda m: None,
+                    Credentials("fleet-a", "pw")).start()
+        assert not deaf.wait_ready(3)
+        assert "refused the subscription to edge/v1/+/tele" in (deaf.refusal or "")
+        deaf.stop()
+        link = Link(b.url, Session("fleet-a"), [("edge/v1/dev-1/cmd/res/#", 1)], lambda m: None,
+                    Credentials("fleet-a", "pw")).start()
+        assert link.wait_ready(5) and link.refusal is None
+        assert link.publish_confirmed("edge/v1/dev-1/cmd/req/ping", b"{}", 5) is True
+        refused = link.publish_confirmed("edge/v1/dev-2/cmd/req/ping", b"{}", 5)
+        assert isinstance(refused, str) and "Not authorized" in refused
+        link.stop()
+    finally:
+        b.stop()

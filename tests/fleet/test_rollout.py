@@ -214,3 +214,21 @@ def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
     assert expiries == [90.0]  # the notice expires with the device timeout: no install after the job gave up
     job = db["jobs"].get(broken)
     assert job["state"] == "FAILED" and "cannot be carried out" in job["reason"]
+
+
+def test_a_notice_the_broker_refuses_fails_the_device_with_the_reason(tmp_path):
+    """Found in review: a notice the broker's ACL refused counted as sent; the device timed out much later with
+    'no final status' and nothing said why."""
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback")
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: "the broker refused it: Not authorized",
+                           "http://unused")
+    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    row = store.db["job_devices"].get((job_id, "dev-a"))
+    assert row["state"] == "FAILED" and "Not authorized" in row["reason"]
+    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))  # the next pass ends the job
+    assert store.db["jobs"].get(job_id)["state"] == "FAILED"

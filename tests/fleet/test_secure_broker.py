@@ -23,9 +23,15 @@ def secure_broker(tmp_path):
     for i, (user, password) in enumerate(PASSWORDS.items()):
         subprocess.run(["mosquitto_passwd", *(["-c"] if i == 0 else []), "-b", str(passwd), user, password],
                        check=True, capture_output=True)
+    # the shipped config's limits too (its listener, paths and save interval are the test broker's own)
+    shipped = (REPO / "systemd" / "mosquitto" / "mosquitto.conf").read_text().splitlines()
+    limits = [line for line in shipped if line.split(" ")[0] in ("max_queued_messages", "message_size_limit",
+                                                                "max_packet_size")]
+    assert len(limits) == 3, limits
     b = Broker(tmp_path / "broker", extra_config=(
         f"certfile {crt}\nkeyfile {key}\nallow_anonymous false\npassword_file {passwd}\n"
-        f"acl_file {REPO / 'systemd' / 'mosquitto' / 'acl'}\nuse_username_as_clientid true\n")).start()
+        f"acl_file {REPO / 'systemd' / 'mosquitto' / 'acl'}\nuse_username_as_clientid true\n"
+        + "\n".join(limits) + "\n")).start()
     b.ca = ca
     yield b
     b.stop()
