@@ -90,6 +90,47 @@ def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
     assert not tiny_fp32_bundle.runner(1, False).recheck_spinning()  # a fixed choice is never re-measured
 
 
+def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch):
+    """Found in a soak: with the engine loaded on one thread and rebuilding on its own (as serve does), the old
+    session's heap stayed resident beside the new one's: ~70 MB of SmolLM2's RSS for good."""
+    import threading
+
+    import agent.engine as engine_module
+    import agent.runner as runner_module
+    from agent.config import EngineConfig
+    from agent.engine import Engine
+    from agent.process import rss_bytes
+    from agent.sampling_params import SamplingParams
+
+    monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 1e9)
+    made: list[Engine] = []
+
+    def load() -> None:  # serve's loader thread, which starts the engine thread and ends
+        made.append(Engine(real_q4_bundle, EngineConfig(threads=1, memory_budget_mb=8192, max_context=1024,
+                                                             spin_wait=False)))
+        made[0].start()
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    e = made[0]
+    work = lambda: [h.result() for h in [e.submit(list(range(10 + i, 60 + i)), SamplingParams(max_tokens=8))  # noqa: E731
+                                         for i in range(4)]]
+    work()
+    before = rss_bytes()
+    e.runner.spin_wait = "auto"  # and the box changed: the next idle moment rebuilds the session
+    monkeypatch.setattr(runner_module, "choose_spinning", lambda *a: True)
+    monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)
+    deadline = time.monotonic() + 60
+    while not e.runner.spinning and time.monotonic() < deadline:
+        time.sleep(0.05)
+    monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 1e9)
+    work()
+    grown_mb = (rss_bytes() - before) / 2**20
+    e.stop()
+    assert e.runner.spinning and grown_mb < 25, f"RSS grew {grown_mb:.0f} MB over one rebuild"
+
+
 def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch):
     import agent.runner as runner_module
 
