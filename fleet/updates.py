@@ -163,8 +163,8 @@ def wait_for_job(db_path: Path, job_id: str, timeout_s: float) -> str:
 class RolloutDriver:
     """Publishes job documents as waves open and records device reports. One per fleet database."""
 
-    def __init__(self, db_path: Path, publish_mqtt: Callable[[str, bytes, float], bool], artifacts_base_url: str,
-                 interval_s: float = 0.5):
+    def __init__(self, db_path: Path, publish_mqtt: Callable[[str, bytes, float], bool | str],
+                 artifacts_base_url: str, interval_s: float = 0.5):
         """publish_mqtt(topic, payload, expiry_s): QoS 1 with that message expiry; True once the broker took
         it, False if not sent (tried again next pass), or the reason the broker refused it (the device fails)."""
         self.db_path, self.publish_mqtt, self.base_url, self.interval_s = db_path, publish_mqtt, artifacts_base_url, interval_s
