@@ -110,6 +110,8 @@ def add_message(ingest: Ingest, msg: Inbound, topic_device: str, received_at: fl
     if len(msg.payload) > MAX_PAYLOAD_BYTES:
         raise Rejected(TOO_LARGE, f"{len(msg.payload)} bytes > {MAX_PAYLOAD_BYTES}")
     kind = msg.topic.split("/")[3:]
+    if kind == ["state"] and not msg.payload:
+        return  # MQTT's way to delete a retained message (a decommissioned device): nothing to record, no error
     if kind == ["state"]:
         state = parse_state(msg, topic_device)
         live = not msg.retain and state.status != "offline"

@@ -213,6 +213,17 @@ def test_only_a_state_the_device_sent_just_now_counts_as_live():
     assert not live("online", retain=True) and not live("offline", retain=False) and not live("stopped", retain=True)
 
 
+def test_clearing_a_retained_state_is_not_bad_input():
+    """Found in review: an empty retained payload, MQTT's way to delete a retained message, was rejected as
+    invalid JSON with a warning."""
+    from fleet.consumer import Inbound, add_message
+    from fleet.store import Ingest
+
+    ingest = Ingest()
+    add_message(ingest, Inbound(topic("d1", "state"), b"", 1, 1, False, 0), "d1", time.time())
+    assert ingest.states == [] and not ingest.seen
+
+
 def test_an_event_detail_that_is_not_plain_json_is_refused():
     """Found in review: NaN / Infinity in an event's detail parsed and were stored as invalid JSON, which made
     json_extract() over the events table fail for every device."""
