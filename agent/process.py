@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 from pathlib import Path
 
 
@@ -31,8 +32,10 @@ def reset_peak_rss() -> None:
 
 
 def trim_heap() -> None:
-    """Return glibc's free heap pages to the OS (malloc_trim): after a model is closed its freed memory
-    otherwise stays in this process's RSS, and the next model's budget is measured on top of it."""
+    """Free what is unreachable (gc), then return glibc's free heap pages to the OS (malloc_trim): after a
+    model or session is dropped its freed memory otherwise stays in this process's RSS, and the next one's
+    budget is measured on top of it."""
+    gc.collect()
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

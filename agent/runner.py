@@ -8,7 +8,6 @@ binding, so a step rebinds only the five small inputs and the logits, not the 4 
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import mmap
 import os
@@ -249,7 +248,6 @@ class ModelRunner:
         # ...and give their heap back to the OS: found in a soak, the old session's heap (made on the loader
         # thread's malloc arena) stayed resident while the new one grew on the engine thread's, ~70 MB of
         # SmolLM2's RSS for good, past what the budget had measured
-        gc.collect()
         trim_heap()
         try:
             self._load(spin)

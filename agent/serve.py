@@ -11,7 +11,6 @@ Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/api.sock [--config
 from __future__ import annotations
 
 import contextlib
-import gc
 import grp
 import logging
 import os
@@ -533,7 +532,6 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
             old.stop()
             old.close()  # stopped alone, it kept its session and KV cache (the API still references it)
             del old
-            gc.collect()
             trim_heap()
         backend.swap(load_engine(bundle.path, config, notifier))
     finally:
