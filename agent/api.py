@@ -108,7 +108,8 @@ class Backend:
         self.state = ServerState.LOADING
         self._lock = threading.Lock()
         self._on_ready: list[Callable[[Engine], None]] = []
-        # called with (the manifest that served it, Finished) for every request that ends: telemetry
+        # called with (the manifest that served it, Finished) for every request that ends, on that request's
+        # own thread (EventBridge) before its client hears the end: telemetry
         self.on_finished: list[Callable[[Manifest, Finished], None]] = []
         # sampling defaults for what a request leaves out, as the fleet last set them (set_config)
         self.sampling_defaults: Callable[[], dict] = dict
@@ -170,7 +171,9 @@ class EventBridge:
 
     A thread per request (not asyncio.to_thread per event) because the default executor has a handful of
     workers and 32 blocked streams would starve it. The thread ends with the request's Finished event,
-    which the engine always sends (also after cancel()).
+    which the engine always sends (also after cancel()). on_finished runs on this thread before the event
+    reaches the loop: telemetry's commit (an fsync, up to a second on an SD card) then holds only this
+    request's answer, which goes out after its row is durable, and never the loop that streams the others.
     """
 
     def __init__(self, handle: RequestHandle, on_finished: Callable[[Finished], None]):
@@ -183,6 +186,8 @@ class EventBridge:
 
     def _pump(self) -> None:
         for event in self.handle:  # blocks in the engine queue's get(), off the event loop
+            if isinstance(event, Finished):
+                self._on_finished(event)  # counted even when the client is gone and nobody reads it
             try:
                 self._loop.call_soon_threadsafe(self._deliver, event)
             except RuntimeError:  # the loop is closed: the server has stopped and nobody is waiting
@@ -191,7 +196,6 @@ class EventBridge:
     def _deliver(self, event: TextDelta | Finished) -> None:
         if isinstance(event, Finished):
             self.is_finished = True
-            self._on_finished(event)  # counted even when the client is gone and nobody reads it
         self._queue.put_nowait(event)
 
     async def get(self) -> TextDelta | Finished:
@@ -476,9 +480,9 @@ class OpenAIServer:
             await asyncio.sleep(0.05)
 
     def _observe(self, handle: RequestHandle, manifest: Manifest) -> Callable[[Finished], None]:
-        def observe(fin: Finished) -> None:
-            self.metrics.observe_finished(fin.figures, fin.token_times)
-            for hook in self.backend.on_finished:
+        def observe(fin: Finished) -> None:  # on the request's EventBridge thread
+            for hook in [lambda m, f: self.metrics.observe_finished(f.figures, f.token_times),
+                         *self.backend.on_finished]:
                 try:
                     hook(manifest, fin)
                 except Exception:  # a failing observer must not keep the answer from its client

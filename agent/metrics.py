@@ -13,6 +13,7 @@ Example:
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -70,6 +71,7 @@ class Metrics:
                                              "Decode speed of each request (tokens after the first / their time).",
                                              buckets=TOKENS_PER_S_BUCKETS, registry=r)
         self._prefix_query_tokens = self._prefix_hit_tokens = 0  # mirrors of the counters, for the rate
+        self._prefix_lock = threading.Lock()
         self._gauges(r)
 
     def _gauges(self, r: CollectorRegistry) -> None:
@@ -106,8 +108,9 @@ class Metrics:
         self.spec_accepted.inc(f.accepted_tokens)
         self.prefix_cache_queries.inc(f.prompt_tokens)
         self.prefix_cache_hits.inc(f.cached_prompt_tokens)
-        self._prefix_query_tokens += f.prompt_tokens
-        self._prefix_hit_tokens += f.cached_prompt_tokens
+        with self._prefix_lock:  # requests finish on their own threads
+            self._prefix_query_tokens += f.prompt_tokens
+            self._prefix_hit_tokens += f.cached_prompt_tokens
         self.queue_time.observe(f.queue_ms / 1000)
         if f.completion_tokens:
             self.ttft.observe(f.ttft_ms / 1000)

@@ -468,6 +468,35 @@ def test_internal_error_is_a_bare_500_and_logged(tiny, tiny_engine, monkeypatch,
                                                           "param": None, "code": "internal_error"}
     assert "secret" not in r.text and "ZeroDivisionError" in caplog.text
 
+def test_a_slow_finished_hook_holds_its_own_answer_and_not_the_server(tiny_bundle, tiny_engine):
+    """Telemetry's commit is an fsync, which on an SD card can take a second: it must block only the request
+    it records (whose answer waits for the commit, so a crash never loses a row a client saw end), never the
+    event loop that streams everyone else's tokens."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_commit(manifest, fin):
+        entered.set()
+        release.wait(10)
+
+    with serving(tiny_bundle, tiny_engine) as s:
+        s.server.backend.on_finished.append(slow_commit)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+        first: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: first.append(s.http().post("/v1/completions", json=body)))
+        waiting.start()
+        try:
+            assert entered.wait(10)
+            s.server.backend.on_finished.remove(slow_commit)
+            with s.http(timeout_s=3) as http:  # the old code: both time out, the loop sits in the hook
+                assert http.get("/health").status_code == 200
+                assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 2
+            assert not first, "the answer went out before its telemetry was committed"
+        finally:
+            release.set()
+            waiting.join(10)
+        assert first[0].status_code == 200
+
+
 
 # ---- lifecycle: loading, ready, draining ----------------------------------------------------------------------
 def test_health_is_503_while_loading_and_draining(tiny_bundle, tiny_engine):
