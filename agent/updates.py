@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent import wire
+from agent import durable, wire
 from agent.bundle import Bundle, BundleError, open_bundle, safe_member
 from agent.memory import MB
 from agent.trust import TrustError, verify_manifest
@@ -74,6 +74,7 @@ class ModelStore:
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(os.path.relpath(target, self.root))
         tmp.rename(self.root / name)  # rename(2) replaces the old link atomically
+        durable.fsync_path(self.root)  # ... and this makes it survive a power cut
 
     def activate(self, bundle_dir: Path) -> None:
         current, displaced = self.link("current"), self.link("previous")
@@ -126,9 +127,7 @@ class ModelStore:
         raise BundleError("no verified model to serve" + (f" ({'; '.join(errors)})" if errors else ""))
 
     def write_journal(self, entry: dict) -> None:
-        tmp = self.journal.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entry))
-        os.replace(tmp, self.journal)
+        durable.write_text(self.journal, json.dumps(entry))
 
     def read_journal(self) -> dict | None:
         try:
@@ -365,7 +364,7 @@ class UpdateJob:
             final.unlink()
         elif final.exists():
             shutil.rmtree(final)
-        self.staging.rename(final)
+        durable.move_into_place(self.staging, final)  # on disk before a link names it, let alone the fleet
         self.staging = final
         self.ctx.store.activate(final)
         try:

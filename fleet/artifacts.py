@@ -15,6 +15,8 @@ from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from agent import durable
+
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
@@ -127,6 +129,6 @@ class ArtifactServer:
         shutil.copytree(bundle, tmp)
         if dest.exists():
             dest.rename(old)  # the live copy moves aside rather than being deleted file by file under readers
-        tmp.rename(dest)
+        durable.move_into_place(tmp, dest)  # what the fleet serves is on disk before it is offered
         shutil.rmtree(old, ignore_errors=True)
         return f"{self.base_url}/{name}"

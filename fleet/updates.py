@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 import sqlite_utils
 
+from agent import durable
 from agent.bundle import open_bundle
 from agent.wire import (MAX_EXPIRY_S, TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest,
                         device_of, is_device_id, topic)
@@ -84,7 +85,7 @@ def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifac
         tmp = dest.with_name(f".{dest.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(bundle.path, tmp)
-        tmp.rename(dest)
+        durable.move_into_place(tmp, dest)  # on disk before the row below offers it to devices
     db["models"].upsert({"name": m.name, "version": m.version, "manifest": m.model_dump_json(), "signature": signature,
                          "key_id": kid, "published_at": time.time()}, pk=("name", "version"))
     return f"{m.name}@{m.version}"

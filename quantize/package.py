@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnx
 
-from agent import wire
+from agent import durable, wire
 from agent.bundle import Bundle, file_sha256, open_bundle
 from agent.tokenizer import TextTokenizer
 from quantize.calibrate import Calibration, calibrate
@@ -74,7 +74,7 @@ def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
         if not force:
             raise PackageError(f"{out} appeared while the bundle was being built (use --force to replace it)")
         out.rename(old)
-    tmp.rename(out)
+    durable.move_into_place(tmp, out)  # synced: a power cut after the build leaves no empty weight file
     if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
     else:

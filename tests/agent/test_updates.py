@@ -189,12 +189,12 @@ doc = wire.JobDocument.model_validate_json(Path(sys.argv[2]).read_text())
 crash_at = sys.argv[3]
 serving = [store.bootable()]
 if crash_at == "moved_in":  # right after the verified bundle is renamed from staging into models/
-    rename = Path.rename
-    def rename_then_die(self, target):
-        rename(self, target)
-        if Path(target).parent == store.models:
+    replace = os.replace
+    def replace_then_die(src, dst):
+        replace(src, dst)
+        if Path(dst).parent == store.models:
             os.kill(os.getpid(), signal.SIGKILL)
-    Path.rename = rename_then_die
+    os.replace = replace_then_die
 def report(u):
     if u.step is not None and u.step.value == crash_at:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -553,3 +553,40 @@ def test_the_devices_health_check_tokens_is_a_floor_the_job_cannot_lower(tmp_pat
     up = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "v2"), min_tokens_per_s=0)  # asks 16
     assert UpdateJob(dev.ctx, up).run() is JobState.SUCCEEDED
     assert dev.reports[-1].figures["golden_tokens"] == 24
+
+
+# ---- found in review (2026-12-05) ------------------------------------------------------------------------
+def test_an_update_is_on_disk_before_the_fleet_hears_it_succeeded(tmp_path, bundles, keys, server, monkeypatch):
+    """rename(2) is atomic against a crash, not durable against a power cut: ext4 may commit the rename before
+    the renamed files' data. So by the time SUCCEEDED is reported, every file of the new bundle, its name in
+    models/, both links and the journal saying so must have been fsynced."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    synced: set[tuple[int, int]] = set()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced.add((st.st_dev, st.st_ino))
+        real_fsync(fd)
+
+    def node(p: Path) -> tuple[int, int]:
+        st = os.stat(p)
+        return st.st_dev, st.st_ino
+
+    unsynced: list[Path] = []
+    report = dev.ctx.report
+
+    def check_then_report(update):
+        if update.state is JobState.SUCCEEDED:
+            final = dev.store.link("current")
+            must = [*final.rglob("*"), final, dev.store.models, dev.store.root, dev.store.journal]
+            unsynced.extend(p for p in must if node(p) not in synced)
+        report(update)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    dev.ctx.report = check_then_report
+    doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
+    assert dev.store.link("current").name.endswith(v2.manifest.version)
+    assert unsynced == []

@@ -1,0 +1,52 @@
+"""Writes that survive a power cut, not only a crash: the data fsynced, then renamed, then the directory fsynced.
+
+rename(2) makes a swap atomic against this process dying; it does not make it durable. ext4's delayed
+allocation can commit a rename before the data of the files renamed, so after a power cut an update the
+fleet was told had succeeded could hold zero-length files (the boot check then falls back to `previous`,
+and the fleet's record is wrong), and a journal replaced by rename could read back empty. Edge boxes lose
+power; so every install, link swap and journal write here is synced before it is reported.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one file or directory (a directory's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file and directory under root, root included (directories after what they hold)."""
+    root = Path(root)
+    for here, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            p = Path(here) / name
+            if not p.is_symlink():
+                fsync_path(p)
+        fsync_path(Path(here))
+
+
+def move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename a finished file or directory tree onto dest (which must not be a non-empty directory), durably."""
+    tmp, dest = Path(tmp), Path(dest)
+    sync_tree(tmp) if tmp.is_dir() else fsync_path(tmp)
+    os.replace(tmp, dest)
+    fsync_path(dest.parent)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace path's content with text: a reader, or the file after a power cut, sees the old or the new."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
