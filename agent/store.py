@@ -142,6 +142,10 @@ class RetentionReport:
 
 
 SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26  # primary result codes of a damaged file or one that is not a database
+# Where records go when the file cannot be opened for lack of space: memory, capped at this (soft; the
+# hard limit is max_file_bytes() of it), until a start finds room again.
+MEMORY_FALLBACK_BYTES = 1 << 20
+FALLBACK_HARD_LIMIT = max_file_bytes(MEMORY_FALLBACK_BYTES)
 
 
 def _connect(path: Path) -> Database:
@@ -187,26 +191,42 @@ class TelemetryStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.device_id, self.clock = path, device_id, clock
         self.recovered_from: Path | None = None  # where a corrupt database was moved, if it was
+        self.in_memory_because: str | None = None  # why the file could not be used, if it could not
+        hard_limit = max_file_bytes
         try:
             self.db = _connect(path)
         except sqlite3.DatabaseError as e:
-            if e.sqlite_errorcode & 0xFF not in (SQLITE_CORRUPT, SQLITE_NOTADB):
-                raise  # locked, unreadable, disk full: the file may be fine, so it is left alone
-            # An unattended device must not stay down over its telemetry (a power cut on an SD card):
-            # as journald does with a corrupt journal, keep the file aside for inspection and start anew.
-            self.recovered_from = _move_aside(path)
-            log.error("telemetry database %s is corrupt (%s): moved to %s, starting a new one", path, e,
-                      self.recovered_from)
-            self.db = _connect(path)
-        if max_file_bytes is not None:
+            code = e.sqlite_errorcode & 0xFF
+            if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+                self.db = self._in_memory(path, e)
+                hard_limit = FALLBACK_HARD_LIMIT
+            elif code in (SQLITE_CORRUPT, SQLITE_NOTADB):
+                # An unattended device must not stay down over its telemetry (a power cut on an SD card):
+                # as journald does with a corrupt journal, keep the file aside for inspection and start anew.
+                self.recovered_from = _move_aside(path)
+                log.error("telemetry database %s is corrupt (%s): moved to %s, starting a new one", path, e,
+                          self.recovered_from)
+                self.db = _connect(path)
+            else:
+                raise  # locked, unreadable: the file may be fine, so it is left alone
+        if hard_limit is not None:
             # A hard ceiling under the soft byte cap of enforce(): retention runs only every few minutes,
             # and the device's disk must never fill with telemetry in between.
             page = self.db.execute("PRAGMA page_size").fetchone()[0]
-            self.db.execute(f"PRAGMA max_page_count = {max(16, max_file_bytes // page)}")
+            self.db.execute(f"PRAGMA max_page_count = {max(16, hard_limit // page)}")
         self.boot_id = str(uuid.uuid4())
         self._next_seq = 0
         self._unwritten = 0  # records refused by a full disk since the last enforce(): reported by it
         self._lock = threading.RLock()
+
+    def _in_memory(self, path: Path, e: sqlite3.Error) -> Database:
+        """A full disk: a clean stop removed the WAL index (-shm), which SQLite cannot create again, and every
+        start failed, leaving the device without its API and without MQTT to be fixed remotely. The file is
+        left as it is; records are kept in memory (and delivered from there) until a start finds room."""
+        self.in_memory_because = str(e)
+        log.error("telemetry database %s cannot be opened (%s): telemetry is kept in memory (at most %d MiB) "
+                  "until the agent starts with room on the disk", path, e, FALLBACK_HARD_LIMIT >> 20)
+        return _connect(Path(":memory:"))
 
     def count_unwritten(self, n: int = 1) -> None:
         """Records given up on after StoreFull: the next enforce() adds them to the dropped count."""
@@ -318,6 +338,8 @@ class TelemetryStore:
         Undelivered rows are never deleted for age alone: a device offline for a month keeps its records
         up to the byte cap, and delivers them when it is back.
         """
+        if self.in_memory_because is not None:
+            max_bytes = min(max_bytes, MEMORY_FALLBACK_BYTES)
         try:
             return self._enforce(max_age_s, max_bytes)
         except sqlite3.OperationalError as e:

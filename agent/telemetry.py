@@ -109,6 +109,8 @@ class Telemetry:
         self.record_event("start", {"pid": os.getpid()})
         if self.store.recovered_from is not None:  # the fleet learns that earlier undelivered records were set aside
             self.record_event("store_recovered", {"corrupt_file": str(self.store.recovered_from)})
+        if self.store.in_memory_because is not None:  # the fleet learns that the device's disk is full
+            self.record_event("store_in_memory", {"reason": self.store.in_memory_because})
         if self.link is not None:
             self.link.start()
         self._thread = threading.Thread(target=self._run, name="telemetry-sampler", daemon=True)

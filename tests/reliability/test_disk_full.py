@@ -89,3 +89,39 @@ def test_a_really_full_disk_drops_records_counts_them_and_serving_goes_on(tiny_f
                        f"records stored, {metric:.0f} records counted as dropped")
     finally:
         subprocess.run(["umount", "-l", state], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_an_agent_stopped_cleanly_starts_and_serves_on_a_disk_that_filled_meanwhile(tiny_fp32_bundle, tmp_path,
+                                                                                      figures):
+    """Found in review: a clean stop removes SQLite's WAL index (-shm), which a full disk then cannot recreate,
+    and the agent exited 'disk I/O error' at every start: no API, and no MQTT to fix the box remotely."""
+    state = tmp_path / "dev-1"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", state], check=True)
+    try:
+        agent = Agent(tmp_path, "--model", tiny_fp32_bundle.path, "--memory-budget-mb", 2048)
+        agent.start()
+        assert serve_requests(agent, 4, clients=1).count(200) == 4
+        assert agent.stop() == 0
+        assert not (state / "telemetry.db-shm").exists()
+        with open(state / "filler", "wb", buffering=0) as f:  # something else fills the disk meanwhile
+            while True:
+                try:
+                    f.write(b"\0" * 4096)
+                except OSError:
+                    break
+        before = agent.log.read_text()
+        agent.start()
+        assert serve_requests(agent, 8, clients=2).count(200) == 8
+        log = agent.log.read_text()[len(before):]
+        assert "telemetry is kept in memory" in log and "Traceback" not in log
+        assert agent.stop() == 0, log[-3000:]
+        (state / "filler").unlink()  # room again: the next start uses the file, and it is intact
+        agent.start()
+        assert agent.stop() == 0
+        assert integrity(agent.telemetry_db) == "ok" and rows(agent.telemetry_db, "SELECT count(*) FROM requests")[0][0] == 4
+        figures.append("full disk at start (a clean stop, then the disk filled): the agent served with "
+                       "telemetry in memory, and used its intact file again once there was room")
+    finally:
+        subprocess.run(["umount", "-l", state], check=False)
