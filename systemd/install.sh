@@ -42,10 +42,12 @@ if [ -n "$bundle" ]; then
     "$prefix/venv/bin/edge-quantize" inspect "$bundle" >/dev/null  # verifies every file's hash first
     name="$(basename "$bundle")"
     cp -a "$bundle" "/var/lib/edge-agent/models/.$name.tmp"
+    sync -f "/var/lib/edge-agent/models/.$name.tmp"  # the data on disk before a name points at it (power cuts)
     rm -rf "/var/lib/edge-agent/models/$name"
     mv "/var/lib/edge-agent/models/.$name.tmp" "/var/lib/edge-agent/models/$name"
     ln -sfn "models/$name" /var/lib/edge-agent/current.tmp && mv -T /var/lib/edge-agent/current.tmp /var/lib/edge-agent/current
     chown -R edge-agent:edge-llm-clients /var/lib/edge-agent  # as StateDirectory= sets it (mode 0700)
+    sync -f /var/lib/edge-agent  # the renames and the link too: a box that loses power now still boots
 fi
 
 "$prefix/venv/bin/edge-agent" check-config --config /etc/edge-agent/agent.toml
