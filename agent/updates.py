@@ -397,23 +397,32 @@ class UpdateJob:
 
 
 def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
-    """At start: settle a job the last run left unfinished, and report its real state."""
+    """At start: settle a job the last run left unfinished, and report its real state.
+
+    A job that had ended is reported again: its final status lived only in the MQTT client's memory until
+    the broker acknowledged it, so a job that ended offline, or just before a power cut, was never heard
+    of and the fleet timed it out. The fleet ignores a repeated final status.
+    """
     entry = ctx.store.read_journal()
-    if not entry or entry.get("state") != JobState.IN_PROGRESS.value:
-        shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
-        ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
+    ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
+    if not entry or not entry.get("job_id") or entry.get("state") not in {s.value for s in JobState}:
         return None
+    if JobState(entry["state"]) in wire.TERMINAL_JOB_STATES:
+        update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id,
+                                      state=JobState(entry["state"]), reason=entry.get("reason"), ts=time.time())
+        ctx.report(update)
+        return update
     target = Path(entry["target"]) if entry.get("target") else None
     current = ctx.store.link("current")
     if entry.get("step") == JobStep.ACTIVATING.value and target and current == target.resolve():
         state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
-    else:
-        state, reason = JobState.FAILED, f"interrupted by an agent restart during {entry.get('step')}"
+    else:  # IN_PROGRESS, or QUEUED (accepted: the fleet waits for how it ends)
+        during = f"during {entry['step']}" if entry.get("step") else "before it started"
+        state, reason = JobState.FAILED, f"interrupted by an agent restart {during}"
         kept = (current, ctx.store.link("previous"))  # re-deploying the previous version installs over it
         if target and target.parent == ctx.store.models and target.exists() and target.resolve() not in kept:
             shutil.rmtree(target, ignore_errors=True)  # moved in but never activated
-    shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
-    ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
     update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id, state=state, reason=reason,
                                   ts=time.time())
     try:

@@ -590,3 +590,21 @@ def test_an_update_is_on_disk_before_the_fleet_hears_it_succeeded(tmp_path, bund
     assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
     assert dev.store.link("current").name.endswith(v2.manifest.version)
     assert unsynced == []
+
+
+@pytest.mark.parametrize("journal, reported", [
+    ({"job_id": "j", "state": "SUCCEEDED", "step": None, "target": None}, ("SUCCEEDED", None)),
+    ({"job_id": "j", "state": "REJECTED", "step": None, "target": None, "reason": "downgrade"}, ("REJECTED", "downgrade")),
+    ({"job_id": "j", "state": "QUEUED", "step": None, "target": None},
+     ("FAILED", "interrupted by an agent restart before it started")),
+])
+def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_path, bundles, keys):
+    """Found in review: a job's final status lived only in the MQTT client's memory until the broker took it,
+    so a job that ended offline (or just before a power cut) was never reported and the fleet timed it out;
+    and a job journalled QUEUED was forgotten by a restart."""
+    v1, _ = bundles
+    dev = Device(tmp_path, v1, keys)
+    dev.store.write_journal(journal)
+    settled = recover(dev.ctx)
+    assert dev.reports == [settled] and (settled.job_id, settled.state.value, settled.reason) == ("j", *reported)
+    assert dev.store.bootable().manifest.version == v1.manifest.version and dev.staging_empty()
