@@ -50,3 +50,22 @@ def write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def create_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Create path holding data, durably, or raise FileExistsError: never a partial file under its name.
+
+    Written to a temporary name first and hard-linked into place, which fails rather than replace a file
+    that appeared meanwhile (a signing key must never be overwritten)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)  # the mode from the start: a key is
+        with os.fdopen(fd, "wb") as f:                                 # never readable by others, even briefly
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+        fsync_path(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)

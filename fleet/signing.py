@@ -6,13 +6,13 @@ a bundle's canonical manifest bytes. Devices verify with agent.trust against the
 from __future__ import annotations
 
 import base64
-import os
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption, PrivateFormat, PublicFormat,
                                                           load_pem_private_key)
 
+from agent import durable
 from agent.trust import key_id
 from agent.wire import Manifest
 
@@ -24,11 +24,15 @@ def keygen(out: Path) -> str:
         raise FileExistsError(f"{out} already exists; refusing to overwrite a signing key")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never world-readable, not even briefly
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    out.with_name(out.name + ".pub").write_bytes(key.public_key().public_bytes(Encoding.PEM,
-                                                                               PublicFormat.SubjectPublicKeyInfo))
+    # Both whole and on disk, or neither: a full disk left a 0-byte key that the next keygen refused to
+    # replace, and a power cut soon after could empty a key whose .pub was already in device images.
+    durable.create_new(out, pem, 0o600)
+    try:
+        durable.create_new(out.with_name(out.name + ".pub"),
+                           key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
     return key_id(key.public_key())
 
 

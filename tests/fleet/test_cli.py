@@ -3,6 +3,7 @@ command round trips with simulated devices."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 from agent.wire import DeviceState
 from fleet_support import REPO, wait_until
 from fleet.cli import cli
+from fleet.signing import load_private_key
 from fleet.store import FleetStore, Ingest, connect
 from simdevice import event_record, request_record
 
@@ -210,3 +212,29 @@ def test_artifacts_on_every_interface_need_the_url_devices_reach(filled_db, tmp_
         assert server.base_url == "http://fleet.example:8080"
     finally:
         server.httpd.server_close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_keygen_on_a_full_disk_leaves_no_key_behind_and_can_run_again(tmp_path):
+    """Found in review: a full disk left a 0-byte private key, which every later keygen refused to replace."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", keys], check=True)
+    try:
+        with open(keys / "filler", "wb", buffering=0) as f:
+            while True:
+                try:
+                    f.write(b"\0" * 1024)
+                except OSError:
+                    break
+        r = CliRunner().invoke(cli, ["keygen", "--out", str(keys / "fleet.key")])
+        assert r.exit_code != 0 and "No space left" in r.output and "Traceback" not in r.output, r.output
+        assert sorted(p.name for p in keys.iterdir()) == ["filler"]
+        (keys / "filler").unlink()
+        r = CliRunner().invoke(cli, ["keygen", "--out", str(keys / "fleet.key")])
+        assert r.exit_code == 0, r.output
+        assert sorted(p.name for p in keys.iterdir()) == ["fleet.key", "fleet.key.pub"]
+        assert (keys / "fleet.key").stat().st_mode & 0o777 == 0o600
+        load_private_key(keys / "fleet.key")
+    finally:
+        subprocess.run(["umount", "-l", keys], check=False)
