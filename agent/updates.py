@@ -91,6 +91,20 @@ class ModelStore:
             return
         shutil.rmtree(bundle_dir, ignore_errors=True)
 
+    def remove_orphans(self) -> list[str]:
+        """At start, delete what models/ holds that neither link names: a power cut between a rollback's two
+        link swaps (both then name one bundle) or during a deletion left a bundle there for good."""
+        kept = {self.link("current"), self.link("previous")} - {None}
+        if not kept:
+            return []
+        orphans = [p for p in self.models.iterdir() if p != self.staging_root and p.resolve() not in kept]
+        for p in orphans:
+            if p.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR is the user's
+                p.unlink()
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        return sorted(p.name for p in orphans)
+
     def rollback(self) -> Path:
         previous = self.link("previous")
         if previous is None or not previous.exists():
@@ -406,6 +420,8 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     entry = ctx.store.read_journal()
     shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
     ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
+    if orphans := ctx.store.remove_orphans():
+        log.warning("removed model directories no link names (left by an interrupted update): %s", orphans)
     if not entry or not entry.get("job_id") or entry.get("state") not in {s.value for s in JobState}:
         return None
     if JobState(entry["state"]) in wire.TERMINAL_JOB_STATES:
@@ -419,10 +435,8 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
         state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
     else:  # IN_PROGRESS, or QUEUED (accepted: the fleet waits for how it ends)
         during = f"during {entry['step']}" if entry.get("step") else "before it started"
-        state, reason = JobState.FAILED, f"interrupted by an agent restart {during}"
-        kept = (current, ctx.store.link("previous"))  # re-deploying the previous version installs over it
-        if target and target.parent == ctx.store.models and target.exists() and target.resolve() not in kept:
-            shutil.rmtree(target, ignore_errors=True)  # moved in but never activated
+        state, reason = JobState.FAILED, f"interrupted by an agent restart {during}"  # what it moved into
+        # models/ without activating it went with the orphans above
     update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id, state=state, reason=reason,
                                   ts=time.time())
     try:

@@ -608,3 +608,19 @@ def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_p
     settled = recover(dev.ctx)
     assert dev.reports == [settled] and (settled.job_id, settled.state.value, settled.reason) == ("j", *reported)
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.staging_empty()
+
+
+def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, keys):
+    """Found in review: a power cut between a rollback's two link swaps (both links then name one bundle), or
+    during a deletion, left a bundle in models/ for good, ~90 MB of an SD card each time."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    half_deleted = dev.store.models / f"tiny@{v2.manifest.version}"
+    shutil.copytree(v2.path, half_deleted)
+    (half_deleted / "model.onnx").unlink()
+    user_dir = tmp_path / "user-bundle"
+    shutil.copytree(v2.path, user_dir)
+    (dev.store.models / "seeded").symlink_to(user_dir)
+    recover(dev.ctx)
+    assert dev.model_dirs() == [f"tiny@{v1.manifest.version}"] and user_dir.is_dir()
+    assert dev.store.bootable().manifest.version == v1.manifest.version
