@@ -28,6 +28,7 @@ from typing import NamedTuple
 from pydantic import ValidationError
 from sqlite_utils import Database
 
+from agent import durable
 from agent.wire import MAX_PAYLOAD_BYTES, EventRecord, RequestRecord, SampleRecord, TelemetryRecord
 
 log = logging.getLogger(__name__)
@@ -171,10 +172,13 @@ def _connect(path: Path) -> Database:
 def _move_aside(path: Path) -> Path:
     """Rename the database and its WAL/SHM files to `<name>.corrupt-<unix time>[-wal|-shm]`."""
     aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-    for suffix in ("", "-wal", "-shm"):
+    # the database last: interrupted (a power cut) after the WAL, it is moved aside again at the next start;
+    # the other way round, the old WAL would meet a new database
+    for suffix in ("-wal", "-shm", ""):
         src = path.with_name(path.name + suffix)
         if src.exists():
             src.rename(aside.with_name(aside.name + suffix))
+    durable.fsync_path(path.parent)
     return aside
 
 
