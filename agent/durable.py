@@ -44,11 +44,14 @@ def write_text(path: Path, text: str) -> None:
     """Replace path's content with text: a reader, or the file after a power cut, sees the old or the new."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk left a stray partial file beside the old one
     fsync_path(path.parent)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import signal
 import sqlite3
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from agent import durable
 from agent.clikit import Seconds, run
 from agent.wire import is_device_id
 from fleet import queries
@@ -274,9 +274,7 @@ def report(out, since, db_path):
     db, since_s = queries.open_readonly(db_path), queries.parse_duration_s(since)
     series = queries.timeseries(db, since_s)
     html = render_report(queries.tps(db, since_s, "version"), series, title=f"Fleet report, last {since}")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(html)
-    os.replace(tmp, out)  # a reader never sees half a report
+    durable.write_text(out, html)  # a reader never sees half a report
     models, device_ids = {r["model"] for r in series}, {r["device"] for r in series}
     click.echo(f"wrote {out} ({len(models)} models, {len(device_ids)} devices)")
 
