@@ -12,6 +12,7 @@ fleet.artifacts over HTTP with Range. Tables (migration 0004_updates in fleet/st
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -33,6 +34,9 @@ from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_manifest
 
 log = logging.getLogger(__name__)
+
+STATUS_INBOX_MAX = 100_000  # device reports waiting for the driver's thread
+BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another connection's lock (a backup, a replica)
 
 
 def add_device_timeout(db: sqlite_utils.Database) -> None:
@@ -172,6 +176,12 @@ class RolloutDriver:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rollouts", daemon=True)
+        # Reports wait here for the driver's thread: written on the MQTT network thread, a database locked
+        # for 10 s (a backup, a replica) lost the report (already acknowledged), and waiting for _lock
+        # there stalled the PUBACKs a pass was waiting for. Bounded: one device flooding its topic at QoS 0
+        # must not grow it without limit (a device's last report is retained and replayed at reconnect).
+        self._reports: collections.deque[JobStatusUpdate] = collections.deque(maxlen=STATUS_INBOX_MAX)
+        self._wake = threading.Event()
 
     def start(self) -> "RolloutDriver":
         self._thread.start()
@@ -179,10 +189,12 @@ class RolloutDriver:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)
 
     def on_status(self, mqtt_topic: str, payload: bytes) -> None:
-        """A device's jobs/update message: recorded if it is valid and really from that device."""
+        """A device's jobs/update message (on the MQTT thread): queued for the driver if it is valid and
+        really from that device."""
         try:
             u = JobStatusUpdate.model_validate_json(payload)
         except ValueError as e:
@@ -191,22 +203,51 @@ class RolloutDriver:
         if u.device_id != device_of(mqtt_topic):
             log.warning("job status for %s arrived on %s: dropped", u.device_id, mqtt_topic)
             return
+        if len(self._reports) == self._reports.maxlen:
+            log.warning("job status inbox full (%d): the oldest report is dropped", STATUS_INBOX_MAX)
+        self._reports.append(u)
+        self._wake.set()
+
+    def apply_reports(self) -> int:
+        """Record the queued reports, in arrival order; returns how many are still waiting (a database
+        error leaves the rest queued for the next try)."""
         with self._lock, _open(self.db_path) as db:
-            row = next(db.query("select state, reported_ts from job_devices where job_id = ? and device_id = ?",
-                                [u.job_id, u.device_id]), None)
-            if row is None or not applies(JobState(row["state"]), row["reported_ts"], u):
-                return
-            db.execute("update job_devices set state = ?, step = ?, percent = ?, reason = ?, figures = ?, "
-                       "updated_at = ?, reported_ts = ? where job_id = ? and device_id = ?",
-                       [u.state.value, u.step.value if u.step else None, u.percent, u.reason,
-                        json.dumps(u.figures) if u.figures else None, time.time(), u.ts, u.job_id, u.device_id])
-            db.conn.commit()
+            while self._reports:
+                u = self._reports.popleft()
+                try:
+                    self._record(db, u)
+                except sqlite3.OperationalError:
+                    self._reports.appendleft(u)  # locked or full: first in line again next time
+                    raise
+                except Exception:  # one report that cannot be recorded must not hold up the others
+                    log.exception("job status of %s for %s could not be recorded: dropped", u.device_id, u.job_id)
+        return len(self._reports)
+
+    @staticmethod
+    def _record(db: sqlite_utils.Database, u: JobStatusUpdate) -> None:
+        row = next(db.query("select state, reported_ts from job_devices where job_id = ? and device_id = ?",
+                            [u.job_id, u.device_id]), None)
+        if row is None or not applies(JobState(row["state"]), row["reported_ts"], u):
+            return
+        db.execute("update job_devices set state = ?, step = ?, percent = ?, reason = ?, figures = ?, "
+                   "updated_at = ?, reported_ts = ? where job_id = ? and device_id = ?",
+                   [u.state.value, u.step.value if u.step else None, u.percent, u.reason,
+                    json.dumps(u.figures) if u.figures else None, time.time(), u.ts, u.job_id, u.device_id])
+        db.conn.commit()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        last_pass = -math.inf
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
             try:
-                with self._lock, _open(self.db_path) as db:
-                    self._pass(db)
+                self.apply_reports()  # first: a device that reported must not be timed out meanwhile
+                if time.monotonic() - last_pass >= self.interval_s:
+                    last_pass = time.monotonic()
+                    with self._lock, _open(self.db_path) as db:
+                        self._pass(db)
+            except sqlite3.OperationalError as e:  # locked or full: the reports wait, the pass runs again
+                log.warning("rollouts: the database is unavailable (%s); trying again", e)
             except Exception:  # a bad database state must not stop the driver
                 log.exception("rollout pass failed")
 
@@ -282,7 +323,7 @@ class _open:
 
     def __enter__(self) -> sqlite_utils.Database:
         self.db = sqlite_utils.Database(self.path)
-        self.db.execute("pragma busy_timeout = 10000")
+        self.db.execute(f"pragma busy_timeout = {BUSY_TIMEOUT_MS}")
         return self.db
 
     def __exit__(self, *exc) -> None:

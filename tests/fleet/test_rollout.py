@@ -8,6 +8,7 @@ import pytest
 
 from agent.wire import JobState
 from fleet.rollout import decide, plan_waves
+from fleet_support import wait_until
 
 S, F, Q, P = JobState.SUCCEEDED, JobState.FAILED, JobState.QUEUED, JobState.IN_PROGRESS
 
@@ -70,11 +71,17 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     assert db["jobs"].get(job_id)["state"] == "FAILED"
 
 
-def report(driver, job_id: str, state: JobState, ts: float, device_id: str = "dev-a") -> None:
+def report_only(driver, job_id: str, state: JobState, ts: float, device_id: str = "dev-a") -> None:
+    """What the MQTT thread does with a device's jobs/update message."""
     from agent.wire import JobStatusUpdate, topic
 
     driver.on_status(topic(device_id, "jobs", "update"),
                      JobStatusUpdate(job_id=job_id, device_id=device_id, state=state, ts=ts).model_dump_json().encode())
+
+
+def report(driver, job_id: str, state: JobState, ts: float, device_id: str = "dev-a") -> None:
+    report_only(driver, job_id, state, ts, device_id)
+    assert driver.apply_reports() == 0  # what the driver's thread does next
 
 
 def recorded(store, job_id: str, device_id: str = "dev-a") -> str:
@@ -232,3 +239,29 @@ def test_a_notice_the_broker_refuses_fails_the_device_with_the_reason(tmp_path):
     assert row["state"] == "FAILED" and "Not authorized" in row["reason"]
     driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))  # the next pass ends the job
     assert store.db["jobs"].get(job_id)["state"] == "FAILED"
+
+
+def test_a_report_that_arrives_while_the_database_is_locked_is_recorded_once_it_is_free(tmp_path):
+    """Found in review: reports were written on the MQTT thread, and one that met a database locked past the
+    busy timeout (a backup, a replica) was lost, though acknowledged: the device later timed out."""
+    import sqlite3
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused", interval_s=0.05)
+    holder = sqlite3.connect(tmp_path / "fleet.db")
+    holder.execute("BEGIN IMMEDIATE")  # as `sqlite3 fleet.db .backup` or a second replica would
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("fleet.updates.BUSY_TIMEOUT_MS", 100)  # the lock outlasts it, as a long backup's does
+        driver.start()
+        try:
+            report_only(driver, job_id, S, ts=100)
+            time.sleep(0.5)  # the driver tried and met the lock, more than once
+            assert recorded(store, job_id) != "SUCCEEDED"
+            holder.rollback()
+            wait_until(lambda: recorded(store, job_id) == "SUCCEEDED", 10)
+        finally:
+            driver.stop()
+            holder.close()
