@@ -62,7 +62,8 @@ class ModelStore:
         self.models = self.root / "models"
         self.staging_root = self.models / ".staging"
         self.journal = self.root / "updates" / "job.json"
-        for d in (self.models, self.staging_root, self.journal.parent):
+        self.queue = self.root / "updates" / "queue"  # accepted job documents not yet run, one file each
+        for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
 
     def link(self, name: str) -> Path | None:
@@ -142,6 +143,24 @@ class ModelStore:
 
     def write_journal(self, entry: dict) -> None:
         durable.write_text(self.journal, json.dumps(entry))
+
+    def save_queued(self, doc: JobDocument) -> Path:
+        """Keep an accepted job document on disk until it has run: the broker's PUBACK goes when the MQTT
+        callback returns, so a job only queued in memory was lost by a restart, and the fleet timed it out."""
+        path = self.queue / f"{time.time_ns():020d}-{doc.job_id}.json"  # names sort in arrival order
+        durable.write_text(path, doc.model_dump_json())
+        return path
+
+    def queued(self) -> list[tuple[Path, JobDocument]]:
+        """The saved documents, oldest first; one that no longer parses is removed (logged)."""
+        out = []
+        for path in sorted(self.queue.glob("*.json")):
+            try:
+                out.append((path, JobDocument.model_validate_json(path.read_bytes())))
+            except (OSError, ValueError) as e:
+                log.warning("dropping the queued job file %s: %s", path.name, str(e).splitlines()[0])
+                path.unlink(missing_ok=True)
+        return out
 
     def read_journal(self) -> dict | None:
         try:
@@ -455,7 +474,7 @@ class UpdateService:
         self._queue: "queue.Queue[JobDocument | None]" = queue.Queue(maxsize=16)
         self._thread = threading.Thread(target=self._run, name="updates", daemon=True)
         self.done: dict[str, JobState] = {}
-        self._pending: set[str] = set()  # queued or running: a second copy of its document is dropped
+        self._pending: dict[str, Path | None] = {}  # queued or running -> its saved document (None: not saved)
         self._lock = threading.Lock()  # offer() runs on the MQTT thread, _run() on the updater's
 
     def start(self) -> None:
@@ -463,6 +482,9 @@ class UpdateService:
         entry = self.ctx.store.read_journal()
         if entry and entry.get("state") in {s.value for s in wire.TERMINAL_JOB_STATES}:
             self.done[entry["job_id"]] = JobState(entry["state"])
+        for path, doc in self.ctx.store.queued():  # accepted before a restart: run now, unless recover() settled it
+            if doc.job_id in self.done or doc.job_id in self._pending or not self._enqueue(doc, path):
+                path.unlink(missing_ok=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -495,12 +517,17 @@ class UpdateService:
             self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
                                                  state=JobState.REJECTED, reason="too many queued jobs", ts=time.time()))
 
-    def _enqueue(self, doc: JobDocument) -> bool:
-        try:
-            self._queue.put_nowait(doc)
-        except queue.Full:
+    def _enqueue(self, doc: JobDocument, saved: Path | None = None) -> bool:
+        """Queue doc (saved on disk first, unless it already is); False when the queue is full."""
+        if self._queue.full():
             return False
-        self._pending.add(doc.job_id)
+        if saved is None:
+            try:
+                saved = self.ctx.store.save_queued(doc)
+            except OSError as e:  # a full disk: it still runs, but a restart before then forgets it
+                log.error("job %s: cannot save it to the queue: %s", doc.job_id, e)
+        self._pending[doc.job_id] = saved
+        self._queue.put_nowait(doc)  # only offer() (under _lock) and start() (before the thread) put
         return True
 
     def _run(self) -> None:
@@ -514,7 +541,9 @@ class UpdateService:
                                                      state=JobState.FAILED, reason="internal error", ts=time.time()))
             with self._lock:
                 self.done[doc.job_id] = final
-                self._pending.discard(doc.job_id)
+                saved = self._pending.pop(doc.job_id, None)
+            if saved is not None:  # after the journal holds its end: a restart now reports it, not reruns it
+                saved.unlink(missing_ok=True)
 
 
 def _install_name(m: wire.Manifest) -> str:

@@ -624,3 +624,30 @@ def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, ke
     recover(dev.ctx)
     assert dev.model_dirs() == [f"tiny@{v1.manifest.version}"] and user_dir.is_dir()
     assert dev.store.bootable().manifest.version == v1.manifest.version
+
+
+def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, keys, server):
+    """Found in review: a job document was acknowledged to the broker as soon as it was queued in memory, so
+    jobs waiting behind a running one were lost by a restart (or power cut), and the fleet timed them out."""
+    from agent.updates import UpdateService
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    interrupted = job(v2.manifest, keys / "fleet.key", url, job_id="a", min_tokens_per_s=0)
+    waiting = job(v2.manifest, keys / "fleet.key", url, job_id="b", min_tokens_per_s=0)
+    before = UpdateService(dev.ctx)  # its thread never starts: both stay queued, as behind a long download
+    before.offer(interrupted.model_dump_json().encode())
+    before.offer(waiting.model_dump_json().encode())
+    dev.store.write_journal({"job_id": "a", "state": "IN_PROGRESS", "step": "downloading", "target": None})
+
+    after = UpdateService(dev.ctx)  # the restarted agent
+    after.start()
+    try:
+        final = dev.wait_report(lambda r: r.job_id == "b" and r.state in wire.TERMINAL_JOB_STATES, 60)
+    finally:
+        after.stop()
+    assert final is not None and final.state is JobState.SUCCEEDED, final
+    assert [r.state for r in dev.reports if r.job_id == "a"] == [JobState.FAILED]  # settled, not run again
+    assert dev.serving.manifest.version == v2.manifest.version
+    assert list(dev.store.queue.iterdir()) == []
