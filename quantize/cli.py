@@ -7,6 +7,7 @@ Run: edge-quantize build SOURCE --precision int4 --out DIR
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         ckpt = load_checkpoint(source)
         text = None if no_eval else (eval_text.read_text() if eval_text else default_eval_text())
         calib = calib_text.read_text() if calib_text else default_calibration_text()
-        bundle = build_bundle(ckpt, spec, out, name=name or _name_of(source), force=force, eval_text=text,
+        bundle = build_bundle(ckpt, spec, out, name=_name_of(source) if name is None else name, force=force, eval_text=text,
                               calibration_text=calib,
                               threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True)
     except USER_ERRORS as e:
@@ -117,7 +118,9 @@ def parse_int8_layers(text: str) -> dict[str, list[int]]:
 
 
 def _name_of(source: Path) -> str:
-    return source.name.split(".")[0].lower() if source.is_file() else source.name.lower()
+    """The default model name: the source's file or folder name, made a valid one (spaces and the like -> '-')."""
+    stem = source.name.split(".")[0] if source.is_file() else source.name
+    return re.sub(r"[^a-z0-9_.+-]+", "-", stem.lower()).strip("-._+")[:64] or "model"
 
 
 def _print_summary(bundle) -> None:

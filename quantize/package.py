@@ -9,6 +9,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,16 @@ def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
     return f"{spec.precision}{settings}{'-src' if spec.keep_source_quant else ''}-{digest[:8]}"
 
 
+def _check_replaceable(out: Path, force: bool) -> None:
+    """An existing output may be replaced only with force, and only if it is a bundle or an empty folder:
+    `--out bundles --force` (the sub-folder forgotten) deleted every bundle and file in bundles/."""
+    if not force:
+        raise PackageError(f"{out} already exists (use --force to replace it)")
+    if out.is_symlink() or not out.is_dir() or not ((out / wire.MANIFEST).is_file() or not any(out.iterdir())):
+        raise PackageError(f"{out} exists and is not a model bundle: --force replaces only a bundle (or an empty "
+                           f"folder); choose another --out")
+
+
 def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
     """Rename tmp onto out; an existing out (force) is moved aside first and removed after. Checked again
     here: an output that appeared while the build ran (another build, a user) is not ours to replace."""
@@ -73,12 +84,10 @@ def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
     if out.exists() or out.is_symlink():
         if not force:
             raise PackageError(f"{out} appeared while the bundle was being built (use --force to replace it)")
+        _check_replaceable(out, force)
         out.rename(old)
     durable.move_into_place(tmp, out)  # synced: a power cut after the build leaves no empty weight file
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink(missing_ok=True)  # a file or a link named like the output: rmtree left it behind
+    shutil.rmtree(old, ignore_errors=True)  # a bundle or an empty folder (_check_replaceable)
 
 
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
@@ -88,8 +97,11 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     block search by activation importance and sets the int8 KV cache graph's scales (without one, the
     bundle has no int8 KV cache graph)."""
     out = Path(out)
-    if out.exists() and not force:
-        raise PackageError(f"{out} already exists (use --force to replace it)")
+    if not re.fullmatch(wire.MODEL_NAME_PATTERN, name):
+        raise PackageError(f"model name {name!r}: use 1-64 letters, digits and . _ + - (starting with a letter "
+                           f"or digit), since it names directories and URLs")
+    if out.exists() or out.is_symlink():
+        _check_replaceable(out, force)
     check_tokenizer(ckpt)
     golden_tokens(ckpt, len(encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)))
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -105,6 +117,9 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
                               with_hessians=spec.method == "gptq", threads=threads)
         calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
         _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads, progress, show_progress)
+        for p in tmp.rglob("*"):  # onnx writes the weights 0600: an agent or artifact server running as
+            if p.is_file():       # another user than the builder could not read them
+                p.chmod(0o644)
         _replace_dir(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

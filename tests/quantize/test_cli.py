@@ -35,6 +35,8 @@ def test_build_writes_a_complete_bundle(built):
     names = {p.name for p in (root / "int4").iterdir()}
     assert {"manifest.json", "model.onnx", "model.onnx.data", "tokenizer.json", "model_config.json"} <= names
     assert not [p for p in root.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+    # every file readable by the agent and the artifact server, whoever built it (onnx wrote the weights 0600)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (root / "int4").iterdir()} == {n: "0o644" for n in names}
 
 
 def test_inspect_and_eval_json(built):
@@ -136,11 +138,36 @@ def test_an_output_that_appears_during_the_build_is_not_replaced_without_force(t
     with pytest.raises(PackageError, match="appeared while the bundle was being built"):
         build_bundle(tiny_checkpoint, QuantSpec(), out, name="tiny", progress=someone_else_writes)
     assert (out / "precious.txt").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["bundle"]
-    link = tmp_path / "link"
-    link.symlink_to(tmp_path / "nowhere")
-    build_bundle(tiny_checkpoint, QuantSpec(), link, name="tiny", force=True, progress=lambda s: None)
-    assert link.is_dir() and not link.is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "link"]  # no .link.old-PID left
+    build_bundle(tiny_checkpoint, QuantSpec(), out / "b", name="tiny", progress=lambda s: None)
+    build_bundle(tiny_checkpoint, QuantSpec(), out / "b", name="tiny", force=True, progress=lambda s: None)
+    assert sorted(p.name for p in out.iterdir()) == ["b", "precious.txt"]  # no .b.old-PID left
+
+
+@pytest.mark.parametrize("what", ["a folder of bundles", "a file", "a link"])
+def test_force_replaces_a_bundle_and_nothing_else(what, tiny_gguf, tmp_path):
+    """Found in review: `build ... --out bundles --force`, the sub-folder forgotten, deleted every bundle and
+    file in bundles/."""
+    out = tmp_path / "out"
+    if what == "a folder of bundles":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif what == "a file":
+        out.write_text("mine")
+    else:
+        out.symlink_to(tmp_path)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert_one_line_error(run("build", str(tiny_gguf), "--out", str(out), "--force"),
+                          "is not a model bundle")
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_model_name_that_is_not_one_path_and_url_segment_is_refused(tiny_gguf, tmp_path):
+    """Found in review: --name '../../x' was published outside the fleet's artifacts directory, and 'a@b'
+    could never be deployed (NAME@VERSION is split at its first '@'); --name '' silently meant the default."""
+    for name in ("../../escaped", "we@ird", "", "a b"):
+        assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--name", name),
+                              "model name")
+        assert not (tmp_path / "o").exists()
 
 
 def test_a_chat_template_the_agent_cannot_compile_is_refused_at_build(tmp_path):
