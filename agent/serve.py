@@ -11,6 +11,7 @@ Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/api.sock [--config
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import logging
 import os
@@ -360,10 +361,15 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
     MQTT when configured) and the updater start; the engine loads in the background (READY after it);
     at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
     """
+    lock = lock_state_dir(Path(config.telemetry.state_dir))
     store = ModelStore(config.telemetry.state_dir)
     api = config.api
     # The socket first: a second agent started on a live one fails here, before it changes the store.
-    sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
+    try:
+        sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
+    except BaseException:
+        os.close(lock)
+        raise
     server = telemetry = updates = None
     try:
         if api.tcp_address is not None:
@@ -389,8 +395,30 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
             updates.stop()
         if telemetry is not None:
             telemetry.stop()  # every finished request is already in SQLite; MQTT publishes "stopped" and leaves
+        os.close(lock)
     if server.load_error is not None:
         raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold the state directory for this agent (an open descriptor: close it to let go).
+
+    Two agents on one state directory (another socket, the same --state-dir) shared its telemetry
+    database, models, links and update journal, and took the device's MQTT session from each other.
+    An flock, so the kernel lets go when the process ends however it ends: no stale lock after a SIGKILL.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 16, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ServeError(f"another edge-agent{f' (pid {holder})' if holder.isdigit() else ''} is using the state "
+                         f"directory {state_dir}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def names_store_current(model: Path, state_dir: Path) -> bool:

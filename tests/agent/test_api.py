@@ -620,6 +620,13 @@ def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle)
         wait_for(lambda: served.http().get("/health").status_code == 200, timeout_s=30)
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["model"] == "tiny"
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        # Found in review: a second agent on another socket and the same state directory ran beside it
+        second = subprocess.run([*cmd[:cmd.index("--socket") + 1], str(folder / "b.sock"),
+                                 *cmd[cmd.index("--socket") + 2:cmd.index("--tcp")], *cmd[cmd.index("--tcp") + 2:]],
+                                capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+        assert second.returncode != 0 and "Traceback" not in second.stderr
+        assert f"another edge-agent (pid {proc.pid}) is using the state directory" in second.stderr, second.stderr
+        assert not (folder / "b.sock").exists() and served.http().get("/health").status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, proc.stderr.read()
         assert not path.exists()
