@@ -341,7 +341,11 @@ class Link:
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._ready.clear()
         if not self._stop.is_set():
-            log.warning("disconnected from MQTT broker: %s", reason_code)
+            # Mosquitto closes the older of two connections with one client id ("session taken over", often
+            # without saying so): two `edge-fleet serve` with the default id flapped with only this line
+            log.warning("disconnected from MQTT broker: %s (if this repeats every few seconds, another client "
+                        "may be connecting as %r: give each consumer its own --client-id)", reason_code,
+                        self.session.client_id)
         self._dropped.set()
 
     def _handle_message(self, client, userdata, message) -> None:
