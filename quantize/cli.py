@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from importlib import resources
 from pathlib import Path
 
@@ -202,7 +203,12 @@ def inspect(bundle, as_json):
         click.echo("quality    " + ", ".join(f"{k}={v}" for k, v in info["quality"].items() if k != "text_sha256"))
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (systemd, `timeout`) cleans up as Ctrl-C does: no partial bundle left
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupted)
     run(cli, "edge-quantize")
 
 

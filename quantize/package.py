@@ -6,6 +6,7 @@ interrupted build never leaves a half-written bundle; an existing output is refu
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import hashlib
 import json
 import os
@@ -67,6 +68,26 @@ def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
     return f"{spec.precision}{settings}{'-src' if spec.keep_source_quant else ''}-{digest[:8]}"
 
 
+def _remove_stale(out: Path) -> None:
+    """Delete the temporary folders of earlier builds of out whose process is gone (SIGKILLed, the power
+    cut): each holds up to a whole bundle, and nothing else would ever remove them."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        kind, _, pid = p.name[len(out.name) + 2:].partition("-")
+        pid = pid.removesuffix("-ref")
+        if kind in ("partial", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _check_replaceable(out: Path, force: bool) -> None:
     """An existing output may be replaced only with force, and only if it is a bundle or an empty folder:
     `--out bundles --force` (the sub-folder forgotten) deleted every bundle and file in bundles/."""
@@ -105,6 +126,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     check_tokenizer(ckpt)
     golden_tokens(ckpt, len(encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)))
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    _remove_stale(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,17 @@ def test_a_context_too_small_for_the_smoke_test_is_refused_at_build(tmp_path):
     path = write_tiny_llama(tmp_path / "t.gguf", context=32)
     assert_one_line_error(run("build", str(path), "--out", str(tmp_path / "out")), "context_length 32 is too small")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_build_removes_what_killed_builds_of_the_same_output_left(tiny_gguf, tmp_path):
+    """Found in review: a build SIGKILLed (or SIGTERMed, or cut by the power) left its .NAME.partial-PID folder,
+    up to a whole bundle, for good."""
+    dead, alive = 999_999_999, os.getppid()  # beyond any pid_max; and a process that surely runs
+    leftovers = [f".o.partial-{dead}", f".o.partial-{dead}-ref", f".o.old-{dead}", f".o.partial-{alive}"]
+    for name in leftovers:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.onnx.data").write_bytes(b"\0" * 1024)
+    (tmp_path / ".other.partial-999999999").mkdir()  # another output's: not this build's business
+    r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.partial-" + str(alive), ".other.partial-999999999", "o"]
