@@ -14,11 +14,14 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from agent.wire import DEVICE_ID_PATTERN
 
+MAX_THREADS = 256  # ONNX Runtime thread pools: 100,000 threads took 17 GB in seconds
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    threads: int | None = Field(None, ge=1, le=256, description="intra-op threads; None: the cores this process may use")
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS,
+                                description="intra-op threads; None: the cores this process may use")
     memory_budget_mb: int = Field(1024, ge=64, description="the whole process: weights, KV cache, activations, runtime")
     max_context: int | None = Field(None, ge=16, description="tokens per sequence; None: the model's context length")
     min_context: int = Field(512, ge=16, description="the budget must hold at least one sequence this long")

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from agent.clikit import run
+from agent.config import MAX_THREADS
 from agent.bundle import BundleError, open_bundle
 from quantize.checkpoint import CheckpointError
 from quantize.package import PackageError
@@ -68,7 +69,8 @@ def cli() -> None:
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
-@click.option("--threads", type=int, default=None)
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+              help="threads for calibration and evaluation (default: the cores this process may use)")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
           embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force):
@@ -147,7 +149,8 @@ def _check_reference(b, ref) -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--reference", required=True, type=click.Path(path_type=Path), help="The fp32 bundle.")
 @click.option("--text", "text_file", required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--threads", type=int, default=None)
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+              help="threads for calibration and evaluation (default: the cores this process may use)")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def eval_(bundle, reference, text_file, threads, as_json):
     """Perplexity, KL divergence and top-1 agreement of BUNDLE against the fp32 reference over a text.

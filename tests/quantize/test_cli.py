@@ -198,3 +198,10 @@ def test_a_build_removes_what_killed_builds_of_the_same_output_left(tiny_gguf, t
     r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"))
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [".o.partial-" + str(alive), ".other.partial-999999999", "o"]
+
+
+def test_thread_counts_out_of_range_are_refused(tiny_gguf, tmp_path):
+    """Found in review: --threads 100000 grew to 17 GB within seconds; -3 was accepted silently."""
+    for n in ("100000", "0", "-3"):
+        r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--threads", n)
+        assert r.returncode == 2 and "--threads" in r.stderr and not (tmp_path / "o").exists()
