@@ -158,15 +158,15 @@ def eval_(bundle, reference, text_file, threads, as_json):
     Example: edge-quantize eval bundles/int4 --reference bundles/fp32 --text passage.txt --json
     """
     from quantize.evaluate import compare
-    from quantize.package import encode
+    from quantize.package import MIN_TEXT_TOKENS, encode
 
     try:
         b, ref = open_bundle(bundle), open_bundle(reference)
         _check_reference(b, ref)
         text = text_file.read_text()
         ids = encode(b.tokenizer_json(), text)
-        if len(ids) < 2:
-            raise ValueError(f"{text_file}: the text needs at least 2 tokens")
+        if len(ids) < MIN_TEXT_TOKENS:
+            raise ValueError(f"{text_file}: the text needs at least {MIN_TEXT_TOKENS} tokens")
         bos = b.config.bos_token_id if b.config.add_bos_token else None
         q = compare(b.runner(threads), ref.runner(threads), ids, text, b.config.context_length, bos)
     except USER_ERRORS as e:

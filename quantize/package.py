@@ -68,6 +68,9 @@ def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
     return f"{spec.precision}{settings}{'-src' if spec.keep_source_quant else ''}-{digest[:8]}"
 
 
+MIN_TEXT_TOKENS = 2  # what a calibration or evaluation text needs at least (a next-token prediction)
+
+
 def _remove_stale(out: Path) -> None:
     """Delete the temporary folders of earlier builds of out whose process is gone (SIGKILLed, the power
     cut): each holds up to a whole bundle, and nothing else would ever remove them."""
@@ -125,6 +128,10 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
         _check_replaceable(out, force)
     check_tokenizer(ckpt)
     golden_tokens(ckpt, len(encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)))
+    for what, text in (("calibration", calibration_text), ("evaluation", eval_text)):
+        # an empty file turned calibration (GPTQ, the int8 KV graph) or the quality figures off without a word
+        if text is not None and len(encode(ckpt.tokenizer.tokenizer_json, text)) < MIN_TEXT_TOKENS:
+            raise PackageError(f"the {what} text has fewer than {MIN_TEXT_TOKENS} tokens")
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     _remove_stale(out)
     shutil.rmtree(tmp, ignore_errors=True)

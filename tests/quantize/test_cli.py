@@ -205,3 +205,14 @@ def test_thread_counts_out_of_range_are_refused(tiny_gguf, tmp_path):
     for n in ("100000", "0", "-3"):
         r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--threads", n)
         assert r.returncode == 2 and "--threads" in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("option", ["--calib-text", "--eval-text"])
+def test_an_empty_calibration_or_evaluation_text_is_refused(option, tiny_gguf, tmp_path):
+    """Found in review: an empty --calib-text quietly built without GPTQ and without the int8 KV cache graph
+    (the manifest still said gptq), and an empty --eval-text quietly left out the quality figures."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), option, str(empty)),
+                          "text has fewer than 2 tokens")
+    assert not (tmp_path / "o").exists()
