@@ -6,6 +6,7 @@ names a path outside the bundle) is a BundleError and nothing is loaded.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,10 @@ def verify(root: Path, manifest: wire.Manifest) -> None:
 
 def open_bundle(path: Path, verify_files: bool = True) -> Bundle:
     root = Path(path)
+    try:
+        str(root.absolute()).encode()
+    except UnicodeEncodeError:  # ONNX Runtime takes a path as text: it failed with a bare TypeError
+        raise BundleError(f"{os.fsencode(root)!r}: a bundle's path must be valid UTF-8 for ONNX Runtime") from None
     try:
         manifest = wire.Manifest.read(root)
         if verify_files:

@@ -151,7 +151,8 @@ def clean_file_mappings(directory: Path) -> list[tuple[int, int, int]]:
     """(start, end, resident bytes) of this process's mappings of files in `directory` that hold no
     copy-on-write page (smaps' Anonymous is 0): their pages can be dropped and read back unchanged."""
     spans, current = [], None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
+    # a mapped file's name need not be UTF-8 (it is bytes to the kernel): read it as Path itself does
+    for line in Path("/proc/self/smaps").read_text(errors="surrogateescape").splitlines():
         head = line.split(None, 5)  # a mapping's header: range perms offset dev inode [path, may hold spaces]
         if ":" not in head[0]:
             lo, hi = (int(x, 16) for x in head[0].split("-"))

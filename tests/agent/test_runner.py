@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
+import shutil
 import subprocess
 import sys
 import time
 import weakref
 
 import numpy as np
+import pytest
 
 from agent.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages,
                           release_pages, usable_cores)
@@ -146,3 +149,19 @@ def test_a_cgroup_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch)
     assert runner_module.cpu_quota_cores() == 1.5
     assert usable_cores() == 1
     assert not choose_spinning("auto", 2) and not choose_spinning(True, 2)
+
+
+def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_fp32_bundle, tmp_path):
+    """Found in review: a mapped file whose name is not UTF-8 made reading smaps fail (calibrating such a GGUF
+    failed), and a bundle at such a path failed with a bare TypeError from ONNX Runtime."""
+    from agent.bundle import BundleError, open_bundle
+
+    odd = tmp_path / os.fsdecode(b"caf\xe9")
+    odd.mkdir()
+    (odd / "data").write_bytes(b"\1" * 65536)
+    with open(odd / "data", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert m[0] == 1
+        assert [hi - lo for lo, hi, _ in clean_file_mappings(odd)] == [65536]
+    shutil.copytree(tiny_fp32_bundle.path, odd / "bundle")
+    with pytest.raises(BundleError, match="must be valid UTF-8"):
+        open_bundle(odd / "bundle")
