@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agent.config import AgentConfig
+from agent.config import MAX_THREADS, AgentConfig
 from agent.sampling_params import SamplingParams
 from agent.wire import SMOKE_PROMPT, CommandRequest, CommandResponse, RequestFigures
 
@@ -55,7 +55,7 @@ class SamplingDefaults(_Args):
 
 class ConfigChange(_Args):
     memory_budget_mb: int | None = Field(None, ge=64)
-    threads: int | None = Field(None, ge=1, le=256)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)
     sampling: SamplingDefaults | None = None
 
     @model_validator(mode="after")
@@ -140,6 +140,9 @@ class Commands:
         return _ok("get_config", {"config": config, "sampling_defaults": self.device.settings.sampling.given()})
 
     def set_config(self, args: dict) -> CommandResponse:
+        if unknown := sorted(set(args) - set(ConfigChange.model_fields)):  # named, with what would be understood
+            raise CommandError(f"unknown setting {', '.join(map(repr, unknown))}: set_config takes "
+                               f"{', '.join(ConfigChange.model_fields)}")
         change = ConfigChange.model_validate(args)
         applied, refused = {}, {}
         engine = self.device.config.engine

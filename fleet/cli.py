@@ -173,8 +173,8 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     artifacts = None
     if artifacts_http:
         host, _, port = artifacts_http.rpartition(":")
-        if not host or not port.isdigit():
-            raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT, PORT 0-65535")
         if artifacts_url is None and host.strip("[]") in WILDCARD_HOSTS:  # found in review: devices were told
             # to fetch from http://0.0.0.0:PORT, i.e. from themselves, and every rollout failed
             raise click.BadParameter(f"--artifacts-http {artifacts_http!r} listens on every interface: give "
@@ -294,7 +294,7 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
 
     With --all or --group, leave out DEVICE: the command goes to many devices and the answers are tabulated.
 
-    Example: edge-fleet cmd dev-0042 set-config max_batch=8 --mqtt mqtt://127.0.0.1:1883
+    Example: edge-fleet cmd dev-0042 set-config 'sampling={"temperature": 0.7}' --mqtt mqtt://127.0.0.1:1883
     """
     from fleet.commands import command_name, parse_assignments, run_command, select_targets
 

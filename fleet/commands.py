@@ -39,17 +39,21 @@ def command_name(cli_name: str) -> str:
 
 
 def parse_assignments(pairs: list[str]) -> dict:
-    """['max_batch=8', 'name=x'] -> {'max_batch': 8, 'name': 'x'}: values are JSON when they parse as JSON."""
+    """['threads=2', 'name=x'] -> {'threads': 2, 'name': 'x'}: values are JSON when they parse as JSON."""
     args = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise CommandError(f"bad argument {pair!r}: expected KEY=VALUE")
-        try:
-            args[key] = json.loads(value)
+        try:  # NaN and Infinity are not JSON: Python's parser takes them, and NaN went out as null ("not given")
+            args[key] = json.loads(value, parse_constant=_not_json)
         except json.JSONDecodeError:
             args[key] = value
     return args
+
+
+def _not_json(name: str):
+    raise CommandError(f"{name} is not a JSON number")
 
 
 def select_targets(devices: list[dict], group: str | None) -> tuple[list[str], list[str]]:

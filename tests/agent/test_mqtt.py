@@ -550,6 +550,8 @@ def test_commands_dispatch_without_an_engine():
     same = commands("set_config", CommandRequest(args={"threads": None, "memory_budget_mb": 1024}))
     assert same.ok and same.result["applied"] == {"memory_budget_mb": 1024}  # already so: nothing to refuse
     assert not commands("set_config", CommandRequest(args={})).ok
+    unknown = commands("set_config", CommandRequest(args={"max_batch": 8})).error  # found in review: the
+    assert "'max_batch'" in unknown and "memory_budget_mb, threads, sampling" in unknown  # help's own example
     commands("set_config", CommandRequest(args={"sampling": {"temperature": 0.5}}))
     commands("set_config", CommandRequest(args={"sampling": {"top_k": 40}}))
     assert settings_.sampling.given() == {"temperature": 0.5, "top_k": 40}  # updates merge

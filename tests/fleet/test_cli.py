@@ -238,3 +238,22 @@ def test_keygen_on_a_full_disk_leaves_no_key_behind_and_can_run_again(tmp_path):
         load_private_key(keys / "fleet.key")
     finally:
         subprocess.run(["umount", "-l", keys], check=False)
+
+
+def test_set_config_values_that_are_not_json_numbers_are_refused():
+    """Found in review: 'sampling={"temperature":NaN}' went out as null ("not given"): 'applied', nothing changed."""
+    from fleet.commands import CommandError, parse_assignments
+
+    assert parse_assignments(['sampling={"temperature": 0.5}', "label=lab"]) == {
+        "sampling": {"temperature": 0.5}, "label": "lab"}
+    for bad in ('sampling={"temperature": NaN}', "threads=Infinity", "x=-Infinity"):
+        with pytest.raises(CommandError, match="is not a JSON number"):
+            parse_assignments([bad])
+
+
+def test_an_artifacts_port_out_of_range_is_a_usage_error(tmp_path):
+    """Found in review: --artifacts-http 127.0.0.1:99999 was 'internal error (OverflowError)', exit 2."""
+    r = CliRunner().invoke(cli, ["serve", "--mqtt", "mqtt://127.0.0.1:1", "--db", str(tmp_path / "f.db"),
+                                 "--artifacts-http", "127.0.0.1:99999",
+                                 "--artifacts-dir", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "PORT 0-65535" in r.output and "internal error" not in r.output, r.output
