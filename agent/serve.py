@@ -457,7 +457,22 @@ def environment_problems(config: AgentConfig) -> list[str]:
         load_trusted_keys(list(config.updates.trusted_keys))
     except (OSError, ValueError) as e:
         problems.append(f"updates.trusted_keys: {str(e).splitlines()[0]}")
+    for key, directory in (("telemetry.state_dir", state), ("api.socket", Path(config.api.socket).parent)):
+        if problem := _not_writable(directory):  # found in review: said ok, and serve then failed "Read-only
+            problems.append(f"{key}: {problem}")  # file system" (the socket's without naming a path)
     return problems
+
+
+def _not_writable(directory: Path) -> str | None:
+    """Why this process could not create files in directory (creating it and its parents first), if so."""
+    existing = Path(directory).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount too, even for root
+        return f"{existing} is not writable by this user"
+    return None
 
 
 def boot_model(store: ModelStore, model: Path | None) -> Path:

@@ -40,12 +40,16 @@ def test_check_config_finds_what_serve_would_refuse_here(tmp_path, tiny_fp32_bun
     """Found in review: a model path that was not there and a socket group that did not exist passed
     check-config, and serve then failed at once."""
     bad = tmp_path / "bad.toml"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
     bad.write_text(f'model = "{tmp_path / "nowhere"}"\n[api]\nsocket_group = "no-such-group-xyz"\n'
+                   f'socket = "{a_file / "api.sock"}"\n[telemetry]\nstate_dir = "{a_file / "state"}"\n'
                    f'[updates]\ntrusted_keys = ["{tmp_path / "missing.pub"}"]\n')
     r = check(bad)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "serve would refuse it on this machine" in r.stderr
-    for needle in ("model: not a readable bundle", "no-such-group-xyz", "updates.trusted_keys"):
+    for needle in ("model: not a readable bundle", "no-such-group-xyz", "updates.trusted_keys",
+                   f"telemetry.state_dir: {a_file} is not a directory", f"api.socket: {a_file} is not a directory"):
         assert needle in r.stderr, r.stderr
     assert check(bad, "--syntax-only").returncode == 0
     good = tmp_path / "good.toml"
