@@ -50,9 +50,16 @@ def write_text(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise _naming(e, path) from e
     finally:
         tmp.unlink(missing_ok=True)  # a full disk left a stray partial file beside the old one
     fsync_path(path.parent)
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """The error with the path the caller asked for, not our temporary name (which meant nothing to a user)."""
+    return type(e)(e.errno, e.strerror, str(path))
 
 
 def create_new(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -70,5 +77,7 @@ def create_new(path: Path, data: bytes, mode: int = 0o644) -> None:
             os.fsync(f.fileno())
         os.link(tmp, path)
         fsync_path(path.parent)
+    except OSError as e:
+        raise _naming(e, path) from e
     finally:
         tmp.unlink(missing_ok=True)

@@ -26,6 +26,7 @@ def keygen(out: Path) -> str:
     pem = key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
     # Both whole and on disk, or neither: a full disk left a 0-byte key that the next keygen refused to
     # replace, and a power cut soon after could empty a key whose .pub was already in device images.
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # `keygen --out keys/fleet.key`, as the README has it
     durable.create_new(out, pem, 0o600)
     try:
         durable.create_new(out.with_name(out.name + ".pub"),

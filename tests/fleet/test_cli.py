@@ -229,6 +229,7 @@ def test_keygen_on_a_full_disk_leaves_no_key_behind_and_can_run_again(tmp_path):
                     break
         r = CliRunner().invoke(cli, ["keygen", "--out", str(keys / "fleet.key")])
         assert r.exit_code != 0 and "No space left" in r.output and "Traceback" not in r.output, r.output
+        assert str(keys / "fleet.key") in r.output and ".tmp" not in r.output  # the user's path, not ours
         assert sorted(p.name for p in keys.iterdir()) == ["filler"]
         (keys / "filler").unlink()
         r = CliRunner().invoke(cli, ["keygen", "--out", str(keys / "fleet.key")])
@@ -236,6 +237,8 @@ def test_keygen_on_a_full_disk_leaves_no_key_behind_and_can_run_again(tmp_path):
         assert sorted(p.name for p in keys.iterdir()) == ["fleet.key", "fleet.key.pub"]
         assert (keys / "fleet.key").stat().st_mode & 0o777 == 0o600
         load_private_key(keys / "fleet.key")
+        r = CliRunner().invoke(cli, ["keygen", "--out", str(keys / "new" / "fleet.key")])  # the README's form
+        assert r.exit_code == 0 and (keys / "new" / "fleet.key.pub").is_file(), r.output
     finally:
         subprocess.run(["umount", "-l", keys], check=False)
 
