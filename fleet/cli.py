@@ -393,6 +393,8 @@ def deploy(target, devices, group, to_all, include_offline, wave_size, max_failu
     """
     from fleet.updates import create_job, job_rows, wait_for_job
 
+    if not (devices or group or to_all):  # found in review: it said "no device needs this deployment"
+        raise click.UsageError("say which devices: --to DEVICE (repeatable), --group GLOB or --all")
     store = _db(db_path)
     chosen = list(dict.fromkeys(_devices(store.db, devices, group, to_all)))  # each device once
     chosen = _needing(store.db, chosen, target, offline_too=include_offline or not (to_all or group))
