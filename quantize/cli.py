@@ -95,8 +95,13 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
                          **overrides, method=method,
                          accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
                          keep_source_quant=keep_source_quant)
+        if int8_layers is not None and precision != "int4":
+            raise ValueError("--int8-layers applies to --precision int4 only")
         click.echo(f"reading {source}")
         ckpt = load_checkpoint(source)
+        if beyond := [f"{k}:{i}" for k, ids in overrides.get("int4_int8_layers", {}).items()
+                      for i in ids if i >= ckpt.geometry.num_layers]:
+            raise ValueError(f"--int8-layers {', '.join(beyond)}: the model has layers 0-{ckpt.geometry.num_layers - 1}")
         text = None if no_eval else (eval_text.read_text() if eval_text else default_eval_text())
         calib = calib_text.read_text() if calib_text else default_calibration_text()
         bundle = build_bundle(ckpt, spec, out, name=_name_of(source) if name is None else name, force=force, eval_text=text,

@@ -216,3 +216,12 @@ def test_an_empty_calibration_or_evaluation_text_is_refused(option, tiny_gguf, t
     assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), option, str(empty)),
                           "text has fewer than 2 tokens")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--int8-layers", "qkv:999"], "the model has layers 0-1"),
+    (["--int8-layers", "qkv:1", "--precision", "int8"], "applies to --precision int4 only"),
+])
+def test_int8_layers_that_cannot_apply_are_refused(flags, words, tiny_gguf, tmp_path):
+    """Found in review: both were accepted and did nothing."""
+    assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), *flags), words)
