@@ -220,7 +220,8 @@ class TelemetryStore:
             self.db.execute(f"PRAGMA max_page_count = {max(16, hard_limit // page)}")
         self.boot_id = str(uuid.uuid4())
         self._next_seq = 0
-        self._unwritten = 0  # records refused by a full disk since the last enforce(): reported by it
+        self._unwritten = 0  # records refused by a full disk since the last enforce(), not yet in meta
+        self._unwritten_counted = 0  # ... and those already in meta: the next enforce() reports both
         self._lock = threading.RLock()
 
     def _in_memory(self, path: Path, e: sqlite3.Error) -> Database:
@@ -233,9 +234,15 @@ class TelemetryStore:
         return _connect(Path(":memory:"))
 
     def count_unwritten(self, n: int = 1) -> None:
-        """Records given up on after StoreFull: the next enforce() adds them to the dropped count."""
+        """Records given up on after StoreFull: counted in the file at once when it takes the change (an update
+        in place needs no new page), else in memory until enforce(); the next enforce() reports them either way.
+        Kept only in memory, a restart before that pass lost the count, and the fleet never heard of them."""
         with self._lock:
-            self._unwritten += n
+            try:
+                self._meta_add("dropped_undelivered", n)
+                self._unwritten_counted += n
+            except sqlite3.Error:
+                self._unwritten += n
 
     def close(self) -> None:
         with self._lock:
@@ -353,17 +360,18 @@ class TelemetryStore:
 
     def _enforce(self, max_age_s: float, max_bytes: int) -> RetentionReport:
         with self._lock:
-            unwritten = self._unwritten
+            unwritten, counted = self._unwritten, self._unwritten_counted
             with self.db.atomic():
                 aged = self.db.execute("DELETE FROM records WHERE sent = 1 AND ts < ?",
                                        [self.clock() - max_age_s]).rowcount
                 excess = self.stored_bytes() - max_bytes
                 delivered, freed = self._delete_oldest(sent=1, excess_bytes=excess)
                 dropped, _ = self._delete_oldest(sent=0, excess_bytes=excess - freed)
-                lost = dropped + unwritten
+                lost = dropped + unwritten + counted
                 if lost:
-                    self._report_dropped(lost, unwritten)
+                    self._report_dropped(lost, unwritten + counted, already_counted=counted)
             self._unwritten -= unwritten  # only now: a full disk can fail the COMMIT itself
+            self._unwritten_counted -= counted
             if aged or delivered or dropped:  # give the WAL's pages back too, but never wait for a reader:
                 # this holds the store's lock, and a reader (a sqlite3 shell) made every append wait 10 s
                 self.db.execute("PRAGMA busy_timeout = 0")
@@ -394,10 +402,11 @@ class TelemetryStore:
             self.db.conn.executemany("DELETE FROM records WHERE id = ?", [(i,) for i in row_ids])
             self._report_dropped(len(row_ids), 0, {why: len(row_ids)})
 
-    def _report_dropped(self, count: int, unwritten: int, undeliverable: dict[str, int] | None = None) -> None:
+    def _report_dropped(self, count: int, unwritten: int, undeliverable: dict[str, int] | None = None,
+                        already_counted: int = 0) -> None:
         """Count rows deleted undelivered, records a full disk refused and rows that could never be
-        delivered: all are lost to the fleet."""
-        total = self._meta_add("dropped_undelivered", count)
+        delivered: all are lost to the fleet. already_counted of them are in meta already (count_unwritten)."""
+        total = self._meta_add("dropped_undelivered", count - already_counted)
         detail = {"count": count, "total": total, "unwritten": unwritten} | (undeliverable or {})
         self.append(EventRecord(kind="dropped_rows", detail=detail))
 

@@ -273,6 +273,23 @@ def test_a_full_disk_drops_records_counts_them_and_reports_them_when_room_return
     assert detail == {"count": 201 - kept, "total": 201 - kept, "unwritten": 201 - kept}
 
 
+def test_records_a_full_file_refused_stay_counted_across_a_restart(tmp_path):
+    """Found in review: the count of refused records lived only in memory until the next retention pass, so a
+    restart before it lost the count and the fleet never heard of those records."""
+    config = TelemetryConfig(state_dir=tmp_path)
+    telemetry = Telemetry(TelemetryStore(tmp_path / DB_NAME, "dev-1"), config)
+    telemetry.record_request("smollm2", "int4-a", figures())
+    db = telemetry.store.db
+    db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+    for _ in range(50):
+        telemetry.record_request("smollm2", "int4-a", figures(tokens=1000))
+    refused = 51 - db.execute("SELECT count(*) FROM requests").fetchone()[0]
+    assert refused > 0 and telemetry.store.dropped_total == refused
+    telemetry.store.close()  # the agent restarts before any retention pass
+    again = TelemetryStore(tmp_path / DB_NAME, "dev-1")
+    assert again.dropped_undelivered == refused == again.dropped_total
+
+
 def test_age_retention_spares_undelivered_rows(db_path):
     now = [1_000_000.0]
     store = TelemetryStore(db_path, "dev-1", clock=lambda: now[0])
