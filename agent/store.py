@@ -420,6 +420,11 @@ class TelemetryReader:
         if not path.exists():
             raise FileNotFoundError(f"no telemetry database at {path}")
         self.db = Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S))
+        try:
+            self.db.table_names()
+        except sqlite3.DatabaseError as e:  # "file is not a database" named no file
+            self.db.close()
+            raise ValueError(f"{path} is not a telemetry database ({e})") from None
 
     def request_rows(self, since_ts: float) -> list[dict]:
         """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s,

@@ -42,6 +42,8 @@ class QueryError(ValueError):
 def existing_db(path: Path | str) -> Path:
     """path, if a fleet database is there: a mistyped --db must be an error, not a new empty fleet."""
     path = Path(path)
+    if path.is_dir():
+        raise QueryError(f"--db {path} is a directory: give the database file (e.g. {path / 'fleet.db'})")
     if not path.is_file():
         raise QueryError(f"no fleet database at {path} (start `edge-fleet serve --db {path}` first)")
     return path
@@ -49,7 +51,16 @@ def existing_db(path: Path | str) -> Path:
 
 def open_readonly(path: Path | str) -> sqlite_utils.Database:
     path = existing_db(path)
-    return sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
+    db = sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
+    try:  # found in review: "file is not a database" and "no such table: requests", naming no file
+        tables = set(db.table_names())
+    except sqlite3.DatabaseError as e:
+        db.close()
+        raise QueryError(f"{path} is not a fleet database ({e})") from None
+    if "requests" not in tables:
+        db.close()
+        raise QueryError(f"{path} is not a fleet database (no requests table; `edge-fleet serve` creates one)")
+    return db
 
 
 MAX_DURATION_S = 100 * 365 * 86400

@@ -201,11 +201,21 @@ def connect(path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite_
     return sqlite_utils.Database(conn)
 
 
+class StoreError(ValueError):
+    """The fleet database cannot be opened; the message names the file."""
+
+
 class FleetStore:
     """Owned by one thread at a time (the consumer's writer)."""
 
     def __init__(self, path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S):
         self.path = Path(path)
+        try:
+            self._open(busy_timeout_s)
+        except sqlite3.DatabaseError as e:  # "unable to open database file", "file is not a database": which?
+            raise StoreError(f"fleet database {self.path}: {e}") from e
+
+    def _open(self, busy_timeout_s: float) -> None:
         self.db = connect(self.path, busy_timeout_s)
         self.db.enable_wal()
         # WAL + FULL: a commit survives a power cut, not only a crash. The consumer PUBACKs a batch after its

@@ -260,3 +260,17 @@ def test_an_artifacts_port_out_of_range_is_a_usage_error(tmp_path):
                                  "--artifacts-http", "127.0.0.1:99999",
                                  "--artifacts-dir", str(tmp_path / "a")])
     assert r.exit_code == 2 and "PORT 0-65535" in r.output and "internal error" not in r.output, r.output
+
+
+def test_a_database_that_is_not_a_fleet_database_is_named(tmp_path):
+    """Found in review: 'file is not a database', 'no such table: requests', 'unable to open database file':
+    none said which file; `--db .` suggested a command that then failed."""
+    garbage, other = tmp_path / "g.db", tmp_path / "o.db"
+    garbage.write_text("garbage")
+    connect(other).execute("create table x (a)")
+    for args, words in ((["devices", "--db", str(garbage)], f"{garbage} is not a fleet database"),
+                        (["tps", "--db", str(other)], f"{other} is not a fleet database"),
+                        (["devices", "--db", str(tmp_path)], "is a directory"),
+                        (["deploy", "m@v", "--to", "a", "--db", str(garbage)], f"fleet database {garbage}:")):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 1 and words in r.output and "Traceback" not in r.output, (args, r.output)
