@@ -661,7 +661,7 @@ def test_mqtts_verifies_the_broker_against_the_given_ca(tmp_path, links, caplog)
 
 
 # ---- (d) the shipped ACL -------------------------------------------------------------------------------------
-USERS = {"dev-a": "pw-a", "dev-b": "pw-b", "_fleet": "pw-fleet"}
+USERS = {"dev-a": "pw-a", "dev-b": "pw-b", "_fleet": "pw-fleet", "_fleet-cmd": "pw-cmd"}
 
 
 @pytest.fixture
@@ -684,16 +684,20 @@ def as_user(broker, user: str, subscribe: list[str]) -> Fleet:
 
 
 def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
-    fleet = as_user(acl_broker, "_fleet", ["edge/v1/#"])
+    fleet = as_user(acl_broker, "_fleet", ["edge/v1/#"])  # the consumer: reads everything, writes nothing
+    operator = as_user(acl_broker, "_fleet-cmd", ["edge/v1/+/cmd/res/#"])  # edge-fleet cmd
     dev_b = as_user(acl_broker, "dev-b", ["edge/v1/dev-b/cmd/req/#"])
     dev_a = as_user(acl_broker, "dev-a", ["edge/v1/dev-b/cmd/req/#", "edge/v1/+/cmd/req/#", "edge/v1/#"])
 
-    # A cannot read B's commands: B gets its command, A gets only its own marker published after it
-    fleet.publish("edge/v1/dev-b/cmd/req/ping", b"for-b")
-    fleet.publish("edge/v1/dev-a/cmd/req/ping", b"marker-a")
+    # A cannot read B's commands: B gets its command, A gets only its own marker published after it; the
+    # consumer's user cannot command anyone
+    fleet.publish("edge/v1/dev-b/cmd/req/ping", b"from-the-consumer")
+    operator.publish("edge/v1/dev-b/cmd/req/ping", b"for-b")
+    operator.publish("edge/v1/dev-a/cmd/req/ping", b"marker-a")
     assert dev_b.wait(lambda f: any(m.payload == b"for-b" for m in f.messages))
     assert dev_a.wait(lambda f: any(m.payload == b"marker-a" for m in f.messages))
     assert not any(m.payload == b"for-b" for m in dev_a.messages)
+    assert not any(m.payload == b"from-the-consumer" for m in dev_b.messages)
 
     # A cannot publish as B, nor command anyone (itself included); its own telemetry goes through
     forged = ["edge/v1/dev-b/tele", "edge/v1/dev-b/state", "edge/v1/dev-b/cmd/res", "edge/v1/dev-b/cmd/req/ping",
@@ -712,7 +716,7 @@ def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
     link.store.append(EventRecord(kind="tick"))
     link.notify()
     assert fleet.wait(lambda f: (link.store.boot_id, 0) in f.tele_keys)
-    assert fleet.call("dev-a", "ping").ok
+    assert operator.call("dev-a", "ping").ok
 
     # A link posing as B with A's credentials: the broker refuses its batches, so they stay unsent
     caplog.set_level(logging.WARNING, logger="agent.mqtt")
@@ -724,7 +728,7 @@ def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
     assert wait_until(lambda: "refused a batch" in caplog.text, 5)
     assert impostor.store.count_unsent() == 3
     assert not any(m.topic == "edge/v1/dev-b/tele" for m in fleet.messages)
-    for c in (fleet, dev_b):
+    for c in (fleet, operator, dev_b):
         c.close()
 
 

@@ -11,7 +11,7 @@ from fleet.store import connect
 from simdevice import SimDevice
 from fleet_tls import write_tls_files
 
-PASSWORDS = {"_fleet": "pw-fleet", "_fleet-jobs": "pw-jobs", "dev-a": "pw-a"}
+PASSWORDS = {"_fleet": "pw-fleet", "_fleet-jobs": "pw-jobs", "_fleet-cmd": "pw-cmd", "dev-a": "pw-a"}
 
 
 @pytest.fixture
@@ -76,3 +76,25 @@ def test_rollouts_connect_as_their_own_user(secure_broker, serve_processes, flee
     broker_log = (tmp_path / "broker" / "mosquitto.log").read_text()
     assert fleet_log.count("connected to") == 2 and "disconnected" not in fleet_log, fleet_log
     assert "already connected" not in broker_log
+
+
+def test_each_fleet_user_may_do_only_what_its_connection_does(secure_broker, tmp_path):
+    """Found in review: _fleet (the consumer, whose password every replica holds) and _fleet-jobs could write
+    every device topic, so either could send a device any command or job notice, or forge its state."""
+    device = SimDevice(secure_broker.port, "dev-a", password=PASSWORDS["dev-a"], ca_file=secure_broker.ca).start()
+    try:
+        device.wait_connected()
+        answers = {}
+        for user in ("_fleet-cmd", "_fleet", "_fleet-jobs"):
+            (tmp_path / f"{user}.pw").write_text(PASSWORDS[user] + "\n")
+            r = subprocess.run([REPO / ".venv" / "bin" / "edge-fleet", "cmd", "dev-a", "ping", "--timeout", "3",
+                                "--mqtt", f"mqtts://127.0.0.1:{secure_broker.port}", "--username", user,
+                                "--password-file", tmp_path / f"{user}.pw", "--ca-file", secure_broker.ca],
+                               capture_output=True, text=True, timeout=60)
+            answers[user] = (r.returncode, r.stdout + r.stderr)
+    finally:
+        device.client.disconnect()
+        device.client.loop_stop()
+    assert answers["_fleet-cmd"][0] == 0 and '"pong": true' in answers["_fleet-cmd"][1], answers
+    for user in ("_fleet", "_fleet-jobs"):
+        assert answers[user][0] != 0 and "not authorized" in answers[user][1].lower(), answers
