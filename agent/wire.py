@@ -92,16 +92,17 @@ class Golden(_Frozen):
     continuation_ids: list[int]
 
 
-# A model's name and version: each one path segment (models/NAME@VERSION on a device, the fleet's artifacts
-# directory) and one URL segment, and no '@', which joins them. A name '../../x' was published outside the
-# artifacts directory, and 'a@b' could never be deployed.
+# What a new model's name must be: one path segment (models/NAME@VERSION on a device, the fleet's artifacts
+# directory) and one URL segment, without the '@' that joins name and version. A name '../../x' was
+# published outside the artifacts directory, and 'a@b' could never be deployed. Checked where names are
+# made (build) and accepted (publish), not when a manifest is read: bundles built before must still load.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$"
 
 
 class Manifest(_Frozen):
     schema_version: int = MANIFEST_SCHEMA_VERSION
-    name: str = Field(pattern=MODEL_NAME_PATTERN)  # model name, e.g. "smollm2-135m-instruct"
-    version: str = Field(pattern=MODEL_NAME_PATTERN)  # e.g. "int4-s32-3f2a9c1d": precision, settings, content hash
+    name: str  # model name, e.g. "smollm2-135m-instruct"
+    version: str  # e.g. "int4-s32-3f2a9c1d": precision + settings + a short content hash
     precision: str
     quant: dict  # the QuantSpec that built it
     source_sha256: str

@@ -16,6 +16,7 @@ import collections
 import json
 import logging
 import math
+import re
 import secrets
 import sqlite3
 import threading
@@ -28,8 +29,8 @@ import sqlite_utils
 
 from agent import durable
 from agent.bundle import open_bundle
-from agent.wire import (MAX_EXPIRY_S, TERMINAL_JOB_STATES, JobDocument, JobState, JobStatusUpdate, Manifest,
-                        device_of, is_device_id, topic)
+from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
+                        JobStatusUpdate, Manifest, device_of, is_device_id, topic)
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_manifest
 
@@ -81,6 +82,9 @@ def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifac
     """Verify a bundle, sign its manifest, copy it where the artifact server serves it; returns NAME@VERSION."""
     bundle = open_bundle(bundle_dir)
     m = bundle.manifest
+    if not all(re.fullmatch(MODEL_NAME_PATTERN, x) for x in (m.name, m.version)):  # a path and URL segment each
+        raise ValueError(f"{m.name}@{m.version}: a published model's name and version must each be 1-64 letters, "
+                         f"digits and . _ + - (rebuild it with edge-quantize build --name)")
     signature, kid = sign_manifest(m, load_private_key(key_path))
     dest = Path(artifacts_dir) / f"{m.name}@{m.version}"
     if not dest.exists():

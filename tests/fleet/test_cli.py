@@ -274,3 +274,21 @@ def test_a_database_that_is_not_a_fleet_database_is_named(tmp_path):
                         (["deploy", "m@v", "--to", "a", "--db", str(garbage)], f"fleet database {garbage}:")):
         r = CliRunner().invoke(cli, args)
         assert r.exit_code == 1 and words in r.output and "Traceback" not in r.output, (args, r.output)
+
+
+def test_a_bundle_named_before_names_were_checked_still_loads_but_is_not_published(tiny_fp32_bundle, tmp_path):
+    """A name that is not one path and URL segment ('../../x' was published outside the artifacts directory)
+    is refused at publish; bundles built before the rule existed must still load on devices."""
+    from agent.bundle import open_bundle
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_fp32_bundle.path, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "name": "llama 3.2 1b"}))
+    assert open_bundle(old).manifest.name == "llama 3.2 1b"
+    assert CliRunner().invoke(cli, ["keygen", "--out", str(tmp_path / "k" / "fleet.key")]).exit_code == 0
+    FleetStore(tmp_path / "f.db").close()
+    r = CliRunner().invoke(cli, ["publish", str(old), "--key", str(tmp_path / "k" / "fleet.key"),
+                                 "--db", str(tmp_path / "f.db"), "--artifacts-dir", str(tmp_path / "art")])
+    assert r.exit_code == 1 and "rebuild it with edge-quantize build --name" in r.output, r.output
+    assert not (tmp_path / "art").exists() or not any((tmp_path / "art").iterdir())

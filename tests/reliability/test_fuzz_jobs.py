@@ -376,7 +376,7 @@ FOUND = {  # name: (edits, signed again by the trusted key, expected state, word
                                  "malformed"),
     "base_url with a space": ([("set", ("base_url",), "$url/a b")], False, JobState.REJECTED, "malformed"),
     "a '/' in the model name": ([("set", ("manifest", "name"), "tin/")], True, JobState.REJECTED,
-                                "malformed"),  # since 2026-12-05 the manifest's own name pattern refuses it
+                                "unsafe model name"),
     "a manifest without model.onnx": ([("drop_file", wire.GRAPH, None)], True, JobState.FAILED,
                                       "could not run the model"),
     "a control character in a file name": ([("rename", wire.TOKENIZER, "\x1b")], True, JobState.FAILED, "HTTP 404"),
