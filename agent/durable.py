@@ -9,6 +9,7 @@ power; so every install, link swap and journal write here is synced before it is
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -38,6 +39,27 @@ def move_into_place(tmp: Path, dest: Path) -> None:
     sync_tree(tmp) if tmp.is_dir() else fsync_path(tmp)
     os.replace(tmp, dest)
     fsync_path(dest.parent)
+
+
+def replace_tree(tmp: Path, dest: Path, aside: Path) -> None:
+    """Put the finished directory tmp at dest, durably; an existing dest (rename cannot replace a full
+    directory) is renamed to `aside` and deleted after. tmp is synced first, so dest is missing only
+    between two renames: synced after the move aside, a build interrupted while hundreds of MB were
+    written out left no bundle at all. If the second rename fails, the old dest is put back."""
+    tmp, dest = Path(tmp), Path(dest)
+    sync_tree(tmp)
+    moved = dest.exists() or dest.is_symlink()
+    if moved:
+        os.replace(dest, aside)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        if moved:
+            os.replace(aside, dest)
+        raise
+    fsync_path(dest.parent)
+    if moved:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_text(path: Path, text: str) -> None:

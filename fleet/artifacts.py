@@ -127,8 +127,6 @@ class ArtifactServer:
         for d in (tmp, old):
             shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(bundle, tmp)
-        if dest.exists():
-            dest.rename(old)  # the live copy moves aside rather than being deleted file by file under readers
-        durable.move_into_place(tmp, dest)  # what the fleet serves is on disk before it is offered
-        shutil.rmtree(old, ignore_errors=True)
+        # on disk before it is offered; the live copy moves aside rather than being deleted under readers
+        durable.replace_tree(tmp, dest, old)
         return f"{self.base_url}/{name}"

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
+from agent import durable
 from quantize import rope
 from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, expected_weight_shapes, finite
 from quantize.tokenizer import tokenizer_from_hf_folder
@@ -369,22 +370,11 @@ def save_hf(ckpt: Checkpoint, folder: Path, dtype: str = "float32") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         _write_folder(ckpt, tmp, dtype)
-        _replace_dir(tmp, folder)
+        durable.replace_tree(tmp, folder, folder.with_name(f".{folder.name}.old-{os.getpid()}"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename new to target; an existing target is moved aside first (rename cannot replace a full directory)."""
-    if not target.exists():
-        os.replace(new, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-    os.replace(target, old / target.name)
-    os.replace(new, target)
-    shutil.rmtree(old)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -189,15 +190,30 @@ def test_a_context_too_small_for_the_smoke_test_is_refused_at_build(tmp_path):
 def test_a_build_removes_what_killed_builds_of_the_same_output_left(tiny_gguf, tmp_path):
     """Found in review: a build SIGKILLed (or SIGTERMed, or cut by the power) left its .NAME.partial-PID folder,
     up to a whole bundle, for good."""
-    dead, alive = 999_999_999, os.getppid()  # beyond any pid_max; and a process that surely runs
-    leftovers = [f".o.partial-{dead}", f".o.partial-{dead}-ref", f".o.old-{dead}", f".o.partial-{alive}"]
+    import fcntl
+
+    dead, alive, elsewhere = 999_999_999, os.getppid(), 999_999_998  # beyond any pid_max; surely running
+    leftovers = [f".o.partial-{dead}", f".o.partial-{dead}-ref", f".o.old-{dead}", f".o.partial-{alive}",
+                 f".o.partial-{elsewhere}", f".o.old-{elsewhere}"]
     for name in leftovers:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.onnx.data").write_bytes(b"\0" * 1024)
     (tmp_path / ".other.partial-999999999").mkdir()  # another output's: not this build's business
-    r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"))
+    # a build in another PID namespace (its pid means nothing here) holds its folder, as every build does
+    held = os.open(tmp_path / f".o.partial-{elsewhere}", os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"))
+    finally:
+        os.close(held)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".o.partial-" + str(alive), ".other.partial-999999999", "o"]
+    # .o.old-DEAD stays too: with no o, a build stopped between its two renames left the only copy there
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        f".o.old-{dead}", f".o.old-{elsewhere}", f".o.partial-{alive}", f".o.partial-{elsewhere}",
+        ".other.partial-999999999", "o"])
+    r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--force")  # now o exists: they go
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".o.partial-{alive}", ".other.partial-999999999", "o"]
 
 
 def test_thread_counts_out_of_range_are_refused(tiny_gguf, tmp_path):

@@ -1,0 +1,41 @@
+"""agent/durable.py: a replaced tree is missing only between two renames, and put back if the second fails."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agent import durable
+
+
+def tree(root, text: str):
+    root.mkdir()
+    (root / "weights").write_text(text)
+    return root
+
+
+def test_the_old_tree_stays_in_place_while_the_new_one_is_synced(tmp_path, monkeypatch):
+    """Found in review: the old bundle was moved aside before the new one's fsync (seconds for 90 MB), so a
+    build interrupted then left no bundle at all."""
+    dest, new = tree(tmp_path / "b", "old"), tree(tmp_path / ".b.tmp", "new")
+    seen = []
+    sync = durable.sync_tree
+    monkeypatch.setattr(durable, "sync_tree", lambda p: (seen.append((dest / "weights").read_text()), sync(p)))
+    durable.replace_tree(new, dest, tmp_path / ".b.old")
+    assert seen == ["old"] and (dest / "weights").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_a_failed_final_rename_puts_the_old_tree_back(tmp_path, monkeypatch):
+    dest, new = tree(tmp_path / "b", "old"), tree(tmp_path / ".b.tmp", "new")
+    replace = os.replace
+
+    def fail_second(src, dst):
+        if str(src).endswith(".b.tmp"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_second)
+    with pytest.raises(OSError, match="No space"):
+        durable.replace_tree(new, dest, tmp_path / ".b.old")
+    assert (dest / "weights").read_text() == "old" and not (tmp_path / ".b.old").exists()
