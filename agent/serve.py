@@ -520,13 +520,15 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             memory_budget_mb=config.engine.memory_budget_mb,
             current=lambda: backend.engine.bundle if backend.engine else store.bootable(),
             report=lambda u: _report_job(telemetry, u),
+            replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads,
             health_check_tokens=config.updates.health_check_tokens)
         updates = UpdateService(ctx)
         telemetry.link.on_job = updates.offer
-    telemetry.start()
-    if updates is not None:
+        # settled before the link connects (statuses wait for it): a job the broker redelivered at once was
+        # offered before recover() had run, which then reported it FAILED while it went on to run
         updates.start()
+    telemetry.start()
     return telemetry, updates
 
 

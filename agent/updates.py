@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
 from agent import durable, wire
 from agent.bundle import Bundle, BundleError, open_bundle, safe_member
@@ -147,7 +148,10 @@ class ModelStore:
     def save_queued(self, doc: JobDocument) -> Path:
         """Keep an accepted job document on disk until it has run: the broker's PUBACK goes when the MQTT
         callback returns, so a job only queued in memory was lost by a restart, and the fleet timed it out."""
-        path = self.queue / f"{time.time_ns():020d}-{doc.job_id}.json"  # names sort in arrival order
+        # numbered, not timed, so the names sort in arrival order even if the clock steps back meanwhile
+        n = 1 + max((int(p.name.partition("-")[0]) for p in self.queue.glob("*.json")
+                     if p.name.partition("-")[0].isdigit()), default=0)
+        path = self.queue / f"{n:020d}-{doc.job_id}.json"
         durable.write_text(path, doc.model_dump_json())
         return path
 
@@ -183,6 +187,8 @@ class UpdateContext:
     health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
+    # publish a status again that is no news (the last job's end, at each start); default: report
+    replay: Callable[[wire.JobStatusUpdate], None] | None = None
 
 
 def default_measure(bundle: Bundle, threads: int | None, n_tokens: int) -> tuple[list[int], float]:
@@ -209,9 +215,11 @@ class UpdateJob:
     def status(self, state: JobState, step: JobStep | None = None, **kw) -> None:
         """Journal, then report. A journal that cannot be written (a full disk) fails a running job, since a
         crash after it could not be recovered; the report goes out either way."""
-        try:
+        ts = time.time()
+        try:  # ts too: a report replayed after a restart keeps it (stamped anew by a clock that is behind at
+            # boot, it looked older than the job's earlier reports, and the fleet ignored it)
             self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": state.value,
-                                          "step": step.value if step else None,
+                                          "step": step.value if step else None, "ts": ts,
                                           "target": str(self.staging) if self.staging else None, **{
                                               k: v for k, v in kw.items() if k == "reason"}})
             unjournaled = None
@@ -219,7 +227,7 @@ class UpdateJob:
             log.error("job %s: cannot write the update journal: %s", self.doc.job_id, e)
             unjournaled = e
         self.ctx.report(wire.JobStatusUpdate(job_id=self.doc.job_id, device_id=self.ctx.device_id, state=state,
-                                             step=step, ts=time.time(), **kw))
+                                             step=step, ts=ts, **kw))
         if unjournaled is not None and state not in wire.TERMINAL_JOB_STATES:
             raise JobFailed(JobState.FAILED, f"cannot write the update journal: {unjournaled}")
 
@@ -444,9 +452,9 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     if not entry or not entry.get("job_id") or entry.get("state") not in {s.value for s in JobState}:
         return None
     if JobState(entry["state"]) in wire.TERMINAL_JOB_STATES:
-        update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id,
-                                      state=JobState(entry["state"]), reason=entry.get("reason"), ts=time.time())
-        ctx.report(update)
+        update = _last_end(entry, ctx.device_id)
+        if update is not None:
+            (ctx.replay or ctx.report)(update)  # not news: not a model_change event at every boot
         return update
     target = Path(entry["target"]) if entry.get("target") else None
     current = ctx.store.link("current")
@@ -466,6 +474,18 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     return update
 
 
+def _last_end(entry: dict, device_id: str) -> wire.JobStatusUpdate | None:
+    """The journal's final status as it was reported; None if the journal (damaged, or an older agent's) says
+    too little to report it."""
+    for extra in ({"reason": entry.get("reason"), "ts": entry.get("ts") or time.time()}, {"ts": time.time()}):
+        try:
+            return wire.JobStatusUpdate(job_id=entry["job_id"], device_id=device_id, state=entry["state"], **extra)
+        except ValidationError:
+            continue
+    log.warning("the update journal's last job cannot be reported again: %s", str(entry)[:200])
+    return None
+
+
 class UpdateService:
     """Takes job documents from the MQTT link and runs them one at a time, in order, on its own thread."""
 
@@ -483,8 +503,13 @@ class UpdateService:
         if entry and entry.get("state") in {s.value for s in wire.TERMINAL_JOB_STATES}:
             self.done[entry["job_id"]] = JobState(entry["state"])
         for path, doc in self.ctx.store.queued():  # accepted before a restart: run now, unless recover() settled it
-            if doc.job_id in self.done or doc.job_id in self._pending or not self._enqueue(doc, path):
+            if doc.job_id in self.done or doc.job_id in self._pending:
                 path.unlink(missing_ok=True)
+            elif not self._enqueue(doc, path):
+                path.unlink(missing_ok=True)
+                self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
+                                                     state=JobState.REJECTED, reason="too many queued jobs",
+                                                     ts=time.time()))
         self._thread.start()
 
     def stop(self) -> None:

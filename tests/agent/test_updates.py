@@ -651,3 +651,23 @@ def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, ke
     assert [r.state for r in dev.reports if r.job_id == "a"] == [JobState.FAILED]  # settled, not run again
     assert dev.serving.manifest.version == v2.manifest.version
     assert list(dev.store.queue.iterdir()) == []
+
+
+def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_path, bundles, keys, server):
+    """Found in review: the replay at each start went through report(), which the agent records as a
+    model_change (or error) event: one for a months-old job at every boot. And it was stamped with the boot's
+    clock, which on a device without an RTC can be behind, so the fleet took it for an older report."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
+    ended = dev.reports[-1]
+    replayed, reported = [], len(dev.reports)
+    dev.ctx.replay = replayed.append
+    recover(dev.ctx)
+    assert len(dev.reports) == reported and [(r.job_id, r.state, r.ts) for r in replayed] == [
+        (ended.job_id, JobState.SUCCEEDED, ended.ts)]
+    dev.store.write_journal({"job_id": "j", "state": "FAILED", "ts": "soon"})  # damaged: reported at boot time
+    assert recover(dev.ctx).state is JobState.FAILED and replayed[-1].job_id == "j"
+    dev.store.write_journal({"job_id": 5, "state": "SUCCEEDED"})  # nothing to report: no crash either
+    assert recover(dev.ctx) is None
