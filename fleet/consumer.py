@@ -314,7 +314,8 @@ def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, sto
         stop.wait()
     finally:
         if rollouts:
-            for part in rollouts:
+            driver, link, server = rollouts
+            for part in (link, driver, server):  # no new reports first; the driver then records what it holds
                 part.stop()
         consumer.stop()
         store.close()

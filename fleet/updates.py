@@ -254,6 +254,11 @@ class RolloutDriver:
                 log.warning("rollouts: the database is unavailable (%s); trying again", e)
             except Exception:  # a bad database state must not stop the driver
                 log.exception("rollout pass failed")
+        try:  # what arrived during the last pass, taken off the broker already
+            if left := self.apply_reports():
+                log.warning("rollouts: %d device reports not recorded at stop (the database is busy)", left)
+        except Exception as e:
+            log.warning("rollouts: %d device reports not recorded at stop: %s", len(self._reports), e)
 
     def _pass(self, db: sqlite_utils.Database) -> None:
         """Time out silent devices, then advance every job in progress."""

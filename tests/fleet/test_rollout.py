@@ -265,3 +265,23 @@ def test_a_report_that_arrives_while_the_database_is_locked_is_recorded_once_it_
         finally:
             driver.stop()
             holder.close()
+
+
+def test_reports_queued_when_the_driver_stops_are_recorded(tmp_path):
+    """Found in review: stop() left the reports that came in during the last pass unrecorded, though the broker
+    had already handed them over."""
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused", interval_s=0.05)
+
+    def last_pass(db):  # the report arrives while the pass waits for a PUBACK, and serve stops meanwhile
+        report_only(driver, job_id, S, ts=100)
+        driver._stop.set()
+
+    driver._pass = last_pass
+    driver.start()
+    wait_until(lambda: not driver._thread.is_alive(), 5)
+    driver.stop()
+    assert recorded(store, job_id) == "SUCCEEDED"
