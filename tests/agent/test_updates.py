@@ -558,38 +558,51 @@ def test_the_devices_health_check_tokens_is_a_floor_the_job_cannot_lower(tmp_pat
 # ---- found in review (2026-12-05) ------------------------------------------------------------------------
 def test_an_update_is_on_disk_before_the_fleet_hears_it_succeeded(tmp_path, bundles, keys, server, monkeypatch):
     """rename(2) is atomic against a crash, not durable against a power cut: ext4 may commit the rename before
-    the renamed files' data. So by the time SUCCEEDED is reported, every file of the new bundle, its name in
-    models/, both links and the journal saying so must have been fsynced."""
+    the renamed files' data. So by the time SUCCEEDED is reported, every file of the new bundle must have been
+    fsynced, and every directory a name was renamed into (models/, the links' and the journal's) fsynced
+    after that rename: a directory fsync before it does not make the new name durable."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
-    synced: set[tuple[int, int]] = set()
-    real_fsync = os.fsync
+    events: list[tuple[str, tuple[int, int]]] = []  # ("fsync", inode) and ("rename", inode of the directory)
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
 
-    def fsync(fd):
-        st = os.fstat(fd)
-        synced.add((st.st_dev, st.st_ino))
-        real_fsync(fd)
-
-    def node(p: Path) -> tuple[int, int]:
+    def node(p) -> tuple[int, int]:
         st = os.stat(p)
         return st.st_dev, st.st_ino
 
-    unsynced: list[Path] = []
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        real["fsync"](fd)
+
+    def renaming(name):
+        def rename(src, dst, **kw):
+            real[name](src, dst, **kw)
+            events.append(("rename", node(Path(dst).parent)))
+        return rename
+
+    problems: list[str] = []
     report = dev.ctx.report
 
     def check_then_report(update):
         if update.state is JobState.SUCCEEDED:
             final = dev.store.link("current")
-            must = [*final.rglob("*"), final, dev.store.models, dev.store.root, dev.store.journal]
-            unsynced.extend(p for p in must if node(p) not in synced)
+            synced = {n for kind, n in events if kind == "fsync"}
+            problems.extend(f"not synced: {p}" for p in final.rglob("*") if p.is_file() and node(p) not in synced)
+            for i, (kind, directory) in enumerate(events):
+                if kind == "rename" and ("fsync", directory) not in events[i + 1:]:
+                    problems.append(f"a rename into {directory} not followed by that directory's fsync")
         report(update)
 
     monkeypatch.setattr(os, "fsync", fsync)
+    for name in ("replace", "rename"):
+        monkeypatch.setattr(os, name, renaming(name))
     dev.ctx.report = check_then_report
     doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
     assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
     assert dev.store.link("current").name.endswith(v2.manifest.version)
-    assert unsynced == []
+    assert sum(kind == "rename" for kind, _ in events) >= 4  # bundle, previous, current, journal
+    assert problems == []
 
 
 @pytest.mark.parametrize("journal, reported", [
