@@ -362,14 +362,18 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
     at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
     """
     lock = lock_state_dir(Path(config.telemetry.state_dir))
+    try:
+        _serve(config, announce, notifier, reload_config)
+    finally:
+        os.close(lock)  # however serve ended: a later serve in this process (tests) must get it
+
+
+def _serve(config: AgentConfig, announce: Callable[[str], None], notifier: Notifier | None,
+           reload_config: Callable[[], AgentConfig] | None) -> None:
     store = ModelStore(config.telemetry.state_dir)
     api = config.api
     # The socket first: a second agent started on a live one fails here, before it changes the store.
-    try:
-        sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
-    except BaseException:
-        os.close(lock)
-        raise
+    sockets = [bind_unix(api.socket, api.socket_mode, api.socket_group)]
     server = telemetry = updates = None
     try:
         if api.tcp_address is not None:
@@ -395,7 +399,6 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
             updates.stop()
         if telemetry is not None:
             telemetry.stop()  # every finished request is already in SQLite; MQTT publishes "stopped" and leaves
-        os.close(lock)
     if server.load_error is not None:
         raise ServeError(f"the model failed to load: {server.load_error}") from server.load_error
 

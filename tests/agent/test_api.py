@@ -717,3 +717,18 @@ def test_connections_past_the_limit_get_503_not_a_descriptor_each(tiny_bundle, t
         assert conn.recv(4096).startswith(b"HTTP/1.1 503")
         for c in (*idle, conn):
             c.close()
+
+
+def test_a_serve_that_fails_to_start_lets_go_of_the_state_directory(tmp_path, tiny_bundle):
+    """Found in review: the state directory's lock was taken outside the try, so a serve that failed early
+    (here: models/ is a file) kept it, and the next serve in the same process was refused as 'another agent'."""
+    from agent.serve import lock_state_dir, serve_forever
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "models").write_text("not a directory")
+    config = load_agent_config(None, model=tiny_bundle.path, socket=tmp_path / "a.sock", tcp=None, threads=1,
+                               memory_budget_mb=2048, state_dir=state)
+    with pytest.raises(OSError):
+        serve_forever(config)
+    os.close(lock_state_dir(state))  # free again
