@@ -357,8 +357,9 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
                   notifier: Notifier | None = None, reload_config: Callable[[], AgentConfig] | None = None) -> None:
     """Serve the current model on the configured socket(s) until SIGTERM / SIGINT, then drain and stop.
 
-    Wiring, in order: the model store picks a verified model; the sockets bind; telemetry (SQLite, and
-    MQTT when configured) and the updater start; the engine loads in the background (READY after it);
+    Wiring, in order: the state directory is locked (one agent each); the model store picks a verified
+    model; the sockets bind; the updater settles the last job; telemetry (SQLite, and MQTT when configured)
+    starts; the engine loads in the background (READY after it);
     at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
     """
     lock = lock_state_dir(Path(config.telemetry.state_dir))

@@ -12,6 +12,9 @@ verified model and reports what really happened to the job.
 Layout under the state directory:
     models/NAME@VERSION/   verified bundles        current -> models/...   previous -> models/...
     models/.staging/DIGEST/ downloads in progress  updates/job.json        the journal
+    updates/queue/N-JOB.json accepted jobs not yet run                     agent.lock (agent.serve)
+Every rename here is followed by an fsync of its directory (agent.durable): an update reported SUCCEEDED
+survives a power cut.
 """
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ def cli() -> None:
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
               help="threads for calibration and evaluation (default: the cores this process may use)")
-@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle (or empty folder) at --out; anything "
+                                            "else there is refused.")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
           embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
