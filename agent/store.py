@@ -60,7 +60,7 @@ def max_file_bytes(max_bytes: int) -> int:
 
 def is_full(e: sqlite3.Error) -> bool:
     """SQLITE_FULL: what SQLite says both for a full disk and for a file at its max_page_count."""
-    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return _primary_code(e) == SQLITE_FULL
 
 
 # ---- migrations: ordered, named, each run once in its own transaction; never edit a shipped one ------------
@@ -142,7 +142,13 @@ class RetentionReport:
     stored_bytes: int  # after the pass (estimate: body + ROW_OVERHEAD_BYTES per row)
 
 
-SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26  # primary result codes of a damaged file or one that is not a database
+# SQLite's primary result codes (sqlite3 names them only from Python 3.11, as it sets sqlite_errorcode)
+SQLITE_IOERR, SQLITE_CORRUPT, SQLITE_FULL, SQLITE_NOTADB = 10, 11, 13, 26
+
+
+def _primary_code(e: sqlite3.Error) -> int | None:
+    code = getattr(e, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
 # Where records go when the file cannot be opened for lack of space: memory, capped at this (soft; the
 # hard limit is max_file_bytes() of it), until a start finds room again.
 MEMORY_FALLBACK_BYTES = 1 << 20
@@ -200,8 +206,8 @@ class TelemetryStore:
         try:
             self.db = _connect(path)
         except sqlite3.DatabaseError as e:
-            code = e.sqlite_errorcode & 0xFF
-            if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+            code = _primary_code(e)
+            if code in (SQLITE_FULL, SQLITE_IOERR):
                 self.db = self._in_memory(path, e)
                 hard_limit = FALLBACK_HARD_LIMIT
             elif code in (SQLITE_CORRUPT, SQLITE_NOTADB):
