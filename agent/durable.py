@@ -8,6 +8,7 @@ power; so every install, link swap and journal write here is synced before it is
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -97,7 +98,15 @@ def create_new(path: Path, data: bytes, mode: int = 0o644) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)
+        try:
+            os.link(tmp, path)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP):
+                raise
+            # no hard links (vfat or exFAT: a USB stick, a common home for a signing key): check, then rename
+            if path.exists():
+                raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+            os.rename(tmp, path)
         fsync_path(path.parent)
     except OSError as e:
         raise _naming(e, path) from e

@@ -39,3 +39,16 @@ def test_a_failed_final_rename_puts_the_old_tree_back(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         durable.replace_tree(new, dest, tmp_path / ".b.old")
     assert (dest / "weights").read_text() == "old" and not (tmp_path / ".b.old").exists()
+
+
+def test_create_new_works_where_there_are_no_hard_links_and_never_replaces(tmp_path, monkeypatch):
+    """A signing key often lives on a vfat USB stick, which has no hard links (link(2) fails with EPERM)."""
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    durable.create_new(tmp_path / "key", b"secret", 0o600)
+    assert (tmp_path / "key").read_bytes() == b"secret" and (tmp_path / "key").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        durable.create_new(tmp_path / "key", b"other")
+    assert (tmp_path / "key").read_bytes() == b"secret" and sorted(p.name for p in tmp_path.iterdir()) == ["key"]
