@@ -28,7 +28,10 @@ def key_id(public_key: Ed25519PublicKey) -> str:
 def load_trusted_keys(paths: list[Path]) -> dict[str, Ed25519PublicKey]:
     keys = {}
     for p in paths:
-        key = load_pem_public_key(Path(p).read_bytes())
+        try:
+            key = load_pem_public_key(Path(p).read_bytes())
+        except ValueError as e:  # cryptography's message names no file
+            raise TrustError(f"{p}: not a PEM public key ({str(e).split('.')[0]})") from None
         if not isinstance(key, Ed25519PublicKey):
             raise TrustError(f"{p}: not an Ed25519 public key")
         keys[key_id(key)] = key

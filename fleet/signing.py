@@ -42,6 +42,8 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
         key = load_pem_private_key(Path(path).read_bytes(), password=None)
     except TypeError as e:  # cryptography's "Password was not given but private key is encrypted"
         raise ValueError(f"{path}: the key is encrypted; give an unencrypted Ed25519 key (edge-fleet keygen)") from e
+    except ValueError as e:  # cryptography's message names no file
+        raise ValueError(f"{path}: not a PEM private key ({str(e).split('.')[0]})") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"{path}: not an Ed25519 private key")
     return key

@@ -292,3 +292,15 @@ def test_a_bundle_named_before_names_were_checked_still_loads_but_is_not_publish
                                  "--db", str(tmp_path / "f.db"), "--artifacts-dir", str(tmp_path / "art")])
     assert r.exit_code == 1 and "rebuild it with edge-quantize build --name" in r.output, r.output
     assert not (tmp_path / "art").exists() or not any((tmp_path / "art").iterdir())
+
+
+def test_a_key_file_that_is_not_a_pem_key_is_named(tmp_path):
+    """Found in review: cryptography's 'Unable to load PEM file ... MalformedFraming' named no file."""
+    from agent.trust import TrustError, load_trusted_keys
+
+    junk = tmp_path / "fleet.key"
+    junk.write_text("junk\n")
+    with pytest.raises(TrustError, match=f"{junk}: not a PEM public key"):
+        load_trusted_keys([junk])
+    with pytest.raises(ValueError, match=f"{junk}: not a PEM private key"):
+        load_private_key(junk)
