@@ -191,12 +191,14 @@ def check_config(config_path, syntax_only):
     Example: edge-agent check-config --config /etc/edge-agent/agent.toml
     """
     from agent.config import describe_errors
-    from agent.serve import environment_problems, load_agent_config
+    from agent.serve import ServeError, environment_problems, load_agent_config
 
     try:
         config = load_agent_config(config_path)
     except ValidationError as e:
         raise click.ClickException(f"{config_path}: invalid configuration\n{describe_errors(e)}") from e
+    except ServeError as e:  # a section that is not a table, a file that is not UTF-8: the message says which
+        raise click.ClickException(str(e)) from e
     except (OSError, ValueError) as e:  # unreadable file, TOML syntax error (tomllib's error names the line)
         raise click.ClickException(f"{config_path}: {e}") from e
     problems = [] if syntax_only else environment_problems(config)

@@ -67,7 +67,10 @@ def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
     flags: model, socket, tcp (top level / [api]), threads, memory_budget_mb ([engine]), state_dir,
     device_id, mqtt ([telemetry]), trusted_keys ([updates]); None = not given.
     """
-    data = tomllib.loads(Path(path).read_text()) if path else {}
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8")) if path else {}
+    except UnicodeDecodeError as e:  # TOML is UTF-8; the codec's message named no file
+        raise ServeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     tele = {k: flags.pop(k) for k in ("state_dir", "device_id") if flags.get(k) is not None}
     if flags.get("mqtt") is not None:
         tele["mqtt"] = {**_table(_table(data, "telemetry"), "mqtt", "telemetry."), "url": flags.pop("mqtt")}

@@ -103,14 +103,22 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         if beyond := [f"{k}:{i}" for k, ids in overrides.get("int4_int8_layers", {}).items()
                       for i in ids if i >= ckpt.geometry.num_layers]:
             raise ValueError(f"--int8-layers {', '.join(beyond)}: the model has layers 0-{ckpt.geometry.num_layers - 1}")
-        text = None if no_eval else (eval_text.read_text() if eval_text else default_eval_text())
-        calib = calib_text.read_text() if calib_text else default_calibration_text()
+        text = None if no_eval else (read_text(eval_text) if eval_text else default_eval_text())
+        calib = read_text(calib_text) if calib_text else default_calibration_text()
         bundle = build_bundle(ckpt, spec, out, name=_name_of(source) if name is None else name, force=force, eval_text=text,
                               calibration_text=calib,
                               threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True)
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)
+
+
+def read_text(path: Path) -> str:
+    """A text file's content; one that is not UTF-8 is named (the codec's message named no file)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def parse_int8_layers(text: str) -> dict[str, list[int]]:
@@ -169,7 +177,7 @@ def eval_(bundle, reference, text_file, threads, as_json):
     try:
         b, ref = open_bundle(bundle), open_bundle(reference)
         _check_reference(b, ref)
-        text = text_file.read_text()
+        text = read_text(text_file)
         ids = encode(b.tokenizer_json(), text)
         if len(ids) < MIN_TEXT_TOKENS:
             raise ValueError(f"{text_file}: the text needs at least {MIN_TEXT_TOKENS} tokens")

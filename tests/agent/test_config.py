@@ -56,3 +56,11 @@ def test_check_config_finds_what_serve_would_refuse_here(tmp_path, tiny_fp32_bun
     good.write_text(f'model = "{tiny_fp32_bundle.path}"\n[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
     r = check(good)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_a_config_file_that_is_not_utf8_is_named_not_an_internal_error(tmp_path):
+    """Found in review: the codec's message named no file; check-config even called it an internal error."""
+    bad = tmp_path / "agent.toml"
+    bad.write_bytes(b'model = "\xff"\n')
+    r = check(bad)
+    assert r.returncode == 1 and f"{bad}: not UTF-8 text" in r.stderr and "internal error" not in r.stderr, r.stderr

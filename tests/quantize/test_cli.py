@@ -241,3 +241,11 @@ def test_an_empty_calibration_or_evaluation_text_is_refused(option, tiny_gguf, t
 def test_int8_layers_that_cannot_apply_are_refused(flags, words, tiny_gguf, tmp_path):
     """Found in review: both were accepted and did nothing."""
     assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), *flags), words)
+
+
+def test_a_text_file_that_is_not_utf8_is_named(tiny_gguf, tmp_path):
+    """Found in review: "'utf-8' codec can't decode byte 0xff in position 4", naming no file."""
+    bad = tmp_path / "calib.txt"
+    bad.write_bytes(b"abc \xff def")
+    assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--calib-text", str(bad)),
+                          f"{bad}: not UTF-8 text")
