@@ -33,8 +33,15 @@ def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> No
     env_prefix: options may also come from the environment, as PREFIX_COMMAND_OPTION (click's
     auto_envvar_prefix), which is how a systemd unit's EnvironmentFile configures a command."""
     try:
-        group(prog_name=prog_name, auto_envvar_prefix=env_prefix)
+        code = group.main(prog_name=prog_name, auto_envvar_prefix=env_prefix, standalone_mode=False)
+    except click.exceptions.Abort:  # Ctrl-C (KeyboardInterrupt; SIGTERM where a command maps it to one)
+        click.echo("Aborted!", err=True)
+        sys.exit(130)  # 128 + SIGINT, as shells report an interrupted command (click says 1)
+    except click.ClickException as e:  # the user's error: usage, a bad value, a refused input
+        e.show()
+        sys.exit(e.exit_code)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         click.echo(f"Error: internal error ({type(e).__name__}): {first}", err=True)
         sys.exit(2)
+    sys.exit(code if type(code) is int else 0)  # an int only from --help and the like (click's Exit)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,5 +72,31 @@ def test_ctrl_c_mid_stream_aborts_cleanly(tiny_bundle):
     p.stdout.read(5)  # streaming has started
     os.kill(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 1 and "Aborted!" in err.decode(), (p.returncode, err)
+    assert p.returncode == 130 and "Aborted!" in err.decode(), (p.returncode, err)
     assert not any(s in err.decode() for s in CRASH_SIGNS), err
+
+
+def test_an_interrupted_command_exits_130_and_a_bug_is_one_line(tmp_path):
+    """Ctrl-C: 128 + SIGINT, as shells report it (click's own runner says 1); a bug of ours: exit 2, no traceback."""
+    script = tmp_path / "cli.py"
+    script.write_text(
+        "import sys, click\n"
+        "from agent.clikit import run\n"
+        "@click.group()\n"
+        "def cli(): pass\n"
+        "@cli.command()\n"
+        "def interrupted(): raise KeyboardInterrupt\n"
+        "@cli.command()\n"
+        "def buggy(): raise ZeroDivisionError('x')\n"
+        "@cli.command()\n"
+        "@click.option('--n', type=int, required=True)\n"
+        "def fine(n): click.echo(n)\n"
+        "run(cli, 'demo')\n")
+    def demo(*args):
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parents[2])
+    r = demo("interrupted")
+    assert r.returncode == 130 and "Aborted!" in r.stderr
+    r = demo("buggy")
+    assert r.returncode == 2 and "internal error (ZeroDivisionError)" in r.stderr and "Traceback" not in r.stderr
+    assert demo("fine", "--n", "3").stdout == "3\n" and demo("fine").returncode == 2 and demo("--help").returncode == 0
