@@ -126,8 +126,11 @@ def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: 
     link = Link(url, Session(run_id, persistent=False, manual_ack=False),
                 [(topic(d, "cmd", "res", run_id), 1) for d in devices], waiter.on_message, credentials).start()
     try:
-        if not link.wait_ready(CONNECT_TIMEOUT_S):
-            raise CommandError(link.refusal or f"cannot reach the MQTT broker at {url}")
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while not link.wait_ready(0.05):  # a refusal or an unreachable broker ends it at once, as mosquitto_pub
+            if link.refusal or link.connect_error or time.monotonic() > deadline:  # does: --timeout 2 took 10 s
+                raise CommandError(link.refusal or f"cannot reach the MQTT broker at {url}"
+                                   + (f": {link.connect_error}" if link.connect_error else ""))
         waiter.sent_at = time.monotonic()
         for device_id in devices:
             correlation = uuid.uuid4().bytes

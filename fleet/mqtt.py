@@ -151,6 +151,7 @@ class Link:
         self._accepted = False  # the current connection got a successful CONNACK
         # why the broker last turned us down (a refused subscription); None once subscribed
         self.refusal: str | None = None
+        self.connect_error: str | None = None  # why the last connection attempt failed, until one succeeds
         # message id -> (arrival number, PUBACK reason code), insertion-ordered and bounded; the arrival number
         # tells a PUBACK for this publish from one for an earlier publish with the same (wrapped) id
         self._pubacks: dict[int, tuple[int, object]] = {}
@@ -266,6 +267,7 @@ class Link:
                                  clean_start=not self.session.persistent, properties=self._connect_properties())
         except OSError as e:
             log.warning("cannot reach MQTT broker %s:%d: %s", self.endpoint.host, self.endpoint.port, e)
+            self.connect_error = str(e)
             return False
         self._client.loop_start()
         self._dropped.wait()
@@ -301,8 +303,10 @@ class Link:
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("MQTT broker refused %s: %s", self.session.client_id, reason_code)
+            self.connect_error = f"the broker refused the connection: {reason_code}"
             self._dropped.set()
             return
+        self.connect_error = None
         with self._lock:
             self._generation += 1
             if self._state is not LinkState.STOPPED:

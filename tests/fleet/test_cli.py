@@ -304,3 +304,12 @@ def test_a_key_file_that_is_not_a_pem_key_is_named(tmp_path):
         load_trusted_keys([junk])
     with pytest.raises(ValueError, match=f"{junk}: not a PEM private key"):
         load_private_key(junk)
+
+
+def test_cmd_to_an_unreachable_broker_says_why_at_once():
+    """Found in review: against a broker that refused or was not there, `cmd --timeout 2` retried for 10 s and
+    then said only 'cannot reach'. It now ends at the first failed attempt, with its reason."""
+    from broker import free_port
+
+    r = CliRunner().invoke(cli, ["cmd", "dev-a", "ping", "--timeout", "2", "--mqtt", f"mqtt://127.0.0.1:{free_port()}"])
+    assert r.exit_code == 1 and "cannot reach the MQTT broker" in r.output and "Connection refused" in r.output, r.output
