@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError,
+                      field_validator, model_validator)
 
 from agent.wire import DEVICE_ID_PATTERN
 
@@ -197,6 +198,18 @@ class UpdatesConfig(BaseModel):
     trusted_keys: list[Path] = Field([], description="Ed25519 public keys (PEM) whose signatures are accepted; "
                                                      "two or more during a key rotation")
     health_check_tokens: int = Field(16, ge=1, le=64, description="golden tokens that must match after an update")
+    # A job's allow_downgrade and base_url are not covered by the manifest's signature (docs/fleet.md, "Update
+    # security"): these let a device refuse what only the signing key should be able to ask for.
+    allow_downgrade: bool = Field(True, description="false: refuse a model older than the current one, whatever "
+                                                    "the job says")
+    artifacts_url: str | None = Field(None, description="download updates only from under this http(s) URL")
+
+    @field_validator("artifacts_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
+            raise ValueError("artifacts_url must be an http:// or https:// URL with a host")
+        return url
 
 
 class AgentConfig(BaseModel):

@@ -188,6 +188,8 @@ class UpdateContext:
     swap: Callable[[Bundle], None]  # make the engine serve this bundle (drains the old one)
     threads: int | None = None
     health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
+    allow_downgrade: bool = True  # config [updates]: False refuses an older model whatever the job says
+    artifacts_url: str | None = None  # config [updates]: downloads only from under this URL
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
     # publish a status again that is no news (the last job's end, at each start); default: report
@@ -278,9 +280,13 @@ class UpdateJob:
         if (m.name, m.version) == (current.name, current.version):  # what the fleet wants is already so (Mender
             # skips an installed artifact too): a failure here halted a re-run rollout at its first wave
             raise JobFailed(JobState.SUCCEEDED, f"{m.name}@{m.version} is already the current model: nothing to do")
-        if m.created_at < current.created_at and not self.doc.allow_downgrade:
-            raise JobFailed(JobState.REJECTED, f"downgrade from {current.version} ({current.created_at}) refused "
-                                               "without allow_downgrade")
+        if m.created_at < current.created_at and not (self.doc.allow_downgrade and self.ctx.allow_downgrade):
+            why = "without allow_downgrade" if self.ctx.allow_downgrade else "by this device ([updates] allow_downgrade)"
+            raise JobFailed(JobState.REJECTED, f"downgrade from {current.version} ({current.created_at}) refused {why}")
+        prefix = self.ctx.artifacts_url
+        if prefix and not (self.doc.base_url or "").startswith(prefix.rstrip("/") + "/"):
+            raise JobFailed(JobState.REJECTED, f"base_url {self.doc.base_url!r} is not under this device's "
+                                               f"[updates] artifacts_url {prefix!r}")
 
     def _digest(self) -> str:
         return hashlib.sha256(self.doc.manifest.canonical_bytes()).hexdigest()[:32]

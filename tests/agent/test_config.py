@@ -64,3 +64,10 @@ def test_a_config_file_that_is_not_utf8_is_named_not_an_internal_error(tmp_path)
     bad.write_bytes(b'model = "\xff"\n')
     r = check(bad)
     assert r.returncode == 1 and f"{bad}: not UTF-8 text" in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+def test_the_updates_artifacts_url_must_be_http(tmp_path):
+    bad = tmp_path / "agent.toml"
+    bad.write_text('[updates]\nartifacts_url = "ftp://fleet.example"\n')
+    r = check(bad, "--syntax-only")
+    assert r.returncode != 0 and "updates.artifacts_url" in r.stderr and "http://" in r.stderr, r.stderr

@@ -684,3 +684,25 @@ def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_pat
     assert recover(dev.ctx).state is JobState.FAILED and replayed[-1].job_id == "j"
     dev.store.write_journal({"job_id": 5, "state": "SUCCEEDED"})  # nothing to report: no crash either
     assert recover(dev.ctx) is None
+
+
+def test_a_device_can_refuse_what_the_unsigned_job_fields_ask_for(tmp_path, bundles, keys, server):
+    """A job's allow_downgrade and base_url are outside the manifest's signature, so whoever may publish job
+    notices could ask for an older signed model, or downloads from anywhere: [updates] allow_downgrade = false
+    and artifacts_url let a device refuse both (docs/fleet.md, "Update security")."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    dev.ctx.artifacts_url = "http://fleet.example:8080/"
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, job_id="elsewhere",
+                                  min_tokens_per_s=0)).run() is JobState.REJECTED
+    assert "not under this device's [updates] artifacts_url" in dev.reports[-1].reason and dev.staging_empty()
+    dev.ctx.artifacts_url = server.base_url
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    dev.ctx.allow_downgrade = False
+    older = _tamper_manifest(v1.manifest, created_at="2000-01-01T00:00:00Z")  # signed as it is, by the key
+    back = job(older, keys / "fleet.key", server.publish_dir(v1.path, "tiny-v1"), job_id="back",
+               min_tokens_per_s=0, allow_downgrade=True)
+    assert UpdateJob(dev.ctx, back).run() is JobState.REJECTED
+    assert "refused by this device ([updates] allow_downgrade)" in dev.reports[-1].reason
+    assert dev.serving.manifest.version == v2.manifest.version
