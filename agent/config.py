@@ -202,6 +202,8 @@ class UpdatesConfig(BaseModel):
     # security"): these let a device refuse what only the signing key should be able to ask for.
     allow_downgrade: bool = Field(True, description="false: refuse a model older than the current one, whatever "
                                                     "the job says")
+    min_tokens_per_s: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                    description="the least decode tokens/s a new model must reach, whatever the job says")
     artifacts_url: str | None = Field(None, description="download updates only from under this http(s) URL")
 
     @field_validator("artifacts_url")

@@ -530,7 +530,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads,
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
-            artifacts_url=config.updates.artifacts_url)
+            artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s)
         updates = UpdateService(ctx)
         telemetry.link.on_job = updates.offer
         # settled before the link connects (statuses wait for it): a job the broker redelivered at once was

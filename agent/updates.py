@@ -189,6 +189,7 @@ class UpdateContext:
     threads: int | None = None
     health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
     allow_downgrade: bool = True  # config [updates]: False refuses an older model whatever the job says
+    min_tokens_per_s: float = 0.0  # config [updates]: the least decode speed a new model must reach, whatever the job says
     artifacts_url: str | None = None  # config [updates]: downloads only from under this URL
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
@@ -391,6 +392,7 @@ class UpdateJob:
         floor = self.doc.min_tokens_per_s
         if floor is None:
             floor = 0.7 * self._current_tps(measure)
+        floor = max(floor, self.ctx.min_tokens_per_s)  # the job's floor is not signed: the device's own holds
         if tps < floor:
             raise JobFailed(JobState.FAILED, f"decode {tps:.1f} tokens/s is below the floor {floor:.1f}")
         return {"decode_tokens_per_s": round(tps, 2), "tokens_per_s_floor": round(floor, 2), "golden_tokens": n}

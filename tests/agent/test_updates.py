@@ -687,12 +687,17 @@ def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_pat
 
 
 def test_a_device_can_refuse_what_the_unsigned_job_fields_ask_for(tmp_path, bundles, keys, server):
-    """A job's allow_downgrade and base_url are outside the manifest's signature, so whoever may publish job
-    notices could ask for an older signed model, or downloads from anywhere: [updates] allow_downgrade = false
-    and artifacts_url let a device refuse both (docs/fleet.md, "Update security")."""
+    """A job's allow_downgrade, min_tokens_per_s and base_url are outside the manifest's signature, so whoever may
+    publish job notices could ask for an older signed model, wave a slow one through, or have it downloaded
+    from anywhere: [updates] allow_downgrade = false, min_tokens_per_s and artifacts_url let a device refuse
+    all three (docs/fleet.md, "Update security")."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     url = server.publish_dir(v2.path, "tiny-v2")
+    dev.ctx.min_tokens_per_s = 1e9
+    slow = job(v2.manifest, keys / "fleet.key", url, job_id="slow", min_tokens_per_s=0)  # the job's floor: none
+    assert UpdateJob(dev.ctx, slow).run() is JobState.FAILED and "below the floor" in dev.reports[-1].reason
+    dev.ctx.min_tokens_per_s = 0.0
     dev.ctx.artifacts_url = "http://fleet.example:8080/"
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, job_id="elsewhere",
                                   min_tokens_per_s=0)).run() is JobState.REJECTED
