@@ -414,9 +414,9 @@ class UpdateJob:
                                       "step": JobStep.ACTIVATING.value, "target": str(final)})
         if final.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR stays
             final.unlink()
-        elif final.exists():
-            shutil.rmtree(final)
-        durable.move_into_place(self.staging, final)  # on disk before a link names it, let alone the fleet
+        # on disk before a link names it, let alone the fleet; a copy already there (the `previous` model
+        # installed again) stays until the new one is synced, as every replaced tree does (durable)
+        durable.replace_tree(self.staging, final, final.with_name(f".{final.name}.old-{os.getpid()}"))
         self.staging = final
         self.ctx.store.activate(final)
         try:
