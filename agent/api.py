@@ -24,6 +24,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -114,6 +115,7 @@ class Backend:
         # sampling defaults for what a request leaves out, as the fleet last set them (set_config)
         self.sampling_defaults: Callable[[], dict] = dict
         self.switching = threading.Event()  # a model switch is under way: requests wait for it (SWITCH_WAIT_S)
+        self._request_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # EventBridge threads
 
     @property
     def model_ids(self) -> tuple[str, str]:
@@ -155,6 +157,24 @@ class Backend:
     def mark_draining(self) -> None:
         self._move(ServerState.DRAINING)
 
+    def track(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._request_threads.add(thread)
+
+    def join_requests(self, timeout_s: float) -> bool:
+        """After the engine has stopped: wait until every request's thread has run its finished-request hooks.
+
+        The engine ends what it still holds as it stops, but the hooks (telemetry's commit) run on each
+        request's own thread afterwards; a shutdown that closed telemetry without waiting lost those rows.
+        Returns whether all of them finished in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._request_threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
     def require_engine(self) -> Engine:
         if self.state is ServerState.READY:
             if not self.engine.is_running:
@@ -176,22 +196,31 @@ class EventBridge:
     request's answer, which goes out after its row is durable, and never the loop that streams the others.
     """
 
-    def __init__(self, handle: RequestHandle, on_finished: Callable[[Finished], None]):
+    def __init__(self, handle: RequestHandle, on_finished: Callable[[Finished], None],
+                 track: Callable[[threading.Thread], None] = lambda thread: None):
         self.handle = handle
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._on_finished = on_finished
         self.is_finished = False
-        threading.Thread(target=self._pump, name=f"api-events-{handle.seq.seq_id}", daemon=True).start()
+        thread = threading.Thread(target=self._pump, name=f"api-events-{handle.seq.seq_id}", daemon=True)
+        thread.start()
+        track(thread)  # so that shutdown can wait for on_finished (Backend.join_requests)
 
     def _pump(self) -> None:
+        delivering = True
         for event in self.handle:  # blocks in the engine queue's get(), off the event loop
             if isinstance(event, Finished):
                 self._on_finished(event)  # counted even when the client is gone and nobody reads it
+            if not delivering:
+                continue
             try:
                 self._loop.call_soon_threadsafe(self._deliver, event)
-            except RuntimeError:  # the loop is closed: the server has stopped and nobody is waiting
-                return
+            except RuntimeError:  # the loop is closed: the server has stopped and nobody is waiting.
+                # Stop generating but wait for the Finished that follows: returning here, on a text event,
+                # lost the request's telemetry (found with requests cut off by the drain timeout).
+                delivering = False
+                self.handle.cancel()
 
     def _deliver(self, event: TextDelta | Finished) -> None:
         if isinstance(event, Finished):
@@ -468,7 +497,7 @@ class OpenAIServer:
                 log.info("the engine stopped while a request was submitted to it: trying the current one")
         else:
             raise unavailable("the engine stopped while the request was submitted", self.config.retry_after_s)
-        events = EventBridge(handle, self._observe(handle, engine.bundle.manifest))
+        events = EventBridge(handle, self._observe(handle, engine.bundle.manifest), self.backend.track)
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
         return await self.relay(request, events, kind, reply, req.stream)

@@ -10,6 +10,7 @@ Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/api.sock [--config
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import grp
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 LISTEN_BACKLOG = 128  # pending connections per listener; clients beyond it are refused by the kernel
 PROBE_TIMEOUT_S = 1.0  # how long a stale-socket probe waits for a live server to accept
 LOADING_WAIT_S = 300.0  # a model switch waits this long for the first model to finish loading (TimeoutStartSec=)
+# at shutdown, after the engine stops: how long requests it cut off get to write their telemetry (an fsync
+# each, up to a second on a slow SD card, several at once)
+REQUEST_HOOKS_WAIT_S = 10.0
 DRAIN_BEFORE_SWITCH_S = 60.0  # a switch lets the old model's requests finish this long, then stops them
 
 
@@ -197,10 +201,26 @@ class _DeadlineProtocol(H11Protocol):
             self.transport.close()
 
 
+class _CutOffRequests(logging.Filter):
+    """Drops uvicorn's traceback for each request still running when drain_timeout_s ran out.
+
+    uvicorn says once that it cancels them ("Cancel N running task(s), timeout graceful shutdown exceeded"),
+    then logs every cancelled request as "Exception in ASGI application" with a traceback: 32 tracebacks in
+    the journal for one ordinary stop. Their telemetry is still recorded (EventBridge).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+_CUT_OFF_REQUESTS = _CutOffRequests()
+
+
 class _Uvicorn(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, backend: Backend):
         super().__init__(config)
         self.backend = backend
+        logging.getLogger("uvicorn.error").addFilter(_CUT_OFF_REQUESTS)  # once: the same filter is not added twice
 
     notifier: Notifier | None = None
 
@@ -399,6 +419,8 @@ def _serve(config: AgentConfig, announce: Callable[[str], None], notifier: Notif
         _unlink_if_socket(Path(api.socket))
         if server is not None and server.backend.engine is not None:
             server.backend.engine.stop()
+            if not server.backend.join_requests(REQUEST_HOOKS_WAIT_S):
+                log.warning("some requests' telemetry was still being written at shutdown; it may be lost")
         if updates is not None:
             updates.stop()
         if telemetry is not None:

@@ -4,6 +4,7 @@ a client that disconnects cancelling its request, socket safety, and `edge-agent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -26,12 +27,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.api import Backend
+from agent.api import Backend, EventBridge
 from agent.config import ApiConfig, EngineConfig
-from agent.engine import Engine
+from agent.engine import Engine, Finished, RequestHandle, TextDelta
 from agent.openai_models import ChatMessage
 from agent.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
-from agent.wire import Manifest
+from agent.sampler import make_rng
+from agent.sampling_params import SamplingParams
+from agent.sequence import Sequence
+from agent.wire import Manifest, RequestFigures
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
@@ -467,6 +471,42 @@ def test_internal_error_is_a_bare_500_and_logged(tiny, tiny_engine, monkeypatch,
     assert r.status_code == 500 and r.json()["error"] == {"message": "internal error", "type": "server_error",
                                                           "param": None, "code": "internal_error"}
     assert "secret" not in r.text and "ZeroDivisionError" in caplog.text
+
+def test_a_request_outliving_the_event_loop_still_runs_its_finished_hooks(tiny_bundle):
+    """A stream still running when the server stops (drain_timeout_s ran out): its thread must keep reading
+    the request's events after the event loop has closed, so that the finished-request hooks (telemetry) run,
+    and join_requests waits for them. The old thread returned at the first text event it could not deliver,
+    and the request's row was never written."""
+    handle = RequestHandle(Sequence([1, 2], SamplingParams(max_tokens=4), make_rng(0), 6))
+    recorded: list[str] = []
+    release = threading.Event()
+
+    def slow_commit(fin: Finished) -> None:
+        release.wait(10)
+        recorded.append(fin.figures.finish_reason)
+
+    backend = Backend(Manifest.read(tiny_bundle.path))
+    loop = asyncio.new_event_loop()
+
+    async def open_bridge() -> EventBridge:
+        return EventBridge(handle, slow_commit, backend.track)
+    bridge = loop.run_until_complete(open_bridge())
+    loop.close()  # the server has stopped; the engine has not yet
+    handle.events.put(TextDelta("a"))
+    figures = RequestFigures(prompt_tokens=2, completion_tokens=1, queue_ms=0, ttft_ms=1, prefill_tokens_per_s=1,
+                             decode_tokens_per_s=0, itl_p50_ms=0, itl_p95_ms=0, e2e_ms=1, kv_bytes=0,
+                             finish_reason="cancelled")
+    handle.events.put(Finished("a", [3], figures))
+    try:
+        assert not backend.join_requests(0.2)  # the hook is still committing
+        release.set()
+        assert backend.join_requests(10)
+        assert recorded == ["cancelled"]
+        assert handle.seq.cancelled  # nobody listens any more: the engine is told to stop generating
+        assert not bridge.is_finished  # nothing was delivered to the closed loop
+    finally:
+        release.set()
+
 
 def test_a_slow_finished_hook_holds_its_own_answer_and_not_the_server(tiny_bundle, tiny_engine):
     """Telemetry's commit is an fsync, which on an SD card can take a second: it must block only the request
