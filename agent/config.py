@@ -197,6 +197,9 @@ class UpdatesConfig(BaseModel):
 
     trusted_keys: list[Path] = Field([], description="Ed25519 public keys (PEM) whose signatures are accepted; "
                                                      "two or more during a key rotation")
+    job_keys: list[Path] = Field([], description="Ed25519 public keys (PEM) of the fleet's job signer (edge-fleet "
+                                                 "serve --job-key); when set, every job must be signed by one, name "
+                                                 "this device and be unexpired, and the rollback command is refused")
     health_check_tokens: int = Field(16, ge=1, le=64, description="golden tokens that must match after an update")
     # A job's allow_downgrade and base_url are not covered by the manifest's signature (docs/fleet.md, "Update
     # security"): these let a device refuse what only the signing key should be able to ask for.

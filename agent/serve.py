@@ -482,10 +482,11 @@ def environment_problems(config: AgentConfig) -> list[str]:
             _group_id(config.api.socket_group)
         except ServeError as e:
             problems.append(f"api.{e}")
-    try:
-        load_trusted_keys(list(config.updates.trusted_keys))
-    except (OSError, ValueError) as e:
-        problems.append(f"updates.trusted_keys: {str(e).splitlines()[0]}")
+    for key in ("trusted_keys", "job_keys"):
+        try:
+            load_trusted_keys(list(getattr(config.updates, key)))
+        except (OSError, ValueError) as e:
+            problems.append(f"updates.{key}: {str(e).splitlines()[0]}")
     for key, directory in (("telemetry.state_dir", state), ("api.socket", Path(config.api.socket).parent)):
         if problem := _not_writable(directory):  # found in review: said ok, and serve then failed "Read-only
             problems.append(f"{key}: {problem}")  # file system" (the socket's without naming a path)
@@ -533,6 +534,9 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
     def rollback(args: dict) -> dict:
         if updates is None:
             return {"queued": False, "reason": "updates need a broker connection"}
+        if config.updates.job_keys:  # the command is not signed, and a rollback is a job like any other
+            return {"queued": False, "reason": "this device takes rollbacks only as signed jobs ([updates] job_keys): "
+                                               "edge-fleet rollback DEVICE"}
         job_id = f"rollback-{int(time.time())}-{secrets.token_hex(3)}"  # two in one second are two jobs
         updates.offer(JobDocument(job_id=job_id, operation="rollback").model_dump_json().encode())
         return {"queued": True, "job_id": job_id}
@@ -552,7 +556,8 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads,
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
-            artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s)
+            artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s,
+            job_keys=load_trusted_keys(list(config.updates.job_keys)))
         updates = UpdateService(ctx)
         telemetry.link.on_job = updates.offer
         # settled before the link connects (statuses wait for it): a job the broker redelivered at once was

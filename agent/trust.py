@@ -1,7 +1,10 @@
-"""Which model manifests this device trusts: Ed25519 signatures over the canonical manifest bytes.
+"""Which model manifests and jobs this device trusts: Ed25519 signatures over canonical bytes.
 
-A key is named by its key id (the first 16 hex digits of the sha256 of its raw public bytes), so a job
-says which key signed it and several keys can be trusted at once (rotation).
+Two roles, as TUF separates them: the manifest key (offline, `edge-fleet publish --key`) vouches for what
+a model is; the job key (online, in `edge-fleet serve --job-key`) vouches for what a device is asked to do
+with it (which device, until when, downgrade, download URL, speed floor, rollback). A key is named by its
+key id (the first 16 hex digits of the sha256 of its raw public bytes), so a document says which key signed
+it and several keys can be trusted at once (rotation).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
 
-from agent.wire import Manifest
+from agent.wire import JobDocument, Manifest
 
 
 class TrustError(ValueError):
@@ -42,10 +45,33 @@ def verify_manifest(manifest: Manifest | None, signature_b64: str | None, kid: s
                     trusted: dict[str, Ed25519PublicKey]) -> None:
     if manifest is None or not signature_b64 or not kid:
         raise TrustError("the job carries no signed manifest")
+    _verify(signature_b64, kid, manifest.canonical_bytes(), trusted, "the manifest")
+
+
+def verify_job(doc: JobDocument, job_keys: dict[str, Ed25519PublicKey], device_id: str, now: float,
+               last_issued_at: float | None = None) -> None:
+    """A device that trusts job keys takes only jobs one of them signed, for itself, unexpired, and issued
+    after the last job it ran (a replay of an older one is refused). No job keys: nothing to check."""
+    if not job_keys:
+        return
+    if not doc.job_signature or not doc.job_key_id:
+        raise TrustError("the job is not signed, and this device takes only signed jobs ([updates] job_keys)")
+    _verify(doc.job_signature, doc.job_key_id, doc.signed_bytes(), job_keys, "the job")
+    if doc.device_id != device_id:
+        raise TrustError(f"the job is for device {doc.device_id!r}, not this one ({device_id})")
+    if doc.issued_at is None or doc.expires_at is None:
+        raise TrustError("the signed job has no issued_at or expires_at")
+    if now > doc.expires_at:
+        raise TrustError(f"the job expired {now - doc.expires_at:.0f} s ago")
+    if last_issued_at is not None and doc.issued_at <= last_issued_at:
+        raise TrustError("the job was issued before the last one this device ran: a replay, or out of order")
+
+
+def _verify(signature_b64: str, kid: str, data: bytes, trusted: dict[str, Ed25519PublicKey], what: str) -> None:
     key = trusted.get(kid)
     if key is None:
-        raise TrustError(f"signed by unknown key {kid}")
+        raise TrustError(f"{what} is signed by unknown key {kid}")
     try:
-        key.verify(base64.b64decode(signature_b64, validate=True), manifest.canonical_bytes())
+        key.verify(base64.b64decode(signature_b64, validate=True), data)
     except (InvalidSignature, ValueError) as e:
-        raise TrustError("bad signature: the manifest is not what the key signed") from e
+        raise TrustError(f"bad signature: {what} is not what the key signed") from e

@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from agent import durable, wire
 from agent.bundle import Bundle, BundleError, open_bundle, safe_member
 from agent.memory import MB
-from agent.trust import TrustError, verify_manifest
+from agent.trust import TrustError, verify_job, verify_manifest
 from agent.wire import JobDocument, JobState, JobStep
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class ModelStore:
         self.staging_root = self.models / ".staging"
         self.journal = self.root / "updates" / "job.json"
         self.queue = self.root / "updates" / "queue"  # accepted job documents not yet run, one file each
+        self._last_issued = self.root / "updates" / "last_issued_at"  # of the last signed job run (replays)
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -169,6 +170,15 @@ class ModelStore:
                 path.unlink(missing_ok=True)
         return out
 
+    def last_issued_at(self) -> float | None:
+        try:
+            return float(self._last_issued.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def set_last_issued_at(self, ts: float) -> None:
+        durable.write_text(self._last_issued, repr(ts))
+
     def read_journal(self) -> dict | None:
         try:
             return json.loads(self.journal.read_text())
@@ -181,7 +191,7 @@ class ModelStore:
 class UpdateContext:
     device_id: str
     store: ModelStore
-    trusted_keys: dict
+    trusted_keys: dict  # key id -> public key: the manifests' signers
     memory_budget_mb: int
     current: Callable[[], Bundle]  # the bundle now serving
     report: Callable[[wire.JobStatusUpdate], None]
@@ -191,6 +201,7 @@ class UpdateContext:
     allow_downgrade: bool = True  # config [updates]: False refuses an older model whatever the job says
     min_tokens_per_s: float = 0.0  # config [updates]: the least decode speed a new model must reach, whatever the job says
     artifacts_url: str | None = None  # config [updates]: downloads only from under this URL
+    job_keys: dict = field(default_factory=dict)  # config [updates]: the jobs' signers; empty: jobs need no signature
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
     # publish a status again that is no news (the last job's end, at each start); default: report
@@ -239,6 +250,7 @@ class UpdateJob:
 
     def run(self) -> JobState:
         try:
+            self._check_job()
             if self.doc.operation == "rollback":
                 return self._rollback()
             self.status(JobState.QUEUED)
@@ -256,6 +268,21 @@ class UpdateJob:
             return e.state
 
     # -- before any download: REJECTED --
+    def _check_job(self) -> None:
+        """With [updates] job_keys, the job itself must be signed, for this device, unexpired and newer than
+        the last one run; then the fields outside the manifest's signature are the fleet's too."""
+        if not self.ctx.job_keys:
+            return
+        store = self.ctx.store
+        try:
+            verify_job(self.doc, self.ctx.job_keys, self.ctx.device_id, time.time(), store.last_issued_at())
+        except TrustError as e:
+            raise JobFailed(JobState.REJECTED, str(e)) from e
+        try:  # before it runs: a replay after a crash mid-job is refused too
+            store.set_last_issued_at(self.doc.issued_at)
+        except OSError as e:
+            raise JobFailed(JobState.FAILED, f"cannot record the job's issue time: {e}") from e
+
     def _check(self) -> None:
         m = self.doc.manifest
         try:

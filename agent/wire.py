@@ -99,6 +99,13 @@ class Golden(_Frozen):
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$"
 
 
+def canonical_json(model: BaseModel, exclude: frozenset[str] = frozenset()) -> bytes:
+    """What a signature covers: every field (None ones too) but `exclude`, sorted keys, no whitespace, UTF-8.
+    A receiver computes it from the model it parsed, so the sender's own JSON layout does not matter."""
+    return json.dumps(model.model_dump(mode="json", exclude=set(exclude)), sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
 class Manifest(_Frozen):
     schema_version: int = MANIFEST_SCHEMA_VERSION
     name: str  # model name, e.g. "smollm2-135m-instruct"
@@ -114,7 +121,7 @@ class Manifest(_Frozen):
 
     def canonical_bytes(self) -> bytes:
         """The bytes a signature covers: sorted keys, no whitespace, UTF-8."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json(self)
 
     @classmethod
     def read(cls, bundle: Path) -> "Manifest":
@@ -367,6 +374,23 @@ class JobDocument(_Frozen):
     min_tokens_per_s: float | None = Field(None, ge=0)  # health-check floor; None: 70% of the current model's
     golden_tokens: int = Field(16, ge=1, le=64)  # golden continuation tokens that must match exactly
     allow_downgrade: bool = False
+    # Set by a fleet that signs its jobs (edge-fleet serve --job-key) and required by a device that trusts
+    # job keys ([updates] job_keys): the job is for this one device, not before issued_at (a device refuses
+    # one issued before the last it ran) and not after expires_at, and the signature covers all of it.
+    device_id: str | None = Field(None, pattern=DEVICE_ID_PATTERN)
+    issued_at: float | None = None
+    expires_at: float | None = None
+    job_signature: str | None = None  # base64 Ed25519 over signed_bytes(), by the fleet's job key
+    job_key_id: str | None = None
+
+    def signed_bytes(self) -> bytes:
+        return canonical_json(self, JOB_SIGNATURE_FIELDS)
+
+    def wire_bytes(self) -> bytes:
+        """The JSON sent on jobs/notify. The job-signing fields are left out when unset, so that agents from
+        before them (whose schema forbids unknown fields) still take the jobs of a fleet that does not sign."""
+        unset = {name for name in JOB_SIGNING_FIELDS if getattr(self, name) is None}
+        return self.model_dump_json(exclude=unset).encode()
 
     @field_validator("base_url")
     @classmethod
@@ -382,6 +406,10 @@ class JobDocument(_Frozen):
                              "spaces (percent-encode the rest)")
         _ = parts.port  # ValueError for a port that is not a number in 0-65535
         return url
+
+
+JOB_SIGNATURE_FIELDS = frozenset({"job_signature", "job_key_id"})
+JOB_SIGNING_FIELDS = JOB_SIGNATURE_FIELDS | {"device_id", "issued_at", "expires_at"}
 
 
 class JobStatusUpdate(_Frozen):

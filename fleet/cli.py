@@ -141,12 +141,15 @@ def cli() -> None:
               "--artifacts-http; default --username). A broker that makes the user the client id needs another.")
 @click.option("--jobs-password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="File holding --jobs-username's password (default --password-file).")
+@click.option("--job-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Sign every job document with this Ed25519 key (edge-fleet keygen), for devices whose "
+                   "[updates] job_keys trust its .pub. Not the manifest key: this one stays on the server.")
 @click.option("--keep", default="90d", show_default=True,
               help="Delete telemetry (requests, samples, events) older than this, hourly; 'forever' keeps it all.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @user_errors
 def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, artifacts_http, artifacts_dir,
-          artifacts_url, jobs_username, jobs_password_file, keep, verbose):
+          artifacts_url, jobs_username, jobs_password_file, job_key, keep, verbose):
     """Consume device state and telemetry into the database until SIGINT/SIGTERM.
 
     Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
@@ -155,6 +158,7 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     from fleet.consumer import Artifacts
     from fleet.consumer import serve as run
     from fleet.mqtt import parse_url
+    from fleet.signing import load_private_key
 
     parse_url(url)
     keep_s = None if keep == "forever" else queries.parse_duration_s(keep)
@@ -184,7 +188,10 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
                 raise click.BadParameter(f"--artifacts-url {artifacts_url!r}: expected http(s)://HOST[:PORT][/PATH]")
         jobs_auth = None if jobs_username is None else credentials(jobs_username, jobs_password_file, ca_file)
-        artifacts = Artifacts(host.strip("[]"), int(port), artifacts_dir, jobs_auth, artifacts_url)
+        artifacts = Artifacts(host.strip("[]"), int(port), artifacts_dir, jobs_auth, artifacts_url,
+                              load_private_key(job_key) if job_key else None)
+    elif job_key is not None:
+        raise click.BadParameter("--job-key signs rollout jobs: it needs --artifacts-http")
     stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts, keep_s)
     click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
                f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
@@ -278,6 +279,7 @@ class Artifacts:
     credentials: Credentials | None = None  # the jobs link's own: a broker with use_username_as_clientid
     # closes one of two connections that share a user
     public_url: str | None = None  # what devices fetch from, when not http://host:port (a wildcard bind)
+    job_key: Ed25519PrivateKey | None = None  # signs every job document (devices with [updates] job_keys need it)
 
 
 def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts: Artifacts):
@@ -294,7 +296,8 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
                 [("edge/v1/+/jobs/update", 1)], lambda m: holder["driver"].on_status(m.topic, m.payload),
                 credentials)
     holder["driver"] = driver = RolloutDriver(
-        db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e), server.base_url)
+        db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e), server.base_url,
+        job_key=artifacts.job_key)
     link.start()
     driver.start()
     log.info("artifacts on %s; rollouts running", server.base_url)

@@ -1,7 +1,9 @@
-"""Signing model manifests for rollout: Ed25519 key pairs and detached signatures (the `cryptography` package).
+"""Signing for rollouts: Ed25519 key pairs and detached signatures (the `cryptography` package).
 
-`edge-fleet keygen --out PATH` writes PATH (private, mode 0600) and PATH.pub; `edge-fleet publish` signs
-a bundle's canonical manifest bytes. Devices verify with agent.trust against the public keys they trust.
+`edge-fleet keygen --out PATH` writes PATH (private, mode 0600) and PATH.pub. `edge-fleet publish --key`
+signs a bundle's canonical manifest bytes (keep that key offline); `edge-fleet serve --job-key` signs each
+job document as it goes to one device (an online key, which can only ask devices to install, or roll back
+to, what the manifest key signed). Devices verify with agent.trust against the public keys they trust.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption
 
 from agent import durable
 from agent.trust import key_id
-from agent.wire import Manifest
+from agent.wire import JobDocument, Manifest
 
 
 def keygen(out: Path) -> str:
@@ -52,3 +54,11 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
 def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey) -> tuple[str, str]:
     """(base64 signature, key id) over the manifest's canonical bytes."""
     return base64.b64encode(key.sign(manifest.canonical_bytes())).decode(), key_id(key.public_key())
+
+
+def sign_job(doc: JobDocument, key: Ed25519PrivateKey, device_id: str, issued_at: float, ttl_s: float) -> JobDocument:
+    """doc for one device, valid from issued_at for ttl_s, signed over everything it says."""
+    bound = doc.model_copy(update={"device_id": device_id, "issued_at": issued_at, "expires_at": issued_at + ttl_s,
+                                   "job_signature": None, "job_key_id": None})
+    signature = base64.b64encode(key.sign(bound.signed_bytes())).decode()
+    return bound.model_copy(update={"job_signature": signature, "job_key_id": key_id(key.public_key())})

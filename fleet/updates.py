@@ -26,13 +26,14 @@ from pathlib import Path
 from urllib.parse import quote
 
 import sqlite_utils
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent import durable
 from agent.bundle import open_bundle
 from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
                         JobStatusUpdate, Manifest, device_of, is_device_id, topic)
 from fleet.rollout import DeviceJob, decide, plan_waves
-from fleet.signing import load_private_key, sign_manifest
+from fleet.signing import load_private_key, sign_job, sign_manifest
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +174,12 @@ class RolloutDriver:
     """Publishes job documents as waves open and records device reports. One per fleet database."""
 
     def __init__(self, db_path: Path, publish_mqtt: Callable[[str, bytes, float], bool | str],
-                 artifacts_base_url: str, interval_s: float = 0.5):
+                 artifacts_base_url: str, interval_s: float = 0.5, job_key: Ed25519PrivateKey | None = None):
         """publish_mqtt(topic, payload, expiry_s): QoS 1 with that message expiry; True once the broker took
-        it, False if not sent (tried again next pass), or the reason the broker refused it (the device fails)."""
+        it, False if not sent (tried again next pass), or the reason the broker refused it (the device fails).
+        job_key: sign each device's job document (devices with [updates] job_keys require it)."""
         self.db_path, self.publish_mqtt, self.base_url, self.interval_s = db_path, publish_mqtt, artifacts_base_url, interval_s
+        self.job_key = job_key
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rollouts", daemon=True)
@@ -294,8 +297,9 @@ class RolloutDriver:
         for device_id in d.notify:
             # expires with the device's timeout: a device offline past it would otherwise install, on its
             # return, a rollout the fleet had already counted as TIMED_OUT and perhaps halted
-            sent = self.publish_mqtt(topic(device_id, "jobs", "notify"), doc.model_dump_json().encode(),
-                                     job.get("device_timeout_s") or 1800.0)
+            ttl_s = job.get("device_timeout_s") or 1800.0
+            sent = self.publish_mqtt(topic(device_id, "jobs", "notify"), self._for(doc, device_id, ttl_s).wire_bytes(),
+                                     ttl_s)
             if sent is True:
                 db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ? "
                            "where job_id = ? and device_id = ?", [now := time.time(), now, job["id"], device_id])
@@ -312,6 +316,10 @@ class RolloutDriver:
             db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
                        [d.job_state.value, d.reason, time.time(), job["id"]])
             log.info("job %s %s%s", job["id"], d.job_state.value, f": {d.reason}" if d.reason else "")
+
+    def _for(self, doc: JobDocument, device_id: str, ttl_s: float) -> JobDocument:
+        """The document one device gets: signed for it alone, until the message itself expires, with a job key."""
+        return doc if self.job_key is None else sign_job(doc, self.job_key, device_id, time.time(), ttl_s)
 
     def _document(self, db: sqlite_utils.Database, job: dict) -> JobDocument:
         if job["operation"] == "rollback":

@@ -61,3 +61,36 @@ def test_two_agents_two_waves(bundles, broker, tmp_path):
         for agent in agents:
             agent.stop()
         server.stop()
+
+
+def test_a_device_that_trusts_a_job_key_takes_the_fleets_signed_jobs_only(bundles, broker, tmp_path):
+    """`edge-fleet serve --job-key` signs each device's job; an agent with [updates] job_keys installs it,
+    refuses the unsigned rollback command, and takes the signed rollback job."""
+    v1, v2 = bundles
+    db, keys, job_key = tmp_path / "fleet.db", tmp_path / "fleet.key", tmp_path / "job.key"
+    for out in (keys, job_key):
+        subprocess.run([BIN / "edge-fleet", "keygen", "--out", out], check=True, capture_output=True)
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[updates]\njob_keys = ["{job_key}.pub"]\n')
+    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
+                         tmp_path / "artifacts", "--job-key", job_key)
+    agent = Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
+                  "--memory-budget-mb", 2048, "--config", config, device_id="dev-j")
+    try:
+        agent.start()
+        wait(lambda: '"dev-j"' in fleet("devices", "--json", db=db), "the device in the fleet")
+        target = fleet("publish", v2.path, "--key", keys, "--artifacts-dir", tmp_path / "artifacts",
+                       db=db).strip().splitlines()[-1]
+        out = subprocess.run([BIN / "edge-fleet", "deploy", target, "--to", "dev-j", "--wait", "--timeout", "240",
+                              "--min-tokens-per-s", "0", "--db", db], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "SUCCEEDED" in out.stdout, out.stdout + out.stderr + agent.log.read_text()[-3000:]
+        wait(lambda: (health(agent.sock) or {}).get("version") == v2.manifest.version, "the new version serving")
+        cmd = subprocess.run([BIN / "edge-fleet", "cmd", "dev-j", "rollback", "--mqtt", broker.url, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert "takes rollbacks only as signed jobs" in cmd.stdout, cmd.stdout + cmd.stderr
+        job_id = fleet("rollback", "dev-j", db=db).split()[1].rstrip(":")
+        wait(lambda: (health(agent.sock) or {}).get("version") == v1.manifest.version, "rolled back by the signed job")
+        assert "SUCCEEDED" in fleet("job", job_id, db=db)
+    finally:
+        agent.stop()
+        server.stop()

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from agent import wire
+from agent.trust import load_trusted_keys, verify_job
 from agent.updates import ModelStore, UpdateJob, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
+from fleet.signing import keygen, load_private_key, sign_job
 from updates_support import Device, build_bundles, job, make_keys
 
 
@@ -711,3 +713,65 @@ def test_a_device_can_refuse_what_the_unsigned_job_fields_ask_for(tmp_path, bund
     assert UpdateJob(dev.ctx, back).run() is JobState.REJECTED
     assert "refused by this device ([updates] allow_downgrade)" in dev.reports[-1].reason
     assert dev.serving.manifest.version == v2.manifest.version
+
+
+def test_a_device_that_trusts_job_keys_takes_only_jobs_signed_for_it(tmp_path, bundles, keys, server):
+    """With [updates] job_keys the whole job is signed by the fleet's online job key, not only the manifest:
+    an unsigned job, one with a signed field changed, one for another device, an expired one, one signed by
+    a key the device does not trust for jobs (the manifest key) and an older job replayed, also after a
+    restart, are REJECTED before any download; the signed ones install and roll back."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    keygen(tmp_path / "job.key")
+    job_key = load_private_key(tmp_path / "job.key")
+    dev.ctx.job_keys = load_trusted_keys([tmp_path / "job.key.pub"])
+    url = server.publish_dir(v2.path, "tiny-v2")
+    now = time.time()
+
+    def signed(doc: JobDocument, device_id: str = "dev1", issued_at: float = now, ttl_s: float = 600,
+               key=job_key) -> JobDocument:
+        return sign_job(doc, key, device_id, issued_at, ttl_s)
+
+    plain = job(v2.manifest, keys / "fleet.key", url, job_id="j", min_tokens_per_s=0)
+    refused = {
+        "the job is not signed": plain,
+        "bad signature: the job is not what the key signed": signed(plain).model_copy(update={"allow_downgrade": True}),
+        "the job is for device 'dev2', not this one (dev1)": signed(plain, device_id="dev2"),
+        "the job expired": signed(plain, issued_at=now - 700),
+        "the job is signed by unknown key": signed(plain, key=load_private_key(keys / "fleet.key")),
+    }
+    for reason, doc in refused.items():
+        # through the wire format, as a device receives it
+        assert UpdateJob(dev.ctx, JobDocument.model_validate_json(doc.wire_bytes())).run() is JobState.REJECTED
+        assert dev.reports[-1].reason.startswith(reason), (reason, dev.reports[-1].reason)
+        assert dev.staging_empty() and dev.serving.manifest.version == v1.manifest.version
+    assert dev.store.last_issued_at() is None  # nothing refused counts as run
+
+    assert UpdateJob(dev.ctx, signed(plain, issued_at=now + 1)).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v2.manifest.version
+    rollback = JobDocument(job_id="rb", operation="rollback")
+    assert UpdateJob(dev.ctx, rollback).run() is JobState.REJECTED  # the unsigned rollback too
+    assert dev.serving.manifest.version == v2.manifest.version
+    older = signed(rollback.model_copy(update={"job_id": "rb-old"}), issued_at=now)  # issued before the install
+    dev.ctx.store = ModelStore(dev.store.root)  # a restart: what was run is known from disk
+    assert UpdateJob(dev.ctx, older).run() is JobState.REJECTED
+    assert "issued before the last one this device ran" in dev.reports[-1].reason
+    assert UpdateJob(dev.ctx, signed(rollback, issued_at=now + 2)).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v1.manifest.version
+
+
+def test_a_fleet_with_a_job_key_signs_each_devices_job_and_unsigned_jobs_keep_the_old_wire_format(tmp_path):
+    """The document one device gets is bound to it; without a job key the JSON is what agents from before
+    job signing accept (their schema forbids unknown fields)."""
+    from fleet.updates import RolloutDriver
+    keygen(tmp_path / "job.key")
+    doc = JobDocument(job_id="j", operation="rollback")
+    assert set(json.loads(doc.wire_bytes())) == {"job_id", "operation", "manifest", "signature", "key_id", "base_url",
+                                                 "min_tokens_per_s", "golden_tokens", "allow_downgrade"}
+    plain = RolloutDriver(tmp_path / "fleet.db", lambda *a: True, "http://x")
+    assert plain._for(doc, "dev1", 60) is doc
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda *a: True, "http://x",
+                           job_key=load_private_key(tmp_path / "job.key"))
+    sent = JobDocument.model_validate_json(driver._for(doc, "dev7", 60).wire_bytes())
+    assert sent.device_id == "dev7" and sent.expires_at - sent.issued_at == 60
+    verify_job(sent, load_trusted_keys([tmp_path / "job.key.pub"]), "dev7", time.time())
