@@ -773,5 +773,5 @@ def test_a_fleet_with_a_job_key_signs_each_devices_job_and_unsigned_jobs_keep_th
     driver = RolloutDriver(tmp_path / "fleet.db", lambda *a: True, "http://x",
                            job_key=load_private_key(tmp_path / "job.key"))
     sent = JobDocument.model_validate_json(driver._for(doc, "dev7", 60).wire_bytes())
-    assert sent.device_id == "dev7" and sent.expires_at - sent.issued_at == 60
+    assert sent.device_id == "dev7" and sent.expires_at - sent.issued_at == pytest.approx(60)
     verify_job(sent, load_trusted_keys([tmp_path / "job.key.pub"]), "dev7", time.time())
