@@ -482,11 +482,15 @@ def environment_problems(config: AgentConfig) -> list[str]:
             _group_id(config.api.socket_group)
         except ServeError as e:
             problems.append(f"api.{e}")
+    loaded = {}
     for key in ("trusted_keys", "job_keys"):
         try:
-            load_trusted_keys(list(getattr(config.updates, key)))
+            loaded[key] = load_trusted_keys(list(getattr(config.updates, key)))
         except (OSError, ValueError) as e:
             problems.append(f"updates.{key}: {str(e).splitlines()[0]}")
+    if both := set(loaded.get("trusted_keys", {})) & set(loaded.get("job_keys", {})):
+        problems.append(f"updates.job_keys: key {sorted(both)[0]} is also a manifest key (trusted_keys): the job key "
+                        "lives on the fleet server, so the manifest key would no longer be offline; use two keys")
     for key, directory in (("telemetry.state_dir", state), ("api.socket", Path(config.api.socket).parent)):
         if problem := _not_writable(directory):  # found in review: said ok, and serve then failed "Read-only
             problems.append(f"{key}: {problem}")  # file system" (the socket's without naming a path)

@@ -48,10 +48,15 @@ def verify_manifest(manifest: Manifest | None, signature_b64: str | None, kid: s
     _verify(signature_b64, kid, manifest.canonical_bytes(), trusted, "the manifest")
 
 
+MAX_CLOCK_SKEW_S = 24 * 3600  # a job issued further ahead of this device's clock is refused, not recorded
+
+
 def verify_job(doc: JobDocument, job_keys: dict[str, Ed25519PublicKey], device_id: str, now: float,
-               last_issued_at: float | None = None) -> None:
+               last_run: tuple[float, str] | None = None) -> None:
     """A device that trusts job keys takes only jobs one of them signed, for itself, unexpired, and issued
-    after the last job it ran (a replay of an older one is refused). No job keys: nothing to check."""
+    after the last job it began, last_run = (issued_at, job_id) (a replay of an older one is refused; that
+    same job again is not, since only a job that never journalled anything is run twice). No job keys:
+    nothing to check."""
     if not job_keys:
         return
     if not doc.job_signature or not doc.job_key_id:
@@ -63,7 +68,10 @@ def verify_job(doc: JobDocument, job_keys: dict[str, Ed25519PublicKey], device_i
         raise TrustError("the signed job has no issued_at or expires_at")
     if now > doc.expires_at:
         raise TrustError(f"the job expired {now - doc.expires_at:.0f} s ago")
-    if last_issued_at is not None and doc.issued_at <= last_issued_at:
+    if doc.issued_at > now + MAX_CLOCK_SKEW_S:  # recorded, it would refuse every job until that date
+        raise TrustError(f"the job was issued {doc.issued_at - now:.0f} s ahead of this device's clock: check "
+                         "the clocks of the fleet server and the device")
+    if last_run is not None and doc.issued_at <= last_run[0] and (doc.issued_at, doc.job_id) != last_run:
         raise TrustError("the job was issued before the last one this device ran: a replay, or out of order")
 
 

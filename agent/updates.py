@@ -67,7 +67,7 @@ class ModelStore:
         self.staging_root = self.models / ".staging"
         self.journal = self.root / "updates" / "job.json"
         self.queue = self.root / "updates" / "queue"  # accepted job documents not yet run, one file each
-        self._last_issued = self.root / "updates" / "last_issued_at"  # of the last signed job run (replays)
+        self._last_issued = self.root / "updates" / "last_signed_job.json"  # the last signed job begun (replays)
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -170,14 +170,16 @@ class ModelStore:
                 path.unlink(missing_ok=True)
         return out
 
-    def last_issued_at(self) -> float | None:
+    def last_run(self) -> tuple[float, str] | None:
+        """(issued_at, job_id) of the last signed job this device began, or None."""
         try:
-            return float(self._last_issued.read_text())
-        except (OSError, ValueError):
+            entry = json.loads(self._last_issued.read_text())
+            return float(entry["issued_at"]), str(entry["job_id"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def set_last_issued_at(self, ts: float) -> None:
-        durable.write_text(self._last_issued, repr(ts))
+    def set_last_run(self, issued_at: float, job_id: str) -> None:
+        durable.write_text(self._last_issued, json.dumps({"issued_at": issued_at, "job_id": job_id}))
 
     def read_journal(self) -> dict | None:
         try:
@@ -275,11 +277,12 @@ class UpdateJob:
             return
         store = self.ctx.store
         try:
-            verify_job(self.doc, self.ctx.job_keys, self.ctx.device_id, time.time(), store.last_issued_at())
+            verify_job(self.doc, self.ctx.job_keys, self.ctx.device_id, time.time(), store.last_run())
         except TrustError as e:
             raise JobFailed(JobState.REJECTED, str(e)) from e
-        try:  # before it runs: a replay after a crash mid-job is refused too
-            store.set_last_issued_at(self.doc.issued_at)
+        try:  # before it runs: a replay after a crash mid-job is refused too (the same job, still queued
+            # because the agent stopped before it journalled anything, may run: verify_job lets it)
+            store.set_last_run(self.doc.issued_at, self.doc.job_id)
         except OSError as e:
             raise JobFailed(JobState.FAILED, f"cannot record the job's issue time: {e}") from e
 
@@ -556,21 +559,34 @@ class UpdateService:
 
     def offer(self, payload: bytes) -> None:
         """A raw job document: validated here; a malformed one is logged and dropped (or REJECTED if it
-        names a job id), a repeated one (QoS 1 redelivery) has its final state re-reported."""
+        names a job id), a repeated one (QoS 1 redelivery) has its final state re-reported.
+
+        With [updates] job_keys a document is verified first, and one that fails is only logged: reported,
+        queued or remembered under the job id it claims, it let whoever can publish on the topic take a
+        rollout's job id (the fleet's real job was then "already REJECTED") or fill the queue (found in review).
+        """
         try:
             doc = JobDocument.model_validate_json(payload)
         except ValueError as e:
             job_id = _job_id_of(payload)
             log.warning("malformed job document%s: %s", f" for {job_id}" if job_id else "", str(e).splitlines()[0])
-            if job_id:
+            if job_id and not self.ctx.job_keys:
                 self.ctx.report(wire.JobStatusUpdate(job_id=job_id, device_id=self.ctx.device_id,
                                                      state=JobState.REJECTED, reason="malformed job document",
                                                      ts=time.time()))
             return
+        if self.ctx.job_keys:
+            try:  # checked again when it runs: it may expire, or be overtaken, while it waits
+                verify_job(doc, self.ctx.job_keys, self.ctx.device_id, time.time(), self.ctx.store.last_run())
+            except TrustError as e:
+                log.warning("job document for %s dropped: %s", doc.job_id, e)
+                return
         with self._lock:
             running = doc.job_id in self._pending  # QoS 1 may deliver it again while it runs
             final = self.done.get(doc.job_id)
             queued = not running and final is None and self._enqueue(doc)
+            if not running and final is None and not queued:
+                self.done[doc.job_id] = JobState.REJECTED  # a replay of it later must not run it
         if running:
             log.info("job %s is already queued or running: repeated document dropped", doc.job_id)
         elif final is not None:

@@ -58,7 +58,8 @@ def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey) -> tuple[str, str]
 
 def sign_job(doc: JobDocument, key: Ed25519PrivateKey, device_id: str, issued_at: float, ttl_s: float) -> JobDocument:
     """doc for one device, valid from issued_at for ttl_s, signed over everything it says."""
-    bound = doc.model_copy(update={"device_id": device_id, "issued_at": issued_at, "expires_at": issued_at + ttl_s,
+    issued_at = float(issued_at)  # as the device parses it back: an int would be signed as '1700000000'
+    bound = doc.model_copy(update={"device_id": device_id, "issued_at": issued_at, "expires_at": issued_at + float(ttl_s),
                                    "job_signature": None, "job_key_id": None})
     signature = base64.b64encode(key.sign(bound.signed_bytes())).decode()
     return bound.model_copy(update={"job_signature": signature, "job_key_id": key_id(key.public_key())})

@@ -232,9 +232,11 @@ class RolloutDriver:
 
     @staticmethod
     def _record(db: sqlite_utils.Database, u: JobStatusUpdate) -> None:
-        row = next(db.query("select state, reported_ts from job_devices where job_id = ? and device_id = ?",
+        row = next(db.query("select state, reported_ts, notified from job_devices where job_id = ? and device_id = ?",
                             [u.job_id, u.device_id]), None)
-        if row is None or not applies(JobState(row["state"]), row["reported_ts"], u):
+        # not notified yet: the device cannot have the job from us, so a report is about someone else's
+        # document under that id (found in review: it settled a later wave's device, never notified after)
+        if row is None or not row["notified"] or not applies(JobState(row["state"]), row["reported_ts"], u):
             return
         db.execute("update job_devices set state = ?, step = ?, percent = ?, reason = ?, figures = ?, "
                    "updated_at = ?, reported_ts = ? where job_id = ? and device_id = ?",

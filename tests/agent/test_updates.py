@@ -15,7 +15,7 @@ import pytest
 
 from agent import wire
 from agent.trust import load_trusted_keys, verify_job
-from agent.updates import ModelStore, UpdateJob, recover
+from agent.updates import ModelStore, UpdateJob, UpdateService, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
 from fleet.signing import keygen, load_private_key, sign_job
@@ -745,7 +745,7 @@ def test_a_device_that_trusts_job_keys_takes_only_jobs_signed_for_it(tmp_path, b
         assert UpdateJob(dev.ctx, JobDocument.model_validate_json(doc.wire_bytes())).run() is JobState.REJECTED
         assert dev.reports[-1].reason.startswith(reason), (reason, dev.reports[-1].reason)
         assert dev.staging_empty() and dev.serving.manifest.version == v1.manifest.version
-    assert dev.store.last_issued_at() is None  # nothing refused counts as run
+    assert dev.store.last_run() is None  # nothing refused counts as run
 
     assert UpdateJob(dev.ctx, signed(plain, issued_at=now + 1)).run() is JobState.SUCCEEDED
     assert dev.serving.manifest.version == v2.manifest.version
@@ -775,3 +775,112 @@ def test_a_fleet_with_a_job_key_signs_each_devices_job_and_unsigned_jobs_keep_th
     sent = JobDocument.model_validate_json(driver._for(doc, "dev7", 60).wire_bytes())
     assert sent.device_id == "dev7" and sent.expires_at - sent.issued_at == pytest.approx(60)
     verify_job(sent, load_trusted_keys([tmp_path / "job.key.pub"]), "dev7", time.time())
+
+
+@pytest.fixture
+def job_key(tmp_path):
+    keygen(tmp_path / "job.key")
+    return load_private_key(tmp_path / "job.key"), load_trusted_keys([tmp_path / "job.key.pub"])
+
+
+def test_unverified_documents_never_take_a_job_id_or_a_queue_slot(tmp_path, bundles, keys, server, job_key):
+    """Found in review: with job_keys, a document that failed verification was still queued, saved, reported
+    REJECTED and remembered under the job id it claimed. Whoever may publish on the topic could so take a
+    rollout's job id before the fleet's document arrived (the real job was then "already REJECTED") or
+    fill the queue of 16 so that the fleet's next job was refused. Now it is only logged."""
+    v1, v2 = bundles
+    priv, pubs = job_key
+    dev = Device(tmp_path, v1, keys)
+    dev.ctx.job_keys = pubs
+    plain = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), job_id="job-1",
+                min_tokens_per_s=0)
+    svc = UpdateService(dev.ctx)
+    svc.start()
+    try:
+        for forged in [json.dumps({"job_id": "job-1", "operation": "rollback"}).encode(),
+                       sign_job(plain, priv, "dev2", time.time(), 600).wire_bytes(),  # another device's copy
+                       b'{"job_id": "job-1", "nonsense": 1}',
+                       *(json.dumps({"job_id": f"junk-{i}", "operation": "rollback"}).encode() for i in range(20))]:
+            svc.offer(forged)
+        assert dev.reports == [] and not list(dev.store.queue.glob("*.json"))
+        svc.offer(sign_job(plain, priv, "dev1", time.time(), 600).wire_bytes())
+        end = dev.wait_report(lambda r: r.state in wire.TERMINAL_JOB_STATES, 60)
+        assert end.state is JobState.SUCCEEDED and dev.serving.manifest.version == v2.manifest.version, end
+    finally:
+        svc.stop()
+
+
+def test_a_signed_job_refused_for_a_full_queue_is_not_run_by_a_later_replay(tmp_path, bundles, keys, job_key):
+    """Found in review: the fleet records REJECTED ("too many queued jobs"), so the same document sent again
+    later, before it expires, must not run."""
+    v1, _ = bundles
+    priv, pubs = job_key
+    dev = Device(tmp_path, v1, keys)
+    dev.ctx.job_keys = pubs
+    now = time.time()
+    docs = [sign_job(JobDocument(job_id=f"rb-{i}", operation="rollback"), priv, "dev1", now + i, 600)
+            for i in range(17)]
+    svc = UpdateService(dev.ctx)  # its thread not started yet: as while a long job runs
+    for doc in docs:
+        svc.offer(doc.wire_bytes())
+    assert dev.reports[-1].job_id == "rb-16" and dev.reports[-1].reason == "too many queued jobs"
+    svc.start()
+    try:
+        dev.wait_report(lambda r: r.job_id == "rb-15" and r.state in wire.TERMINAL_JOB_STATES, 60)
+        n = len(dev.reports)
+        svc.offer(docs[16].wire_bytes())  # the replay
+        assert dev.wait_report(lambda r: r.job_id == "rb-16", 10, since=n).state is JobState.REJECTED
+        time.sleep(0.5)
+        assert [r.state for r in dev.reports[n:]] == [JobState.REJECTED]  # re-reported, never run
+    finally:
+        svc.stop()
+
+
+def test_a_restart_before_a_signed_job_journalled_anything_runs_it_and_not_as_a_replay(tmp_path, bundles, keys,
+                                                                                       job_key):
+    """Found in review: the job's issue time is recorded before the job journals anything; an agent stopped
+    in between found the job still queued at its next start and refused it as a replay of itself."""
+    v1, _ = bundles
+    priv, pubs = job_key
+    dev = Device(tmp_path, v1, keys)
+    dev.ctx.job_keys = pubs
+    real = sign_job(JobDocument(job_id="job-real", operation="rollback"), priv, "dev1", time.time(), 600)
+    UpdateService(dev.ctx).offer(real.wire_bytes())  # accepted and saved in updates/queue
+    UpdateJob(dev.ctx, real)._check_job()  # the updater begins it, and the agent is killed here
+    dev.ctx.store = ModelStore(dev.store.root)
+    svc = UpdateService(dev.ctx)
+    svc.start()
+    try:
+        end = dev.wait_report(lambda r: r.state in wire.TERMINAL_JOB_STATES, 10)
+        assert end.job_id == "job-real" and "replay" not in (end.reason or ""), end  # it ran (and found no
+        # previous model to roll back to)
+    finally:
+        svc.stop()
+
+
+def test_a_job_issued_far_ahead_of_the_device_clock_is_refused_and_not_recorded(tmp_path, bundles, keys, job_key):
+    """Found in review: recorded, a job from a fleet whose clock ran years ahead made the device refuse every
+    correctly timed job after it as "issued before the last one"."""
+    v1, _ = bundles
+    priv, pubs = job_key
+    dev = Device(tmp_path, v1, keys)
+    dev.ctx.job_keys = pubs
+    ahead = sign_job(JobDocument(job_id="ahead", operation="rollback"), priv, "dev1", time.time() + 10 * 365 * 86400, 600)
+    assert UpdateJob(dev.ctx, ahead).run() is JobState.REJECTED
+    assert "ahead of this device's clock" in dev.reports[-1].reason and dev.store.last_run() is None
+    ok = sign_job(JobDocument(job_id="now", operation="rollback"), priv, "dev1", int(time.time()), 600)  # an int
+    UpdateJob(dev.ctx, JobDocument.model_validate_json(ok.wire_bytes())).run()
+    assert "issued" not in (dev.reports[-1].reason or "") and "signature" not in (dev.reports[-1].reason or "")
+    assert dev.store.last_run() == (float(int(ok.issued_at)), "now")
+
+
+def test_check_config_refuses_the_manifest_key_as_a_job_key(tmp_path, bundles, keys):
+    """The job key lives on the online fleet server; the manifest key is meant to stay offline."""
+    from agent.serve import environment_problems, load_agent_config
+    v1, _ = bundles
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'model = "{v1.path}"\n[telemetry]\nstate_dir = "{tmp_path / "state"}"\n'
+                   f'[api]\nsocket = "{tmp_path / "s.sock"}"\n'
+                   f'[updates]\ntrusted_keys = ["{keys / "fleet.key.pub"}"]\njob_keys = ["{keys / "fleet.key.pub"}"]\n')
+    problems = environment_problems(load_agent_config(cfg))
+    assert any("is also a manifest key" in p for p in problems), problems

@@ -88,13 +88,23 @@ def recorded(store, job_id: str, device_id: str = "dev-a") -> str:
     return store.db["job_devices"].get((job_id, device_id))["state"]
 
 
+def sent_job(store, devices: list[str]) -> str:
+    """A one-wave job whose notices the driver has sent (reports from devices not notified are ignored)."""
+    from fleet.updates import create_job
+
+    job_id = create_job(store.db, "m@v", devices, len(devices), 0.0)
+    store.db.execute("update job_devices set notified = 1, notified_at = ? where job_id = ?", [time.time(), job_id])
+    store.db.conn.commit()
+    return job_id
+
+
 def test_a_replayed_or_older_report_never_revives_a_finished_device(tmp_path):
     """Found in review: the device's retained IN_PROGRESS, replayed when the fleet reconnected, turned a
     SUCCEEDED device back into IN_PROGRESS (and a TIMED_OUT one too, so the job never ended)."""
     from fleet.updates import RolloutDriver, create_job
 
     store = published_store(tmp_path)
-    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    job_id = sent_job(store, ["dev-a"])
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     report(driver, job_id, P, ts=100)
     report(driver, job_id, S, ts=200)
@@ -103,7 +113,7 @@ def test_a_replayed_or_older_report_never_revives_a_finished_device(tmp_path):
     report(driver, job_id, P, ts=300)  # not older, but a finished device does not start again
     assert recorded(store, job_id) == "SUCCEEDED"
 
-    late = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    late = sent_job(store, ["dev-a"])
     report(driver, late, P, ts=100)
     store.db.execute("update job_devices set state = 'TIMED_OUT' where job_id = ?", [late])
     store.db.conn.commit()
@@ -249,7 +259,7 @@ def test_a_report_that_arrives_while_the_database_is_locked_is_recorded_once_it_
     from fleet.updates import RolloutDriver, create_job
 
     store = published_store(tmp_path)
-    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    job_id = sent_job(store, ["dev-a"])
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused", interval_s=0.05)
     holder = sqlite3.connect(tmp_path / "fleet.db")
     holder.execute("BEGIN IMMEDIATE")  # as `sqlite3 fleet.db .backup` or a second replica would
@@ -273,7 +283,7 @@ def test_reports_queued_when_the_driver_stops_are_recorded(tmp_path):
     from fleet.updates import RolloutDriver, create_job
 
     store = published_store(tmp_path)
-    job_id = create_job(store.db, "m@v", ["dev-a"], 1, 0.0)
+    job_id = sent_job(store, ["dev-a"])
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused", interval_s=0.05)
 
     def last_pass(db):  # the report arrives while the pass waits for a PUBACK, and serve stops meanwhile
@@ -285,3 +295,20 @@ def test_reports_queued_when_the_driver_stops_are_recorded(tmp_path):
     wait_until(lambda: not driver._thread.is_alive(), 5)
     driver.stop()
     assert recorded(store, job_id) == "SUCCEEDED"
+
+
+def test_a_report_from_a_device_not_yet_notified_is_ignored(tmp_path):
+    """Found in review: a later wave's device, handed someone else's document under the rollout's job id (seen
+    in wave 1), reported REJECTED before the fleet had sent it anything; the fleet recorded it, never notified
+    the device and failed the rollout. The device cannot have the job from the fleet yet: it is ignored."""
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, "m@v", ["dev-a", "dev-b"], 1, 0.0)  # wave 0: dev-a; wave 1: dev-b
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    report(driver, job_id, JobState.REJECTED, ts=100, device_id="dev-b")
+    assert recorded(store, job_id, "dev-b") == "QUEUED"  # still to be notified with wave 1
+    store.db.execute("update job_devices set notified = 1 where job_id = ? and device_id = 'dev-b'", [job_id])
+    store.db.conn.commit()
+    report(driver, job_id, JobState.REJECTED, ts=200, device_id="dev-b")  # once sent, its answer counts
+    assert recorded(store, job_id, "dev-b") == "REJECTED"
