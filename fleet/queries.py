@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import sqlite_utils
 
 from agent.wire import has_decode_speed, has_ttft, percentile
@@ -106,12 +107,19 @@ class Figures:
 
 def summarize(f: Figures) -> dict:
     """Count, TTFT and decode percentiles, tokens served (completion tokens)."""
-    return {
-        "requests": f.requests,
-        "ttft_p50_ms": _round(percentile(f.ttfts, 50)), "ttft_p95_ms": _round(percentile(f.ttfts, 95)),
-        "decode_tps_p50": _round(percentile(f.speeds, 50)), "decode_tps_p95": _round(percentile(f.speeds, 95)),
-        "tokens_served": f.tokens_served,
-    }
+    ttft_p50, ttft_p95 = _p50_p95(f.ttfts)
+    tps_p50, tps_p95 = _p50_p95(f.speeds)
+    return {"requests": f.requests, "ttft_p50_ms": _round(ttft_p50), "ttft_p95_ms": _round(ttft_p95),
+            "decode_tps_p50": _round(tps_p50), "decode_tps_p95": _round(tps_p95), "tokens_served": f.tokens_served}
+
+
+def _p50_p95(values: array) -> tuple[float | None, float | None]:
+    """wire.percentile's figures (numpy's linear interpolation), in numpy: sorting 10 M floats in Python took
+    13.7 s of a 90-day `tps` (found in review)."""
+    if not values:
+        return None, None
+    p50, p95 = np.percentile(np.frombuffer(values, np.float64), [50, 95])
+    return float(p50), float(p95)
 
 
 def _requests_since(db: sqlite_utils.Database, since_ts: float, key_sql: str = "device_id", where: str = "",
@@ -167,7 +175,9 @@ def events(db: sqlite_utils.Database, device_id: str, since_s: float | None = No
 def _model_filter(spec: str) -> tuple[str, tuple]:
     """'name' or 'name@version' -> an SQL condition on requests."""
     name, _, version = spec.partition("@")
-    return ("and model = ? and version = ?", (name, version)) if version else ("and model = ?", (name,))
+    # '+model': not the (model, version, ts) index, which a bare name cannot narrow by time and so read every
+    # request of that model ever stored, but the ts index (0.67 s -> 0.04 s a day on 10 M rows, found in review)
+    return ("and model = ? and version = ?", (name, version)) if version else ("and +model = ?", (name,))
 
 
 def compare(db: sqlite_utils.Database, models: list[str], since_s: float, now: float | None = None) -> list[dict]:
@@ -178,7 +188,8 @@ def compare(db: sqlite_utils.Database, models: list[str], since_s: float, now: f
     per_model = {m: _requests_since(db, now - since_s, "device_id", *_model_filter(m)) for m in models}
     missing = [m for m, groups in per_model.items() if not groups]
     if missing:
-        known = [r["m"] for r in db.query("select distinct model || '@' || version as m from requests order by m")]
+        known = [r["m"] for r in db.query("select distinct model || '@' || version as m from requests where ts >= ? "
+                                          "order by m", [now - since_s])]  # the window's, not all history's
         raise QueryError(f"no requests for {', '.join(missing)} in that window; known: {', '.join(known) or 'none'}")
     common = sorted(set.intersection(*(set(groups) for groups in per_model.values())))
     return [_compare_row(device, {m: per_model[m][device] for m in models}) for device in common]

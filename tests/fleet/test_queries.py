@@ -1,6 +1,8 @@
 """Read-only queries over a database with known figures: percentiles, groupings, comparisons, time series."""
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -57,6 +59,34 @@ def test_missing_database_is_a_user_error(tmp_path):
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
 def test_percentile_matches_numpy(values, p):
     assert percentile(values, p) == pytest.approx(np.percentile(values, p), rel=1e-9, abs=1e-6)
+
+
+@given(st.lists(st.floats(-1e6, 1e6), max_size=50))
+def test_the_summaries_percentiles_are_the_wire_ones(values):
+    """summarize() takes them in numpy (10 M requests in a 90-day window); the agent's are wire.percentile."""
+    f = queries.Figures(ttfts=array("d", values))
+    got = queries.summarize(f)
+    for q in (50, 95):
+        want = percentile(values, q)
+        assert got[f"ttft_p{q}_ms"] == (None if want is None else pytest.approx(round(want, 1), abs=0.051))
+
+
+def test_a_long_history_does_not_slow_a_short_window(db):
+    """Found in review (10 M rows, 91 days): comparing a bare model name read every request of that model
+    ever stored through the (model, version, ts) index, and the error path listed every model@version in
+    history. Both now go by the ts index, and the error lists what the window holds."""
+    where, params = queries._model_filter("m")
+    plan = " ".join(str(r) for r in db.execute(
+        f"explain query plan select device_id from requests where ts >= ? {where}", (NOW - 86400, *params)))
+    assert "idx_requests_ts" in plan, plan
+    with pytest.raises(QueryError, match="known: m@v2$"):  # m@v1's requests in the last 4 minutes: none
+        queries.compare(db, ["m@v1", "m@v9"], 240, now=NOW)
+
+
+def test_the_fleet_database_caps_its_wal(tmp_path):
+    store = FleetStore(tmp_path / "f.db")
+    assert store.db.execute("pragma journal_size_limit").fetchone()[0] == 64 << 20
+    store.close()
 
 
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("24h", 86400), ("7d", 604800),

@@ -226,3 +226,35 @@ def test_the_consumer_prunes_old_telemetry_when_it_starts(broker, consumers, fle
     wait_until(lambda: sum(db[t].count for t in ("requests", "samples", "events")) == 9,
                message="the 100-day-old rows pruned")
     db.close()
+
+
+def test_ingest_goes_on_while_a_long_prune_runs(broker, consumers, fleet_db, devices, monkeypatch):
+    """Found in review (an 18 GB, 91-day database): the writer ran the whole prune in one call, so ingest
+    stopped for 24 s on a day of expired rows (149 s at the agent's default sample rate). Retention now
+    deletes one batch between two commits: a device's records are stored while the prune goes on."""
+    import time
+
+    import fleet.store as store_module
+    from fleet.store import connect
+    from fleet_support import wait_until
+
+    monkeypatch.setattr(store_module, "PRUNE_BATCH_ROWS", 2)
+    store = FleetStore(fleet_db)
+    store.commit(ingest_of("d1", records("old", range(1, 61), ts=time.time() - 100 * 86400), time.time()))
+    steps: list[int] = []
+    one_step = store.prune_step
+
+    def slow_step(before_ts: float) -> int:  # a batch of a large database takes ~0.1-0.7 s
+        time.sleep(0.1)
+        steps.append(n := one_step(before_ts))
+        return n
+    store.prune_step = slow_step
+    consumers(store=store, keep_s=90 * 86400.0)
+    wait_until(lambda: len(steps) >= 2, message="the prune under way")
+    devices("dev-new").emit(5)
+    db = connect(fleet_db)
+    wait_until(lambda: db["requests"].count_where("device_id = 'dev-new'") > 0, message="new records stored")
+    assert len(steps) < 31, "the new records waited for the whole prune"  # 60 rows, 2 a batch, then a 0
+    wait_until(lambda: steps[-1:] == [0], 20, message="the prune finished")
+    assert db["requests"].count_where("device_id = 'd1'") == 0
+    db.close()
