@@ -39,15 +39,6 @@ LOG_EVERY_S = 10.0  # ingest-rate summary period
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
 IDLE_WAIT_S = 0.2  # the writer's wait for a first message (it checks for stop and retention in between)
-
-
-@dataclass
-class _Prune:
-    """A retention pass under way in the writer thread."""
-
-    before_ts: float
-    deleted: int = 0
-    started: float = field(default_factory=time.monotonic)
 PUBACK_WAIT_S = 5.0  # a rollout notice without the broker's PUBACK by then goes again next pass
 # Messages received and not yet written. Bounded: QoS 0 is outside the broker's flow control (Receive
 # Maximum), so one device flooding its topic at QoS 0 grew an unbounded inbox to 1 GB in 20 s (found in
@@ -153,6 +144,15 @@ class Stats:
         self.rejected += committed.rejected
         self.commits += 1
         self.acks_deferred += acks_deferred
+
+
+@dataclass
+class _Prune:
+    """A retention pass under way in the writer thread."""
+
+    before_ts: float
+    deleted: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class Consumer:
