@@ -56,15 +56,19 @@ def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate)
     """Whether a device's status report replaces the state recorded for it.
 
     Reports arrive out of order and again: the device publishes them retained, so the broker replays the
-    last one whenever the fleet reconnects. An older report never replaces a newer one, and a final state
-    is never replaced by one that is not (a replayed IN_PROGRESS would revive a SUCCEEDED or TIMED_OUT
-    device). A device counted TIMED_OUT that later reports how it really ended is recorded as it ended.
+    last one whenever the fleet reconnects. A final state is never replaced by one that is not (a replayed
+    IN_PROGRESS would revive a SUCCEEDED or TIMED_OUT device), and an older progress report never replaces
+    a newer one. A final report always replaces progress, whatever its stamp: the device's clock may have
+    stepped back meanwhile (NTP, or a reboot with no RTC after a power cut mid-install), and such a
+    SUCCEEDED was ignored until the device timed out (found in review). A device counted TIMED_OUT that
+    later reports how it really ended is recorded as it ended.
     """
-    if reported_ts is not None and update.ts < reported_ts:
-        return False
+    final = update.state in TERMINAL_JOB_STATES
     if state is JobState.TIMED_OUT:
-        return update.state in TERMINAL_JOB_STATES and update.state is not JobState.TIMED_OUT
-    return state not in TERMINAL_JOB_STATES
+        return final and update.state is not JobState.TIMED_OUT
+    if state in TERMINAL_JOB_STATES:
+        return False
+    return final or reported_ts is None or update.ts >= reported_ts
 
 
 def create_tables(db: sqlite_utils.Database) -> None:

@@ -119,10 +119,37 @@ def test_a_replayed_or_older_report_never_revives_a_finished_device(tmp_path):
     store.db.conn.commit()
     report(driver, late, P, ts=150)
     assert recorded(store, late) == "TIMED_OUT"
-    report(driver, late, F, ts=50)  # older than the report already applied
-    assert recorded(store, late) == "TIMED_OUT"
     report(driver, late, F, ts=160)  # how it really ended, after the fleet had given up on it
     assert recorded(store, late) == "FAILED"
+    report(driver, late, S, ts=170)
+    assert recorded(store, late) == "FAILED"
+
+
+def test_a_final_report_stamped_before_the_progress_it_ends_is_recorded(tmp_path):
+    """Found in review: the device's clock stepped back between its last progress report and its end (NTP,
+    or a reboot with no RTC after a power cut mid-install, when recovery reports the install), and the
+    fleet ignored the SUCCEEDED as older, timed the device out and failed the rollout. Progress reports are
+    still kept in order."""
+    from agent.wire import JobStatusUpdate, JobStep, topic
+    from fleet.updates import RolloutDriver
+
+    store = published_store(tmp_path)
+    job_id = sent_job(store, ["dev-a", "dev-b"])
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+
+    def progress(step: JobStep, ts: float) -> None:
+        u = JobStatusUpdate(job_id=job_id, device_id="dev-a", state=P, step=step, ts=ts)
+        driver.on_status(topic("dev-a", "jobs", "update"), u.model_dump_json().encode())
+        assert driver.apply_reports() == 0
+
+    progress(JobStep.ACTIVATING, ts=1_000_000)
+    progress(JobStep.DOWNLOADING, ts=999_000)  # an older progress report, delivered late: not applied
+    assert store.db["job_devices"].get((job_id, "dev-a"))["step"] == JobStep.ACTIVATING.value
+    report(driver, job_id, S, ts=90.0)  # recovery after a reboot with the clock at 1970
+    report(driver, job_id, F, ts=999_999, device_id="dev-b")
+    report(driver, job_id, P, ts=1_000_500, device_id="dev-b")  # a replay after the end: ignored
+    assert (recorded(store, job_id), recorded(store, job_id, "dev-b")) == ("SUCCEEDED", "FAILED")
+    assert store.db["job_devices"].get((job_id, "dev-a"))["reported_ts"] == 90.0
 
 
 def test_progress_reports_do_not_extend_the_device_timeout(tmp_path):
