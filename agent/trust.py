@@ -23,6 +23,11 @@ class TrustError(ValueError):
     """The manifest is unsigned, signed by an unknown key, or the signature does not match."""
 
 
+class JobTimeError(TrustError):
+    """A job the fleet signed for this device, refused by this device's clock (expired, issued ahead, older
+    than the last job run): authentic, so the refusal can be reported, and often a wrong clock."""
+
+
 def key_id(public_key: Ed25519PublicKey) -> str:
     raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:16]
@@ -67,12 +72,14 @@ def verify_job(doc: JobDocument, job_keys: dict[str, Ed25519PublicKey], device_i
     if doc.issued_at is None or doc.expires_at is None:
         raise TrustError("the signed job has no issued_at or expires_at")
     if now > doc.expires_at:
-        raise TrustError(f"the job expired {now - doc.expires_at:.0f} s ago")
+        raise JobTimeError(f"the job expired {now - doc.expires_at:.0f} s ago by this device's clock: check the "
+                           "clocks of the device and the fleet server")
     if doc.issued_at > now + MAX_CLOCK_SKEW_S:  # recorded, it would refuse every job until that date
-        raise TrustError(f"the job was issued {doc.issued_at - now:.0f} s ahead of this device's clock: check "
-                         "the clocks of the fleet server and the device")
+        raise JobTimeError(f"the job was issued {doc.issued_at - now:.0f} s ahead of this device's clock: check "
+                           "the clocks of the fleet server and the device")
     if last_run is not None and doc.issued_at <= last_run[0] and (doc.issued_at, doc.job_id) != last_run:
-        raise TrustError("the job was issued before the last one this device ran: a replay, or out of order")
+        raise JobTimeError("the job was issued before the last one this device ran: a replay, out of order, or "
+                           "the fleet server's clock was set back")
 
 
 def _verify(signature_b64: str, kid: str, data: bytes, trusted: dict[str, Ed25519PublicKey], what: str) -> None:

@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from agent import durable, wire
 from agent.bundle import Bundle, BundleError, open_bundle, safe_member
 from agent.memory import MB
-from agent.trust import TrustError, verify_job, verify_manifest
+from agent.trust import JobTimeError, TrustError, verify_job, verify_manifest
 from agent.wire import JobDocument, JobState, JobStep
 
 log = logging.getLogger(__name__)
@@ -564,6 +564,9 @@ class UpdateService:
         With [updates] job_keys a document is verified first, and one that fails is only logged: reported,
         queued or remembered under the job id it claims, it let whoever can publish on the topic take a
         rollout's job id (the fleet's real job was then "already REJECTED") or fill the queue (found in review).
+        Except a job the fleet did sign for this device that this device's clock refuses: REJECTED with the
+        reason, once, or the fleet saw only a device timeout (a device clock ahead by more than the job's
+        timeout refused every job silently; found in review).
         """
         try:
             doc = JobDocument.model_validate_json(payload)
@@ -578,6 +581,9 @@ class UpdateService:
         if self.ctx.job_keys:
             try:  # checked again when it runs: it may expire, or be overtaken, while it waits
                 verify_job(doc, self.ctx.job_keys, self.ctx.device_id, time.time(), self.ctx.store.last_run())
+            except JobTimeError as e:
+                self._refuse_untimely(doc, e)
+                return
             except TrustError as e:
                 log.warning("job document for %s dropped: %s", doc.job_id, e)
                 return
@@ -595,6 +601,18 @@ class UpdateService:
         elif not queued:
             self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
                                                  state=JobState.REJECTED, reason="too many queued jobs", ts=time.time()))
+
+    def _refuse_untimely(self, doc: JobDocument, e: JobTimeError) -> None:
+        """REJECTED, final like a full queue's refusal (a copy after the clock is set right must not run what
+        the fleet recorded as refused); a late copy of a job running or ended here is only logged."""
+        with self._lock:
+            known = doc.job_id in self._pending or doc.job_id in self.done
+            if not known:
+                self.done[doc.job_id] = JobState.REJECTED
+        log.warning("job %s refused: %s", doc.job_id, e)
+        if not known:
+            self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
+                                                 state=JobState.REJECTED, reason=str(e), ts=time.time()))
 
     def _enqueue(self, doc: JobDocument, saved: Path | None = None) -> bool:
         """Queue doc (saved on disk first, unless it already is); False when the queue is full."""

@@ -810,6 +810,27 @@ def test_unverified_documents_never_take_a_job_id_or_a_queue_slot(tmp_path, bund
         svc.stop()
 
 
+def test_a_signed_job_this_devices_clock_refuses_is_reported_once_and_never_run(tmp_path, bundles, keys, job_key):
+    """Found in review: a device whose clock ran ahead of the fleet's by more than the job's timeout (an RTC
+    kept in local time) refused every signed job as expired, and said nothing: the fleet saw a timeout. A
+    job signed for this device but refused by its clock is now REJECTED with the reason, once; what fails
+    verification itself is still only logged."""
+    v1, _ = bundles
+    priv, pubs = job_key
+    dev = Device(tmp_path, v1, keys)
+    dev.ctx.job_keys = pubs
+    svc = UpdateService(dev.ctx)  # not started: nothing may be queued to run
+    two_hours_behind = sign_job(JobDocument(job_id="rb-1", operation="rollback"), priv, "dev1",
+                                time.time() - 7200, 1800)
+    svc.offer(two_hours_behind.wire_bytes())
+    svc.offer(two_hours_behind.wire_bytes())  # QoS 1 again, or the clock set right meanwhile: still refused
+    assert [(r.job_id, r.state) for r in dev.reports] == [("rb-1", JobState.REJECTED)]
+    assert "expired" in dev.reports[0].reason and "clock" in dev.reports[0].reason
+    svc.offer(sign_job(JobDocument(job_id="rb-2", operation="rollback"), priv, "dev2", time.time() - 7200,
+                       1800).wire_bytes())  # another device's: not ours to answer
+    assert len(dev.reports) == 1 and svc._queue.empty() and not list(dev.store.queue.glob("*.json"))
+
+
 def test_a_signed_job_refused_for_a_full_queue_is_not_run_by_a_later_replay(tmp_path, bundles, keys, job_key):
     """Found in review: the fleet records REJECTED ("too many queued jobs"), so the same document sent again
     later, before it expires, must not run."""
