@@ -63,10 +63,11 @@ class PrefixCache:
     def load(self, prompt_ids: list[int], pool: SlotPool, slot: int, count: bool = True) -> int:
         """Copy the longest cached prefix of prompt_ids into the slot; returns the tokens it covers.
 
-        At least one prompt token is always left to compute: its logits give the first output token.
+        At least two prompt tokens are always left to compute: the last one's logits give the first output
+        token, and computed alone (runner.has_lone_row) they would round differently from a cold run's.
         count=False keeps the lookup out of the hit ratio (a preempted request reloading its own blocks).
         """
-        usable = (len(prompt_ids) - 1) // self.block_tokens
+        usable = max(0, len(prompt_ids) - 2) // self.block_tokens
         self.queried_tokens += len(prompt_ids) if count else 0
         n = 0
         for key, tokens in self._chain(prompt_ids, usable):

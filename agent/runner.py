@@ -37,6 +37,19 @@ SPIN_MAX_BUSY_ELSEWHERE = 0.25
 # memory budget measured at start. Smaller mappings are scales and norms that prepacking already consumed.
 RELEASE_AFTER_STEP_MIN_BYTES = 1 << 20
 
+# ONNX Runtime rounds a step's last row differently when the step's width leaves it alone in a tile: a
+# one-token step, and (measured, fp32) 33 or 65 tokens on a tiny model with head_dim 16, 129 or 257 on
+# SmolLM2 (head_dim 64). That position's logits then differ by up to ~3e-5 from any other split of the
+# same tokens, while widths without a lone row give the same bits whatever the split. A cold run and a
+# prefix-cache hit split a prompt differently, so prefill steps avoid those widths (found in review: near-
+# ties flipped greedy tokens). Tiles are multiples of 32 for every head_dim that is a multiple of 16.
+LONE_ROW_TILE = 32
+
+
+def has_lone_row(width: int) -> bool:
+    """Whether a step this many tokens wide rounds its last row apart from the rest (see LONE_ROW_TILE)."""
+    return width % LONE_ROW_TILE == 1
+
 PROC_STAT = Path("/proc/stat")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

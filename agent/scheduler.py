@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.kv_cache import KVPool, SlotPool
+from agent.runner import has_lone_row
 from agent.sequence import FinishReason, Sequence, Status
 
 
@@ -111,14 +112,24 @@ class Scheduler:
     def plan(self) -> StepPlan:
         plan, budget = StepPlan(), self.prefill_chunk_tokens
         for seq in self.running:
-            if seq.status is Status.PREFILLING and budget > 0:
-                n = min(seq.num_uncomputed, budget)
-                plan.prefills.append((seq, n))
-                budget -= n
+            if seq.status is Status.PREFILLING:
+                if n := self._chunk(seq.num_uncomputed, budget):
+                    plan.prefills.append((seq, n))
+                    budget -= n
             elif seq.status is Status.DECODING:
                 idx = self.kv.classes.index(self.kv.where[seq.seq_id])
                 plan.decodes.setdefault(idx, []).append(seq)
         return plan
+
+    @staticmethod
+    def _chunk(left: int, budget: int) -> int:
+        """Prompt tokens to compute now (0: none this step): what the budget allows, but no step, this one or
+        a later one, whose width has a lone row (runner.has_lone_row), unless the prompt is a single token.
+        The first prefilling sequence always progresses: prefill_chunk_tokens is at least 16."""
+        n = min(left, budget)
+        while n > 0 and (has_lone_row(n) or has_lone_row(left - n)) and left > 1:
+            n -= 1
+        return n
 
     def grow(self) -> list[Sequence]:
         """Before admitting and planning a step: every decoding sequence whose slot is full moves to a larger one,

@@ -24,6 +24,16 @@ def tiny_checkpoint(tiny_gguf):
 
 
 @pytest.fixture(scope="session")
+def tiny_varied_checkpoint(tmp_path_factory):
+    """A tiny model whose greedy text depends on its context: the default one repeats a single token, so
+    comparing texts token for token on it cannot catch a wrong KV cache (found in review)."""
+    from quantize.checkpoint import load_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-varied") / "tiny.gguf"
+    return load_checkpoint(write_tiny_llama(path, seed=1, layers=3, tied=False, weight_scale=0.25))
+
+
+@pytest.fixture(scope="session")
 def tiny_fp32_bundle(tiny_checkpoint, tmp_path_factory):
     """The tiny model as an fp32 bundle, for tests that run the agent as a process."""
     from quantize.package import build_bundle

@@ -76,9 +76,10 @@ def _add(writer: GGUFWriter, name: str, w: np.ndarray, qtype: QT) -> None:
 def write_tiny_llama(path: Path, *, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                      intermediate: int = 128, layers: int = 2, context: int = 256, tied: bool = True,
                      types: tuple[QT, ...] = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q4_1),
-                     architecture: str = "llama", extra=None) -> Path:
+                     architecture: str = "llama", extra=None, weight_scale: float = 0.08) -> Path:
     """Write a random Llama GGUF to path; weight tensors cycle through `types`. extra(writer): more metadata
-    and tensors, written before the file is closed."""
+    and tensors, written before the file is closed. At the default weight_scale the model's greedy text
+    repeats one token whatever the prompt; 0.25 with an untied head makes it depend on the context."""
     rng = np.random.default_rng(seed)
     tokens, token_types = vocab()
     head_dim = hidden // heads
@@ -104,7 +105,7 @@ def write_tiny_llama(path: Path, *, seed: int = 0, hidden: int = 64, heads: int 
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    def rand(*shape: int, scale: float = 0.08) -> np.ndarray:
+    def rand(*shape: int, scale: float = weight_scale) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     cycle = iter(types * 100)

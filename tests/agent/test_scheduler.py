@@ -22,8 +22,8 @@ from quantize.precision import QuantSpec
 
 
 @pytest.fixture(scope="module")
-def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("sched") / "fp32", name="tiny",
+def tiny_bundle(tiny_varied_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_varied_checkpoint, QuantSpec(), tmp_path_factory.mktemp("sched") / "fp32", name="tiny",
                         progress=lambda s: None)
 
 
@@ -56,6 +56,64 @@ def test_prefix_cache_hit_is_exact_and_computes_only_the_suffix(tiny_bundle):
     prefill_tokens = sum(counts) - 11  # the 11 decode steps compute one token each
     assert prefill_tokens == len(b) - cached
     assert engine.prefix_cache_hit_ratio() > 0
+
+
+def record_logits(monkeypatch) -> list[tuple[object, np.ndarray]]:
+    """(the request's generator, the logits row) of every token the engine samples, in order."""
+    import agent.engine
+
+    seen, sample = [], agent.engine.sample
+
+    def recording(logits, params, prompt_ids, output_ids, rng):
+        seen.append((rng, np.array(logits, copy=True)))
+        return sample(logits, params, prompt_ids, output_ids, rng)
+
+    monkeypatch.setattr(agent.engine, "sample", recording)
+    return seen
+
+
+@pytest.mark.parametrize("length,chunk", [(81, 32), (33, 32), (33, 64), (49, 64), (65, 64), (70, 32)])
+def test_a_prefix_hit_gives_the_cold_runs_logits_bit_for_bit(tiny_bundle, monkeypatch, length, chunk):
+    """Found in review: ONNX Runtime rounds a step's last row apart when the step's width leaves it alone in a
+    tile (one token, or 33 and 65 on this model), so a hit that left one token to compute, or a prompt whose
+    last chunk was one token, gave logits that differed from the cold run's in the last bits, and greedy
+    text flipped at near-ties."""
+    config = dict(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=chunk)
+    prompt = np.random.default_rng(length).integers(3, 260, length).tolist()
+    seen = record_logits(monkeypatch)
+    cold = Engine(tiny_bundle, EngineConfig(**config, prefix_cache_fraction=0.0))
+    expected = cold.generate(prompt, SamplingParams(max_tokens=3, **GREEDY)).token_ids
+    cold_logits = seen[:]
+    warm = Engine(tiny_bundle, EngineConfig(**config))
+    warm.generate(prompt[:-1] + [1, 2], SamplingParams(max_tokens=1, **GREEDY))  # caches the blocks before the end
+    del seen[:]
+    hit = warm.generate(prompt, SamplingParams(max_tokens=3, **GREEDY))
+    assert hit.figures.cached_prompt_tokens > 0 and hit.token_ids == expected
+    assert len(seen) == len(cold_logits) == 3
+    for (_, got), (_, want) in zip(seen, cold_logits):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_prompt_sharing_the_prefill_budget_gets_the_logits_it_gets_alone(tiny_bundle, monkeypatch):
+    """Found in review: two prompts sharing a step's prefill budget (40 and 25 tokens, 32 a step) left the
+    second one token for a step of its own, whose logits differed from the request alone in the last bits."""
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=32,
+                          prefix_cache_fraction=0.0)
+    rng = np.random.default_rng(7)
+    a, b = rng.integers(3, 260, 40).tolist(), rng.integers(3, 260, 25).tolist()
+    seen = record_logits(monkeypatch)
+    alone = Engine(tiny_bundle, config).generate(b, SamplingParams(max_tokens=3, **GREEDY)).token_ids
+    alone_logits = seen[:]
+    del seen[:]
+    engine = Engine(tiny_bundle, config)
+    ha = engine.submit(a, SamplingParams(max_tokens=3, **GREEDY))
+    hb = engine.submit(b, SamplingParams(max_tokens=3, **GREEDY))
+    while not (ha.seq.is_finished and hb.seq.is_finished):
+        engine.step()
+    assert hb.result().token_ids == alone
+    b_logits = [row for rng, row in seen if rng is hb.seq.rng]
+    for (_, want), got in zip(alone_logits, b_logits, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_prefix_hit_from_a_running_sequence_is_exact_and_never_held_twice(tiny_bundle):
