@@ -12,7 +12,11 @@ and the draft token is accepted when it is that token. A draft token is thus acc
 p(d), else the output is p's draw given it is not d: the speculative-sampling rule of Leviathan et al. and
 Chen et al. (2023) for a one-hot q. Drawing it this way uses the generator exactly as plain decoding would,
 so a seeded request gives the same text with or without speculation and whatever else is in the batch
-(found in review: the accept-then-residual form drew a varying number of times).
+(found in review: the accept-then-residual form drew a varying number of times), up to rounding: the
+target's logits for a position verified in a k+1-row step (or decoded in a step padded to a neighbour's
+drafts) differ from a one-row step's in the last bits (ONNX Runtime rounds the two widths apart, ~1e-5 in
+fp32), so at a near-tie the token can differ, as it can after vLLM's speculative decoding. On INT4/INT8
+bundles the rows' activations are quantized apart too, and the difference is larger.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from quantize.precision import QuantSpec
 
 
 @pytest.fixture(scope="module")
-def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("eng") / "fp32", name="tiny",
+def tiny_bundle(tiny_varied_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_varied_checkpoint, QuantSpec(), tmp_path_factory.mktemp("eng") / "fp32", name="tiny",
                         progress=lambda s: None)
 
 
@@ -34,10 +34,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 260, int(rng.integers(5, 40))).tolist() for _ in range(n)]
 
 
-def test_greedy_equals_numpy_reference_for_32_tokens(engine, tiny_checkpoint):
+def test_greedy_equals_numpy_reference_for_32_tokens(engine, tiny_varied_checkpoint):
     ids = prompts(1)[0]
     out = engine.generate(ids, SamplingParams(max_tokens=32, **GREEDY))
-    assert out.token_ids == reference.greedy(tiny_checkpoint, ids, 32)
+    assert out.token_ids == reference.greedy(tiny_varied_checkpoint, ids, 32)
     assert out.figures.completion_tokens == 32 and out.figures.finish_reason == "length"
 
 

@@ -86,8 +86,8 @@ def test_a_new_sequence_starts_from_what_the_last_one_learned():
 
 
 @pytest.fixture(scope="module")
-def tiny_bundle(tiny_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("spec") / "fp32", name="tiny",
+def tiny_bundle(tiny_varied_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_varied_checkpoint, QuantSpec(), tmp_path_factory.mktemp("spec") / "fp32", name="tiny",
                         progress=lambda s: None)
 
 
@@ -166,8 +166,8 @@ def test_a_seeded_sampled_request_gives_the_same_text_with_speculation_alone_or_
 
 
 @pytest.fixture(scope="module")
-def tiny_int8_bundle(tiny_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
+def tiny_int8_bundle(tiny_varied_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_varied_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
                         tmp_path_factory.mktemp("spec") / "int8", name="tiny", progress=lambda s: None)
 
 
