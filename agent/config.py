@@ -74,7 +74,8 @@ class ApiConfig(BaseModel):
     socket_group: str | None = Field(None, description="group owning the socket: its members may connect")
     tcp: str | None = Field(None, description="also listen on HOST:PORT; loopback only unless tcp_any_host")
     tcp_any_host: bool = Field(False, description="allow a tcp host other than loopback (the API has no auth)")
-    max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies are refused (413)")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="larger request bodies are refused (413); bodies being "
+                                "read or tokenized take at most four of these together (429 past that)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 'overloaded' answer")
     drain_timeout_s: float = Field(30.0, ge=0, le=50, description="on shutdown, time in-flight requests get to "
                                    "finish (under the unit's TimeoutStopSec=75, with the shutdown's other steps)")

@@ -169,13 +169,18 @@ class Engine:
                  self.config.memory_budget_mb)
         return pool
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the largest slot holds with one generated token."""
+        return self.kv.max_capacity - 1
+
     # ---- submission (any thread) ----
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestHandle:
         if self._stop.is_set():  # checked again below, under the lock; this one before a closed engine's state
             raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        if len(prompt_ids) >= self.kv.max_capacity:
+        if len(prompt_ids) > self.max_prompt_tokens:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
                                f"{self.kv.max_capacity} (prompt plus at least one generated token)",
                                "context_length_exceeded")

@@ -98,7 +98,7 @@ class SamplingRequest(_Request):
     n: Annotated[int, BeforeValidator(lambda v: 1 if v is None else v)] = 1
     stream: Annotated[bool, BeforeValidator(lambda v: False if v is None else v)] = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for OpenAI compatibility; not used
+    user: str | None = Field(None, max_length=256)  # an end-user id, for OpenAI compatibility; not used
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     # vLLM's extension names
     top_k: int | None = None

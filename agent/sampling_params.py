@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit ("up to 4 sequences")
+MAX_STOP_CHARS = 1000  # ours: a 1 MB stop string was accepted, kept for the whole request and scanned per token
 _SEED_MIN, _SEED_MAX = -(1 << 63), 1 << 64  # int64 or uint64: what a C client may send; see make_rng
 
 
@@ -51,6 +52,8 @@ def _check_stop(stop: list[str]) -> list[str]:
         raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     if any(s == "" for s in stop):
         raise ValueError("stop strings must be non-empty (1 or more characters)")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):  # each is kept, and checked at every token, while it runs
+        raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters long")
     return stop
 
 

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol
@@ -28,11 +29,22 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from agent.process import trim_heap
+
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode puts where a character's bytes are incomplete
 # Prompt tokens that seed a detokenizer's window (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): a
 # Metaspace decoder drops the leading space of a window's first token, so the first generated token
 # needs a few tokens before it. Byte-level decoders do not need them but are not harmed.
 PROMPT_CONTEXT_TOKENS = 5
+# `tokenizers` takes ~500 bytes a token while it encodes (offsets, token strings), and glibc keeps what it
+# freed: a few 4 MB prompts at once took a 350 MB agent past 2 GB, and it stayed over 1 GB (found in review).
+# Texts this long are encoded one at a time, and the heap is trimmed after each.
+BIG_TEXT_BYTES = 64 << 10
+_big_encode = threading.Lock()
+
+
+class PromptTooLong(ValueError):
+    """The text holds more tokens than allowed, known without encoding it all."""
 
 
 class TokenizerSettings(Protocol):
@@ -111,6 +123,10 @@ class TextTokenizer:
         # The names templates print, e.g. llama's '{{ bos_token }}'; '' when the model has none.
         self.bos_token = self._token_text(config.bos_token_id)
         self.eos_token = self._token_text(config.eos_token_ids[0] if config.eos_token_ids else None)
+        # The longest text one token stands for (81 bytes for SmolLM2; ~35 ms for its 49,152 tokens): a text
+        # of n bytes is at least n / this many tokens, so a prompt far too long is refused unencoded.
+        self.max_token_bytes = max(len(self._tokenizer.decode([i], skip_special_tokens=False).encode())
+                                   for i in range(self._tokenizer.get_vocab_size())) or 1
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tokenizer.id_to_token(token_id) or "")
@@ -126,9 +142,19 @@ class TextTokenizer:
     def is_eos(self, token_id: int) -> bool:
         return token_id in self.eos_token_ids
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of text; BOS first when add_bos (default: the config's add_bos_token)."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool | None = None, max_tokens: int | None = None) -> list[int]:
+        """Token ids of text; BOS first when add_bos (default: the config's add_bos_token). PromptTooLong
+        when the text is surely over max_tokens before it is encoded (the caller checks the exact count)."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if max_tokens is not None and size > max_tokens * self.max_token_bytes:
+            raise PromptTooLong(f"the prompt has at least {-(-size // self.max_token_bytes)} tokens ({size} bytes); "
+                                f"at most {max_tokens} are accepted")
+        if size < BIG_TEXT_BYTES:
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            with _big_encode:
+                ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+                trim_heap()
         add = self.add_bos_token if add_bos is None else add_bos
         return [self.bos_token_id, *ids] if add else ids
 
@@ -150,9 +176,10 @@ class TextTokenizer:
             # ZeroDivisionError, the sandbox's OverflowError for a huge range(): the request's answer, not a 500
             raise ValueError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    max_tokens: int | None = None) -> list[int]:
         """Token ids of the rendered chat; BOS added per config unless the template already wrote it."""
-        ids = self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
+        ids = self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False, max_tokens=max_tokens)
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

@@ -772,3 +772,61 @@ def test_a_serve_that_fails_to_start_lets_go_of_the_state_directory(tmp_path, ti
     with pytest.raises(OSError):
         serve_forever(config)
     os.close(lock_state_dir(state))  # free again
+
+
+def test_bodies_held_while_being_read_are_bounded_and_refused_as_overloaded(tiny_bundle, tiny_engine):
+    """Found in review: 200 connections each sending a 4 MiB body and holding back its last byte made the
+    agent hold 1.35 GB (budget 350 MB) before any queue limit applied. Bodies being read or tokenized now take
+    at most INTAKE_BODIES x max_body_bytes together; past that a body is refused 429 with a Retry-After."""
+    from agent.api import INTAKE_BODIES
+
+    limit = 4096
+    with serving(tiny_bundle, tiny_engine, max_body_bytes=limit, request_timeout_s=5) as s:
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode().ljust(limit - 100)
+        held = []
+        for _ in range(INTAKE_BODIES):  # each sends all but its last byte, and waits
+            conn = raw_connection(s.path)
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:-1])
+            held.append(conn)
+        time.sleep(0.3)  # read by the server
+        refused = s.http().post("/v1/completions", content=body)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded", refused.text
+        assert "retry-after" in refused.headers
+        for conn in held:  # they complete, and the room is free again
+            conn.sendall(body[-1:])
+            answer = b""
+            while b"\r\n\r\n" not in answer and (chunk := conn.recv(4096)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            conn.close()
+        assert s.http().post("/v1/completions", content=body).status_code == 200
+
+
+def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(tiny, monkeypatch):
+    """Found in review: a 4 MB prompt was tokenized in full (~500 bytes a token inside `tokenizers`, 919 MB
+    of RSS at a 350 MB budget) before the length check refused it."""
+    import agent.tokenizer
+
+    http = tiny.http()
+    prompt = "the " * 400_000  # 1.6 MB
+    encoded = []
+    monkeypatch.setattr(agent.tokenizer.Tokenizer, "encode", lambda *a, **kw: encoded.append(1))
+    for path, body in (("/v1/completions", {"model": "tiny", "prompt": prompt}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": prompt}]})):
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "at least" in r.json()["error"]["message"]
+    assert encoded == []
+
+
+def test_fields_kept_for_the_whole_request_have_a_length_limit(tiny):
+    """Found in review: a 3.9 MB `user` and 1 MB stop strings were accepted and kept while the request
+    waited and ran (the queue counts requests, not bytes)."""
+    http = tiny.http()
+    for extra, param in (({"user": "u" * 257}, "user"), ({"stop": ["s" * 1001]}, "stop")):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": "u" * 256,
+                                            "stop": ["s" * 1000]})
+    assert ok.status_code == 200, ok.text
