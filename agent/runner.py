@@ -42,7 +42,8 @@ RELEASE_AFTER_STEP_MIN_BYTES = 1 << 20
 # SmolLM2 (head_dim 64). That position's logits then differ by up to ~3e-5 from any other split of the
 # same tokens, while widths without a lone row give the same bits whatever the split. A cold run and a
 # prefix-cache hit split a prompt differently, so prefill steps avoid those widths (found in review: near-
-# ties flipped greedy tokens). Tiles are multiples of 32 for every head_dim that is a multiple of 16.
+# ties flipped greedy tokens). The tile measured on both models is twice head_dim, and 32 divides that for
+# every head_dim the quantizer accepts (a multiple of 16).
 LONE_ROW_TILE = 32
 
 
