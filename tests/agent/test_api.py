@@ -822,7 +822,10 @@ def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(tiny, m
 
 def test_fields_kept_for_the_whole_request_have_a_length_limit(tiny):
     """Found in review: a 3.9 MB `user` and 1 MB stop strings were accepted and kept while the request
-    waited and ran (the queue counts requests, not bytes)."""
+    waited and ran (the queue counts requests, not bytes), and 123,000 one-letter messages were parsed and
+    rendered (778 MB at a 350 MB budget) before the prompt was refused as too long."""
+    from agent.openai_models import MAX_MESSAGES
+
     http = tiny.http()
     for extra, param in (({"user": "u" * 257}, "user"), ({"stop": ["s" * 1001]}, "stop")):
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1, **extra})
@@ -830,3 +833,6 @@ def test_fields_kept_for_the_whole_request_have_a_length_limit(tiny):
     ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1, "user": "u" * 256,
                                             "stop": ["s" * 1000]})
     assert ok.status_code == 200, ok.text
+    many = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "a"}]
+                                                   * (MAX_MESSAGES + 1)})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "messages", many.text
