@@ -409,13 +409,15 @@ def finished_error(fin: Finished, retry_after_s: int) -> ApiError | None:
 
 
 # ---- the application ---------------------------------------------------------------------------------
-INTAKE_BODIES = 4  # bodies being read or tokenized hold at most this many max_body_bytes together
+INTAKE_BODIES = 4  # bodies being read or tokenized hold at most this many max_body_bytes together...
+INTAKE_SMALL_BYTES = 64 << 10  # ...except that a body up to this size is always read (256 connections: 16 MiB)
 
 
 class Intake:
     """Bytes of request bodies read but not yet submitted, over all connections (on the event loop only).
     Past the limit a body is refused as overloaded: 200 connections sending 4 MiB bodies slowly held 1.35 GB
-    of an agent whose budget was 350 MB, none of it counted anywhere (found in review)."""
+    of an agent whose budget was 350 MB, none of it counted anywhere (found in review). Small bodies, every
+    ordinary request, are never refused: four slow uploads would otherwise lock every other client out."""
 
     def __init__(self, limit: int, retry_after_s: int):
         self.limit, self.retry_after_s, self.held = limit, retry_after_s, 0
@@ -426,7 +428,7 @@ class Intake:
 
         def take(n: int) -> None:
             nonlocal taken
-            if self.held + n > self.limit:
+            if taken + n > INTAKE_SMALL_BYTES and self.held + n > self.limit:
                 raise overloaded(f"the agent is reading {self.held} bytes of other requests; try again",
                                  self.retry_after_s)
             self.held, taken = self.held + n, taken + n
@@ -531,11 +533,14 @@ class OpenAIServer:
             await self._wait_for_switch()
             engine = self.backend.require_engine()
             try:
-                # Tokenizing a long prompt takes milliseconds: off the loop, so other streams keep flowing.
+                # Off the loop, though `tokenizers` keeps the GIL while it encodes (a 600 kB text held other
+                # streams ~0.3 s): texts that long are refused unencoded unless the context could hold them.
                 prompt_ids = await asyncio.to_thread(kind.prompt_ids, req, engine)
             except om.FieldError as e:
                 raise invalid_request(str(e), e.param) from None
             except PromptTooLong as e:  # refused before a text of megabytes is encoded
+                if engine.stopped:  # by the old model of a switch: the new one may hold it (found in review)
+                    continue
                 raise invalid_request(str(e), kind.prompt_field, "context_length_exceeded") from None
             try:
                 handle = self.submit(engine, prompt_ids, req, kind)

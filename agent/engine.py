@@ -104,6 +104,7 @@ class Engine:
                              "'ngram' or 'off'")
         self.max_context = min(config.max_context or c.context_length, c.context_length)
         self.kv = self._plan_kv()
+        self.max_prompt_tokens = self.kv.max_capacity - 1  # the largest slot, with one generated token
         self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s,
                                    self.prefix.retire if self.prefix is not None else None)
         self.streams: dict[int, tuple[RequestHandle, IncrementalDetokenizer]] = {}
@@ -170,9 +171,8 @@ class Engine:
         return pool
 
     @property
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt the largest slot holds with one generated token."""
-        return self.kv.max_capacity - 1
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     # ---- submission (any thread) ----
     def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestHandle:

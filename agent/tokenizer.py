@@ -27,7 +27,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from agent.process import trim_heap
 
@@ -40,6 +40,7 @@ PROMPT_CONTEXT_TOKENS = 5
 # freed: a few 4 MB prompts at once took a 350 MB agent past 2 GB, and it stayed over 1 GB (found in review).
 # Texts this long are encoded one at a time, and the heap is trimmed after each.
 BIG_TEXT_BYTES = 64 << 10
+TOKEN_BYTES_SLACK = 4  # see TextTokenizer._max_token_bytes
 _big_encode = threading.Lock()
 
 
@@ -123,10 +124,20 @@ class TextTokenizer:
         # The names templates print, e.g. llama's '{{ bos_token }}'; '' when the model has none.
         self.bos_token = self._token_text(config.bos_token_id)
         self.eos_token = self._token_text(config.eos_token_ids[0] if config.eos_token_ids else None)
-        # The longest text one token stands for (81 bytes for SmolLM2; ~35 ms for its 49,152 tokens): a text
-        # of n bytes is at least n / this many tokens, so a prompt far too long is refused unencoded.
-        self.max_token_bytes = max(len(self._tokenizer.decode([i], skip_special_tokens=False).encode())
-                                   for i in range(self._tokenizer.get_vocab_size())) or 1
+        self.max_token_bytes = self._max_token_bytes()
+
+    def _max_token_bytes(self) -> int:
+        """The most input one token can stand for (~35 ms for SmolLM2's 49,152 tokens): a text of n bytes is at
+        least n / this many tokens, so a prompt far too long is refused unencoded. A byte-level document
+        without a normalizer decodes each token to exactly its input (81 bytes at most for SmolLM2). Otherwise
+        a decoded token can be shorter than its input (Metaspace strips a space, NFC composes: found in
+        review), so the longer of that and its vocabulary string, with a slack of 4."""
+        t, n = self._tokenizer, self._tokenizer.get_vocab_size()
+        decoded = max((len(t.decode([i], skip_special_tokens=False).encode()) for i in range(n)), default=1)
+        if t.normalizer is None and isinstance(t.decoder, decoders.ByteLevel):
+            return max(decoded, 1)
+        spelled = max((len((t.id_to_token(i) or "").encode()) for i in range(n)), default=1)
+        return TOKEN_BYTES_SLACK * max(decoded, spelled, 1)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tokenizer.id_to_token(token_id) or "")

@@ -777,12 +777,14 @@ def test_a_serve_that_fails_to_start_lets_go_of_the_state_directory(tmp_path, ti
 def test_bodies_held_while_being_read_are_bounded_and_refused_as_overloaded(tiny_bundle, tiny_engine):
     """Found in review: 200 connections each sending a 4 MiB body and holding back its last byte made the
     agent hold 1.35 GB (budget 350 MB) before any queue limit applied. Bodies being read or tokenized now take
-    at most INTAKE_BODIES x max_body_bytes together; past that a body is refused 429 with a Retry-After."""
-    from agent.api import INTAKE_BODIES
+    at most INTAKE_BODIES x max_body_bytes together; past that a large body is refused 429 with a
+    Retry-After, while small ones (every ordinary request) are still served: a first version locked everyone
+    out with four slow uploads (found in review of the fix)."""
+    from agent.api import INTAKE_BODIES, INTAKE_SMALL_BYTES
 
-    limit = 4096
+    limit = 2 * INTAKE_SMALL_BYTES
     with serving(tiny_bundle, tiny_engine, max_body_bytes=limit, request_timeout_s=5) as s:
-        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode().ljust(limit - 100)
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode().ljust(limit - 1024)
         held = []
         for _ in range(INTAKE_BODIES):  # each sends all but its last byte, and waits
             conn = raw_connection(s.path)
@@ -793,6 +795,8 @@ def test_bodies_held_while_being_read_are_bounded_and_refused_as_overloaded(tiny
         refused = s.http().post("/v1/completions", content=body)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded", refused.text
         assert "retry-after" in refused.headers
+        small = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        assert small.status_code == 200, small.text
         for conn in held:  # they complete, and the room is free again
             conn.sendall(body[-1:])
             answer = b""
@@ -801,6 +805,33 @@ def test_bodies_held_while_being_read_are_bounded_and_refused_as_overloaded(tiny
             assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
             conn.close()
         assert s.http().post("/v1/completions", content=body).status_code == 200
+
+
+def test_a_request_tokenized_after_a_switch_closed_its_engine_goes_to_the_new_one(tiny_bundle, monkeypatch):
+    """Found in review: the prompt's length limit was read from the engine in the tokenizing thread, and an
+    engine a model switch had closed meanwhile answered 500 (the old code retried on the new engine)."""
+    import agent.api
+    from agent.serve import swap_engine
+
+    to_thread = asyncio.to_thread
+
+    async def late(fn, *a, **kw):  # queued behind other work in the executor
+        await asyncio.sleep(0.5)
+        return await to_thread(fn, *a, **kw)
+
+    engine = Engine(tiny_bundle, TINY_ENGINE)
+    engine.start()
+    monkeypatch.setattr(agent.api.asyncio, "to_thread", late)
+    with serving(tiny_bundle, engine) as s:
+        answers = []
+        ask = threading.Thread(target=lambda: answers.append(
+            s.http().post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})))
+        ask.start()
+        time.sleep(0.2)  # it picked the old engine and waits for a thread
+        swap_engine(s.server.backend, tiny_bundle, TINY_ENGINE, None)
+        ask.join()
+        s.server.backend.engine.stop()
+        assert answers[0].status_code == 200, answers[0].text
 
 
 def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(tiny, monkeypatch):

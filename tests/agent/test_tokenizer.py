@@ -9,6 +9,8 @@ Run: .venv/bin/python -m pytest tests/agent/test_tokenizer.py -q
 """
 from __future__ import annotations
 
+import json
+
 import gguf
 import pytest
 from hypothesis import given, settings
@@ -271,3 +273,28 @@ def test_bad_tokenizer_json_and_missing_bos_are_value_errors(smollm_json):
         TextTokenizer("{}", settings_for())
     with pytest.raises(ValueError, match="no bos_token_id"):
         TextTokenizer(smollm_json, settings_for(add_bos=True, bos=None))
+
+
+def test_a_prompt_is_refused_unencoded_only_when_it_surely_holds_too_many_tokens():
+    """Found in review: the bound (a token covers at most the longest token's decoded bytes) was wrong for
+    SentencePiece-style documents, whose decoder strips a leading space: 40 spaces are 10 tokens, yet
+    max_tokens=12 was refused as "at least 14"."""
+    from types import SimpleNamespace
+
+    from agent.tokenizer import PromptTooLong, TextTokenizer
+
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+           "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+           "pre_tokenizer": None, "post_processor": None,
+           "decoder": {"type": "Sequence", "decoders": [
+               {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+               {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+           "model": {"type": "BPE", "dropout": None, "unk_token": "?", "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": False,
+                     "vocab": {"?": 0, "\u2581": 1, "\u2581\u2581": 2, "\u2581\u2581\u2581\u2581": 3, "a": 4},
+                     "merges": [["\u2581", "\u2581"], ["\u2581\u2581", "\u2581\u2581"]]}}
+    tok = TextTokenizer(json.dumps(doc), SimpleNamespace(bos_token_id=None, eos_token_ids=[0], add_bos_token=False,
+                                                         chat_template=None))
+    assert len(tok.encode(" " * 40, max_tokens=10)) == 10  # fits exactly: encoded, not refused
+    with pytest.raises(PromptTooLong):
+        tok.encode("a" * 100_000, max_tokens=10)
