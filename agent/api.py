@@ -533,8 +533,7 @@ class OpenAIServer:
             await self._wait_for_switch()
             engine = self.backend.require_engine()
             try:
-                # Off the loop, though `tokenizers` keeps the GIL while it encodes (a 600 kB text held other
-                # streams ~0.3 s): texts that long are refused unencoded unless the context could hold them.
+                # Off the loop, so other streams keep flowing (a long text is encoded without the GIL).
                 prompt_ids = await asyncio.to_thread(kind.prompt_ids, req, engine)
             except om.FieldError as e:
                 raise invalid_request(str(e), e.param) from None

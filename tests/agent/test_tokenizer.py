@@ -298,3 +298,29 @@ def test_a_prompt_is_refused_unencoded_only_when_it_surely_holds_too_many_tokens
     assert len(tok.encode(" " * 40, max_tokens=10)) == 10  # fits exactly: encoded, not refused
     with pytest.raises(PromptTooLong):
         tok.encode("a" * 100_000, max_tokens=10)
+
+
+def test_a_long_text_is_encoded_without_holding_other_threads(smollm):
+    """Found in review: `tokenizers`' encode keeps the GIL, so a 600 kB prompt stalled every stream (and the
+    API's event loop) for ~0.5 s. A long text is encoded by encode_batch, which lets go of it; same ids."""
+    import threading
+
+    text = "the quick brown fox jumps over the lazy dog " * 14_000
+    ticks, stop = [0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            stop.wait(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        before = ticks[0]
+        ids = smollm.encode(text)
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        ticker.join()
+    assert ids == smollm._tokenizer.encode(text, add_special_tokens=False).ids
+    assert during > 50, during  # ~260-300 ticks here; with the GIL held, 9
