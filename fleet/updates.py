@@ -192,6 +192,7 @@ class RolloutDriver:
         # there stalled the PUBACKs a pass was waiting for. Bounded: one device flooding its topic at QoS 0
         # must not grow it without limit (a device's last report is retained and replayed at reconnect).
         self._reports: collections.deque[JobStatusUpdate] = collections.deque(maxlen=STATUS_INBOX_MAX)
+        self._notified: dict[tuple[str, str], float] = {}  # (job, device) -> time.monotonic() of the notice
         self._wake = threading.Event()
 
     def start(self) -> "RolloutDriver":
@@ -283,15 +284,29 @@ class RolloutDriver:
                            [JobState.FAILED.value, f"cannot be carried out: {e}", time.time(), job["id"]])
         db.conn.commit()
 
-    @staticmethod
-    def _time_out_devices(db: sqlite_utils.Database) -> None:
+    def _time_out_devices(self, db: sqlite_utils.Database) -> None:
         """A notified device that has not finished within its job's device timeout of the notice is TIMED_OUT
         (progress reports do not extend it: a device stuck at 99% must end too). Every job's devices: those
-        of a halted job still installing stayed IN_PROGRESS for good (found in review)."""
-        db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
-                   "updated_at = ? where notified = 1 and state not in (?, ?, ?, ?, ?) and notified_at < ? - "
-                   "(select coalesce(device_timeout_s, 1800.0) from jobs where jobs.id = job_devices.job_id)",
-                   [JobState.TIMED_OUT.value, time.time(), *sorted(s.value for s in TERMINAL_JOB_STATES), time.time()])
+        of a halted job still installing stayed IN_PROGRESS for good (found in review). The timeout runs on
+        the monotonic clock: on the wall clock a fleet clock stepped back after running ahead kept devices
+        from ever timing out, and one stepped forward timed them out at once (found in review). A notice
+        sent before this process started counts from its stored time, once, at most one timeout ago."""
+        mono, wall = time.monotonic(), time.time()
+        pending = {}
+        for r in db.query("select job_id, device_id, notified_at, coalesce(device_timeout_s, 1800.0) as timeout_s "
+                          "from job_devices join jobs on jobs.id = job_devices.job_id where notified = 1 and "
+                          f"job_devices.state not in ({', '.join('?' * len(TERMINAL_JOB_STATES))})",
+                          sorted(s.value for s in TERMINAL_JOB_STATES)):
+            key = (r["job_id"], r["device_id"])
+            since = self._notified.get(key)
+            stamped = wall if r["notified_at"] is None else r["notified_at"]
+            elapsed = mono - since if since is not None else min(max(wall - stamped, 0.0), r["timeout_s"])
+            pending[key] = mono - elapsed
+            if elapsed >= r["timeout_s"]:
+                db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
+                           "updated_at = ? where job_id = ? and device_id = ?", [JobState.TIMED_OUT.value, wall, *key])
+                del pending[key]
+        self._notified = pending  # what ended is forgotten
 
     def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
@@ -309,6 +324,7 @@ class RolloutDriver:
             if sent is True:
                 db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ? "
                            "where job_id = ? and device_id = ?", [now := time.time(), now, job["id"], device_id])
+                self._notified[(job["id"], device_id)] = time.monotonic()
             elif sent:  # refused (an ACL): found in review, it was counted as notified and timed out later
                 log.error("job %s: the notice to %s was not delivered: %s", job["id"], device_id, sent)
                 db.execute("update job_devices set notified = 1, state = ?, reason = ?, notified_at = ?, "

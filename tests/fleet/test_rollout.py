@@ -339,3 +339,33 @@ def test_a_report_from_a_device_not_yet_notified_is_ignored(tmp_path):
     store.db.conn.commit()
     report(driver, job_id, JobState.REJECTED, ts=200, device_id="dev-b")  # once sent, its answer counts
     assert recorded(store, job_id, "dev-b") == "REJECTED"
+
+
+def test_device_timeouts_run_on_the_monotonic_clock(tmp_path, monkeypatch):
+    """Found in review: the device timeout compared wall-clock times, so a fleet clock stepped two hours
+    forward timed every device out at once, and notices sent while the clock ran a year ahead never timed
+    out once NTP set it right (the rollout hung for a year)."""
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    ahead = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback", device_timeout_s=0.5)
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 365 * 86400)  # the fleet's clock a year ahead
+    driver._pass(db)
+    assert db["job_devices"].get((ahead, "dev-a"))["notified"] == 1
+    monkeypatch.setattr(time, "time", real)  # NTP sets it right
+    steady = create_job(store.db, None, ["dev-b"], 1, 0.0, operation="rollback", device_timeout_s=600)
+    driver._pass(db)
+    assert db["job_devices"].get((steady, "dev-b"))["notified"] == 1
+    monkeypatch.setattr(time, "time", lambda: real() + 7200)  # then a step two hours forward
+    time.sleep(0.6)
+    driver._pass(db)
+    assert recorded(store, ahead) == "TIMED_OUT"  # half a second of real time after its notice
+    assert recorded(store, steady, "dev-b") != "TIMED_OUT"  # not two hours of it
+    restarted = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    restarted._pass(db)  # a new process counts from the stored time: two hours of wall clock, within 600 s
+    assert recorded(store, steady, "dev-b") == "TIMED_OUT"
