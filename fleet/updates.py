@@ -293,10 +293,11 @@ class RolloutDriver:
         sent before this process started counts from its stored time, once, at most one timeout ago."""
         mono, wall = time.monotonic(), time.time()
         pending = {}
-        for r in db.query("select job_id, device_id, notified_at, coalesce(device_timeout_s, 1800.0) as timeout_s "
-                          "from job_devices join jobs on jobs.id = job_devices.job_id where notified = 1 and "
-                          f"job_devices.state not in ({', '.join('?' * len(TERMINAL_JOB_STATES))})",
-                          sorted(s.value for s in TERMINAL_JOB_STATES)):
+        rows = list(db.query("select job_id, device_id, notified_at, coalesce(device_timeout_s, 1800.0) as timeout_s "
+                             "from job_devices join jobs on jobs.id = job_devices.job_id where notified = 1 and "
+                             f"job_devices.state not in ({', '.join('?' * len(TERMINAL_JOB_STATES))})",
+                             sorted(s.value for s in TERMINAL_JOB_STATES)))  # read before any row changes
+        for r in rows:
             key = (r["job_id"], r["device_id"])
             since = self._notified.get(key)
             stamped = wall if r["notified_at"] is None else r["notified_at"]
