@@ -167,8 +167,9 @@ def test_a_seeded_sampled_request_gives_the_same_text_with_speculation_alone_or_
 
 @pytest.fixture(scope="module")
 def tiny_int8_bundle(tiny_varied_checkpoint, tmp_path_factory):
-    return build_bundle(tiny_varied_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
-                        tmp_path_factory.mktemp("spec") / "int8", name="tiny", progress=lambda s: None)
+    spec = QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={})
+    return build_bundle(tiny_varied_checkpoint, spec, tmp_path_factory.mktemp("spec") / "int8", name="tiny",
+                        progress=lambda s: None)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
