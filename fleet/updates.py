@@ -292,7 +292,7 @@ class RolloutDriver:
         from ever timing out, and one stepped forward timed them out at once (found in review). A notice
         sent before this process started counts from its stored time, once, at most one timeout ago."""
         mono, wall = time.monotonic(), time.time()
-        pending = {}
+        pending, expired = {}, []
         rows = list(db.query("select job_id, device_id, notified_at, coalesce(device_timeout_s, 1800.0) as timeout_s "
                              "from job_devices join jobs on jobs.id = job_devices.job_id where notified = 1 and "
                              f"job_devices.state not in ({', '.join('?' * len(TERMINAL_JOB_STATES))})",
@@ -302,12 +302,18 @@ class RolloutDriver:
             since = self._notified.get(key)
             stamped = wall if r["notified_at"] is None else r["notified_at"]
             elapsed = mono - since if since is not None else min(max(wall - stamped, 0.0), r["timeout_s"])
-            pending[key] = mono - elapsed
             if elapsed >= r["timeout_s"]:
-                db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
-                           "updated_at = ? where job_id = ? and device_id = ?", [JobState.TIMED_OUT.value, wall, *key])
-                del pending[key]
+                expired.append(key)
+            else:
+                pending[key] = mono - elapsed
         self._notified = pending  # what ended is forgotten
+        final = sorted(s.value for s in TERMINAL_JOB_STATES)
+        for i in range(0, len(expired), 1000):  # the state test in the statement itself: a final report another
+            batch = expired[i:i + 1000]  # replica commits meanwhile is not overwritten (found in review)
+            db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
+                       f"updated_at = ? where state not in ({', '.join('?' * len(final))}) and "
+                       f"(job_id, device_id) in (values {', '.join(['(?, ?)'] * len(batch))})",
+                       [JobState.TIMED_OUT.value, wall, *final, *(x for key in batch for x in key)])
 
     def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "

@@ -369,3 +369,51 @@ def test_device_timeouts_run_on_the_monotonic_clock(tmp_path, monkeypatch):
     restarted = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     restarted._pass(db)  # a new process counts from the stored time: two hours of wall clock, within 600 s
     assert recorded(store, steady, "dev-b") == "TIMED_OUT"
+
+
+def test_a_running_driver_times_a_silent_device_out_once_its_timeout_has_passed(tmp_path):
+    """Passes one after another time a device out after its timeout: not never (a count restarted at each
+    pass), not at once. A final report another replica commits while a pass runs is not overwritten, what
+    timed out leaves the driver's memory, and a restart whose wall clock is behind a notice's stamp counts
+    from the restart (found in review of the monotonic timeout)."""
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    job = create_job(store.db, None, ["dev-a", "dev-b"], 2, 1.0, operation="rollback", device_timeout_s=0.4)
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    other = sqlite_utils.Database(tmp_path / "fleet.db")  # another replica's connection
+
+    class Racing:  # the other replica records dev-b's SUCCEEDED between the pass's read and its update
+        def __getattr__(self, name):
+            return getattr(db, name)
+
+        def query(self, sql, params=()):
+            rows = list(db.query(sql, params))
+            other.execute("update job_devices set state = 'SUCCEEDED' where device_id = 'dev-b'")
+            other.conn.commit()
+            return rows
+
+    start = time.monotonic()
+    driver._pass(db)  # notifies both
+    while time.monotonic() - start < 0.3:
+        time.sleep(0.05)
+        driver._pass(db)
+    assert recorded(store, job) != "TIMED_OUT"
+    time.sleep(max(0.0, start + 0.45 - time.monotonic()))
+    driver._time_out_devices(Racing())
+    assert [recorded(store, job, d) for d in ("dev-a", "dev-b")] == ["TIMED_OUT", "SUCCEEDED"]
+    assert driver._notified == {}
+
+    later = create_job(store.db, None, ["dev-d"], 1, 1.0, operation="rollback", device_timeout_s=0.4)
+    driver._pass(db)
+    store.db.execute("update job_devices set notified_at = ? where job_id = ?", [time.time() + 3600, later])
+    store.db.conn.commit()  # stamped by a clock an hour ahead, which NTP then set right
+    restarted = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+    restarted._pass(db)
+    assert recorded(store, later, "dev-d") != "TIMED_OUT"
+    time.sleep(0.45)
+    restarted._pass(db)
+    assert recorded(store, later, "dev-d") == "TIMED_OUT"
