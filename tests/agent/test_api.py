@@ -867,3 +867,4 @@ def test_fields_kept_for_the_whole_request_have_a_length_limit(tiny):
     many = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "a"}]
                                                    * (MAX_MESSAGES + 1)})
     assert many.status_code == 400 and many.json()["error"]["param"] == "messages", many.text
+    assert many.json()["error"]["code"] == "invalid_value"  # refused as parsed, not after rendering and encoding
