@@ -44,12 +44,21 @@ ENVELOPE_BYTES = 4096  # room a TelemetryBatch envelope needs around its records
 MAX_RECORD_BYTES = MAX_PAYLOAD_BYTES - ENVELOPE_BYTES  # a record must fit one batch on its own
 BUSY_TIMEOUT_S = 10.0  # another process (the CLI, a backup) may hold the write lock briefly
 WAL_LIMIT_BYTES = 4 << 20  # the WAL beside the capped file: kept to this after each checkpoint
+# A wall clock that moved this much more (or less) than the time since boot, beyond what NTP may slew (at most
+# 500 ppm), was stepped: an edge box without an RTC boots in 1970 (or at its last shutdown) until NTP sets it.
+CLOCK_STEP_S = 1.0
+MAX_SLEW = 500e-6
 
 _KINDS = {RequestRecord: "request", SampleRecord: "sample", EventRecord: "event"}
 
 
 class StoreFull(Exception):
     """The record was not written: the disk, or the file's hard limit (max_page_count), is full."""
+
+
+def uptime() -> float:
+    """Seconds since boot, suspend included (CLOCK_BOOTTIME): monotonic would read a suspend as a clock step."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def max_file_bytes(max_bytes: int) -> int:
@@ -196,10 +205,11 @@ class TelemetryStore:
     """
 
     def __init__(self, path: Path, device_id: str, clock: Callable[[], float] = time.time,
-                 max_file_bytes: int | None = None):
+                 max_file_bytes: int | None = None, uptime: Callable[[], float] = uptime):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.device_id, self.clock = path, device_id, clock
+        self.path, self.device_id, self.clock, self.uptime = path, device_id, clock, uptime
+        self._last_stamp: tuple[float, float] | None = None  # (wall clock, uptime) at the last append
         self.recovered_from: Path | None = None  # where a corrupt database was moved, if it was
         self.in_memory_because: str | None = None  # why the file could not be used, if it could not
         hard_limit = max_file_bytes
@@ -259,8 +269,9 @@ class TelemetryStore:
         """Commit one record and return it; the kind follows the body's type."""
         kind = _KINDS[type(body)]
         with self._lock:
-            record = TelemetryRecord(boot_id=self.boot_id, seq=self._next_seq,
-                                     ts=self.clock() if ts is None else ts, kind=kind, **{kind: body})
+            if ts is None:
+                ts = self._stamp()
+            record = TelemetryRecord(boot_id=self.boot_id, seq=self._next_seq, ts=ts, kind=kind, **{kind: body})
             text = record.model_dump_json()
             if len(text.encode()) > MAX_RECORD_BYTES:
                 raise ValueError(f"a {kind} record of {len(text.encode())} bytes exceeds the "
@@ -275,6 +286,31 @@ class TelemetryStore:
                 raise StoreFull(f"telemetry database full ({e}): a {kind} record was not written") from None
             self._next_seq += 1
         return record
+
+    def _stamp(self) -> float:
+        """The wall clock now; if it was stepped since the last append, this boot's rows are restamped first."""
+        wall, up = self.clock(), self.uptime()
+        if self._last_stamp is not None:
+            last_wall, last_up = self._last_stamp
+            step = (wall - last_wall) - (up - last_up)
+            if abs(step) > CLOCK_STEP_S + MAX_SLEW * abs(up - last_up):
+                self._restamp(step)
+        self._last_stamp = (wall, up)
+        return wall
+
+    def _restamp(self, step: float) -> None:
+        """Move this boot's rows by a clock step, as if stamped by the clock as it is now. Left stamped in 1970,
+        they were deleted by the fleet's retention (and ours, once sent) as soon as they arrived. Rows of
+        earlier boots cannot be placed and are left as they are; the fleet replaces stamps before any set clock.
+        A failed write leaves the stamps as they were: stamps are worth less than the record being written."""
+        try:
+            with self.db.atomic():
+                n = self.db.execute("UPDATE records SET ts = ts + ?, body = json_set(body, '$.ts', ts + ?) "
+                                    "WHERE boot_id = ?", [step, step, self.boot_id]).rowcount
+        except sqlite3.Error as e:
+            log.warning("the clock stepped %+.0f s; this boot's records keep their stamps (%s)", step, e)
+            return
+        log.info("the clock stepped %+.0f s: moved this boot's %d records with it", step, n)
 
     def mark_sent(self, row_ids: Iterable[int]) -> None:
         """Flag rows as delivered (the broker acknowledged them). Rows deleted meanwhile are ignored."""

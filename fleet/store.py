@@ -29,6 +29,10 @@ BUSY_TIMEOUT_S = 30.0  # replicas sharing one file wait this long for the write 
 
 # ---- migrations -------------------------------------------------------------------------------------------
 CLOCK_SLACK_S = 300.0  # how far ahead of the fleet's clock a device's stamp may be before it is replaced
+# A stamp before this (2020-01-01) is a clock that was never set (a box without an RTC boots in 1970): no set
+# clock running this software reads earlier. The agent restamps its rows when NTP steps its clock, but rows it
+# sent before that arrive stamped so, and retention deleted them as soon as they arrived.
+UNSET_CLOCK_BEFORE_TS = 1_577_836_800.0
 KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
 PRIMARY_KEY = ("device_id", "boot_id", "seq")
 
@@ -103,10 +107,11 @@ class Ingest:
     def add_records(self, device_id: str, records: list[TelemetryRecord], seen_at: float) -> None:
         # A stamp ahead of the fleet's clock is the device's clock running ahead (no RTC, NTP not yet synced):
         # stored as it was, it put the device's whole history into every "last hour", stretched the report's
-        # time axis and escaped retention. Such records are stamped with their arrival instead.
+        # time axis and escaped retention. Such records, and those of a clock never set, are stamped with
+        # their arrival instead.
         latest = seen_at + CLOCK_SLACK_S
-        self.records.extend((device_id, r if r.ts <= latest else r.model_copy(update={"ts": seen_at}))
-                            for r in records)
+        self.records.extend((device_id, r if UNSET_CLOCK_BEFORE_TS <= r.ts <= latest
+                             else r.model_copy(update={"ts": seen_at})) for r in records)
         self.mark_seen(device_id, seen_at)
 
     def add_state(self, state: DeviceState, seen_at: float, live: bool = False) -> None:

@@ -301,6 +301,62 @@ def test_age_retention_spares_undelivered_rows(db_path):
     assert [r.record.seq for r in store.unsent(10)] == [old[2].seq, old[3].seq, 4]
 
 
+class Clocks:
+    """A wall clock and the time since boot, moved by the test."""
+
+    def __init__(self, wall: float):
+        self.wall, self.up = wall, 100.0
+
+    def tick(self, s: float) -> None:
+        self.wall += s
+        self.up += s
+
+
+def stamps(store: TelemetryStore) -> list[tuple[str, int, float, float]]:
+    """(boot_id, seq, ts column, ts in the body) of every row."""
+    return [(boot, seq, ts, json.loads(body)["ts"]) for boot, seq, ts, body in
+            store.db.execute("SELECT boot_id, seq, ts, body FROM records ORDER BY id").fetchall()]
+
+
+def test_a_clock_step_moves_this_boots_stamps_with_it(db_path):
+    # An RTC-less box boots in 1970 and NTP steps it later: left as they were, those stamps fell to the
+    # fleet's retention (and our own, once sent) as soon as they arrived
+    clocks = Clocks(wall=60.0)
+    earlier = TelemetryStore(db_path, "dev-1", clock=lambda: clocks.wall, uptime=lambda: clocks.up)
+    earlier.append(EventRecord(kind="start"))  # a previous boot's row: it cannot be placed
+    earlier.close()
+    store = TelemetryStore(db_path, "dev-1", clock=lambda: clocks.wall, uptime=lambda: clocks.up)
+    for _ in range(3):
+        store.append(EventRecord(kind="tick"))
+        clocks.tick(10.0)
+    store.mark_sent([store.unsent(1)[0].row_id])
+    step = 1_764_000_000.0
+    clocks.wall += step  # NTP steps the clock
+    store.append(EventRecord(kind="tick"))
+    rows = stamps(store)
+    assert rows[0][2:] == (60.0, 60.0)  # the earlier boot's row
+    assert [r[2] for r in rows[1:]] == [60.0 + step, 70.0 + step, 80.0 + step, 90.0 + step]
+    assert all(r[2] == r[3] for r in rows)  # what is sent says the same as the column
+    assert [r.record.ts for r in store.unsent(10)][-3:] == [70.0 + step, 80.0 + step, 90.0 + step]
+    clocks.tick(10.0)
+    clocks.wall -= 3600.0  # and back: the clock was an hour ahead
+    store.append(EventRecord(kind="tick"))
+    assert [r[2] for r in stamps(store)[1:]] == [t + step - 3600.0 for t in (60.0, 70.0, 80.0, 90.0, 100.0)]
+
+
+@pytest.mark.parametrize("wall_s, up_s", [(10.0 + 0.9, 10.0),  # jitter and NTP's slewing
+                                          (86_400 * 1.0004, 86_400.0),  # 400 ppm over a day
+                                          (7200.0, 7200.0)])  # a suspended box: uptime counts the suspend
+def test_a_slewed_clock_keeps_its_stamps(db_path, wall_s, up_s):
+    clocks = Clocks(wall=1_764_000_000.0)
+    store = TelemetryStore(db_path, "dev-1", clock=lambda: clocks.wall, uptime=lambda: clocks.up)
+    first = store.append(EventRecord(kind="tick"))
+    clocks.wall += wall_s
+    clocks.up += up_s
+    store.append(EventRecord(kind="tick"))
+    assert stamps(store)[0][2] == first.ts
+
+
 def test_stored_bytes_counts_body_plus_overhead(db_path):
     store = TelemetryStore(db_path, "dev-1")
     record = store.append(request())

@@ -183,7 +183,7 @@ def test_requests_that_produced_no_token_have_no_ttft(tmp_path):
     assert row["requests"] == 10 and row["ttft_p50_ms"] == 2001.5 and row["decode_tps_p50"] == 10
 
 
-def test_a_device_clock_far_ahead_is_stamped_with_arrival(tmp_path):
+def test_a_device_clock_far_ahead_or_never_set_is_stamped_with_arrival(tmp_path):
     """Found in review: a device 180 days ahead put its whole history into `tps --since 1h` and escaped
     retention. A stamp more than CLOCK_SLACK_S ahead of the fleet's clock becomes the arrival time."""
     store = FleetStore(tmp_path / "f.db")
@@ -192,8 +192,13 @@ def test_a_device_clock_far_ahead_is_stamped_with_arrival(tmp_path):
     ingest.add_records("dev-skew", ahead, NOW)
     ingest.add_records("dev-ok", [request(0, NOW - 10, "m", "v1", 10, 100), request(1, NOW + 60, "m", "v1", 10, 100)],
                        NOW)
+    # and a clock never set (no RTC, booted in 1970, its rows sent before NTP set it): pruned on arrival before
+    ingest.add_records("dev-1970", [request(i, 30.0 + i, "m", "v1", 10, 100) for i in range(3)], NOW)
     store.commit(ingest)
     assert sorted({ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-skew'")}) == [NOW]
+    assert [ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-1970'")] == [NOW] * 3
+    store.prune(NOW - 90 * 86400)
+    assert store.db["requests"].count_where("device_id = 'dev-1970'") == 3
     assert sorted(ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-ok'")) == [
         NOW - 10, NOW + 60]  # a minute ahead is within the slack: kept as sent
     store.close()
