@@ -150,17 +150,18 @@ class Stats:
 class _Prune:
     """A retention pass under way in the writer thread."""
 
-    before_ts: float
+    before: dict[str, float]  # table -> delete rows stamped before this
     deleted: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
 class Consumer:
     def __init__(self, store: FleetStore, url: str, client_id: str = "edge-fleet", shared_group: str | None = None,
-                 window_s: float = WINDOW_S, credentials: Credentials = Credentials(), keep_s: float | None = None):
-        """keep_s: telemetry older than this is deleted, hourly (None keeps it all)."""
+                 window_s: float = WINDOW_S, credentials: Credentials = Credentials(),
+                 keep_s: dict[str, float] | None = None):
+        """keep_s: table -> seconds; the table's older rows are deleted, hourly (a table not named is kept)."""
         self.store = store
-        self.window_s, self.keep_s = window_s, keep_s
+        self.window_s, self.keep_s = window_s, keep_s or {}
         self.stats = Stats()
         self._inbox: queue.Queue[Inbound] = queue.Queue(INBOX_MAX_MESSAGES)
         self._stopping = threading.Event()
@@ -193,9 +194,10 @@ class Consumer:
             if batch:
                 self._handle(batch)
             last_log = self._maybe_log_rate(last_log)
-            if prune is None and self.keep_s is not None and time.monotonic() >= next_prune:
+            if prune is None and self.keep_s and time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + PRUNE_EVERY_S
-                prune = _Prune(time.time() - self.keep_s)
+                now = time.time()
+                prune = _Prune({table: now - keep_s for table, keep_s in self.keep_s.items()})
             if prune is not None and not self._prune_step(prune):
                 prune = None
         self._flush()
@@ -205,15 +207,15 @@ class Consumer:
         batch at most. Found in review: the whole prune in one call held ingest for 24 s on a day of expired
         rows, 149 s at the agent's default sample rate. Returns whether there is more; a failure waits for
         the next period."""
-        days = self.keep_s / 86400
+        ages = ", ".join(f"{table} {keep_s / 86400:g} days" for table, keep_s in self.keep_s.items())
         try:
-            n = self.store.prune_step(prune.before_ts)
+            n = self.store.prune_step(prune.before)
         except sqlite3.Error as e:
-            log.error("pruning telemetry older than %.0f days failed: %s", days, e)
+            log.error("pruning telemetry older than it is kept (%s) failed: %s", ages, e)
             return False
         prune.deleted += n
         if not n and prune.deleted:
-            log.info("pruned %d telemetry rows older than %.0f days in %.1f s", prune.deleted, days,
+            log.info("pruned %d telemetry rows older than they are kept (%s) in %.1f s", prune.deleted, ages,
                      time.monotonic() - prune.started)
         return n > 0
 
@@ -326,9 +328,9 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
 
 def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
           credentials: Credentials = Credentials(), artifacts: Artifacts | None = None,
-          keep_s: float | None = None) -> Stats:
+          keep_s: dict[str, float] | None = None) -> Stats:
     """Run a consumer until `stop` is set; returns its totals. With artifacts it also serves published
-    bundles over HTTP and drives model rollouts. keep_s: telemetry retention."""
+    bundles over HTTP and drives model rollouts. keep_s: telemetry retention, table -> seconds."""
     store = FleetStore(db_path)
     consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None

@@ -247,18 +247,21 @@ class FleetStore:
             raise
         self.db.execute("COMMIT")
 
-    def prune(self, before_ts: float) -> int:
-        """Delete telemetry stamped before before_ts (the device's clock) from TELEMETRY_TABLES, a batch per
-        transaction; returns how many rows went. Devices, jobs and rejected counts are kept."""
+    def prune(self, before: dict[str, float]) -> int:
+        """Delete the rows of each table in `before` (some of TELEMETRY_TABLES) stamped before its time (the
+        device's clock), a batch per transaction; returns how many rows went. Devices, jobs and rejected
+        counts are kept."""
         deleted = 0
-        while n := self.prune_step(before_ts):
+        while n := self.prune_step(before):
             deleted += n
         return deleted
 
-    def prune_step(self, before_ts: float) -> int:
+    def prune_step(self, before: dict[str, float]) -> int:
         """One transaction of prune(): at most PRUNE_BATCH_ROWS rows; 0 when nothing is left to delete.
         The consumer runs one between its commits, so a long prune never holds up ingest."""
-        for table in TELEMETRY_TABLES:
+        for table, before_ts in before.items():
+            if table not in TELEMETRY_TABLES:
+                raise ValueError(f"{table!r} is not a telemetry table")
             with self._transaction():
                 n = self.db.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE ts < ? "
                                     f"LIMIT ?)", [before_ts, PRUNE_BATCH_ROWS]).rowcount

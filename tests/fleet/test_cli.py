@@ -115,9 +115,10 @@ def test_a_timeout_mqtt_cannot_carry_is_a_usage_error(filled_db, args, option):
     assert "internal error" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("option", ["--keep", "--keep-samples"])
 @pytest.mark.parametrize("keep, message", [("0d", "at least 1h"), ("30m", "at least 1h"), ("1y", "bad duration")])
-def test_a_retention_that_would_delete_everything_or_is_not_a_duration_is_refused(filled_db, keep, message):
-    result = run_main("serve", "--mqtt", "mqtt://127.0.0.1:1", "--keep", keep, "--db", filled_db)
+def test_a_retention_that_would_delete_everything_or_is_not_a_duration_is_refused(filled_db, option, keep, message):
+    result = run_main("serve", "--mqtt", "mqtt://127.0.0.1:1", option, keep, "--db", filled_db)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 

@@ -68,7 +68,9 @@ def test_the_summaries_percentiles_are_the_wire_ones(values):
     got = queries.summarize(f)
     for q in (50, 95):
         want = percentile(values, q)
-        assert got[f"ttft_p{q}_ms"] == (None if want is None else pytest.approx(round(want, 1), abs=0.051))
+        # rounded to 0.1 ms: within 0.05 of the exact figure (numpy's and ours differ in the last bit, so
+        # at a tie such as 0.85 the two round apart; hypothesis found [0, 0, 0, 1])
+        assert got[f"ttft_p{q}_ms"] == (None if want is None else pytest.approx(want, abs=0.0501))
 
 
 def test_a_long_history_does_not_slow_a_short_window(db):
@@ -197,7 +199,7 @@ def test_a_device_clock_far_ahead_or_never_set_is_stamped_with_arrival(tmp_path)
     store.commit(ingest)
     assert sorted({ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-skew'")}) == [NOW]
     assert [ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-1970'")] == [NOW] * 3
-    store.prune(NOW - 90 * 86400)
+    store.prune({"requests": NOW - 90 * 86400})
     assert store.db["requests"].count_where("device_id = 'dev-1970'") == 3
     assert sorted(ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-ok'")) == [
         NOW - 10, NOW + 60]  # a minute ahead is within the slack: kept as sent

@@ -205,10 +205,36 @@ def test_prune_deletes_old_telemetry_in_batches_and_keeps_the_registry(tmp_path,
     ingest.add_state(state(1), 100.0)
     store.commit(ingest)
     before = total_rows(store)
-    assert store.prune(5000.0) == 39 and total_rows(store) == before - 39
+    everything = dict.fromkeys(("requests", "samples", "events"), 5000.0)
+    assert store.prune(everything) == 39 and total_rows(store) == before - 39
     for table in ("requests", "samples", "events"):
         assert store.db[table].count_where("boot_id = 'old'") == 0 and store.db[table].count_where("boot_id = 'new'")
-    assert store.db["devices"].count == 1 and store.prune(5000.0) == 0
+    assert store.db["devices"].count == 1 and store.prune(everything) == 0
+    store.close()
+
+
+def test_samples_are_kept_for_less_time_than_requests_and_events(tmp_path):
+    """Samples are ~8 rows in 10 of a fleet's database (83 GB for 500 devices over 90 days at the agents'
+    default interval) and no query reads them: serve keeps them 14 days by default, the rest 90."""
+    from fleet.cli import retention
+
+    day = 86400.0
+    assert retention("90d", "14d") == {"requests": 90 * day, "events": 90 * day, "samples": 14 * day}
+    assert retention("7d", "14d")["samples"] == 7 * day  # never longer than everything else
+    assert retention("forever", "14d") == {"samples": 14 * day}
+    assert retention("forever", "forever") == {}
+    store = FleetStore(tmp_path / "f.db")
+    now = 1_764_000_000.0
+    store.commit(ingest_of("d1", records("month-old", range(1, 8), ts=now - 30 * day), seen_at=now))
+    store.commit(ingest_of("d1", records("new", range(1, 8), ts=now - day), seen_at=now))
+    store.prune({table: now - keep_s for table, keep_s in retention("90d", "14d").items()})
+    assert store.db["samples"].count_where("boot_id = 'month-old'") == 0
+    for table in ("requests", "samples", "events"):
+        assert store.db[table].count_where("boot_id = 'new'")
+    for table in ("requests", "events"):
+        assert store.db[table].count_where("boot_id = 'month-old'")
+    with pytest.raises(ValueError, match="not a telemetry table"):
+        store.prune({"devices": now})
     store.close()
 
 
@@ -221,7 +247,7 @@ def test_the_consumer_prunes_old_telemetry_when_it_starts(broker, consumers, fle
     store = FleetStore(fleet_db)
     store.commit(ingest_of("d1", records("old", range(1, 10), ts=time.time() - 100 * 86400), time.time()))
     store.commit(ingest_of("d1", records("new", range(1, 10), ts=time.time() - 86400), time.time()))
-    consumers(store=store, keep_s=90 * 86400.0)
+    consumers(store=store, keep_s=dict.fromkeys(("requests", "samples", "events"), 90 * 86400.0))
     db = connect(fleet_db)
     wait_until(lambda: sum(db[t].count for t in ("requests", "samples", "events")) == 9,
                message="the 100-day-old rows pruned")
@@ -244,12 +270,12 @@ def test_ingest_goes_on_while_a_long_prune_runs(broker, consumers, fleet_db, dev
     steps: list[int] = []
     one_step = store.prune_step
 
-    def slow_step(before_ts: float) -> int:  # a batch of a large database takes ~0.1-0.7 s
+    def slow_step(before: dict[str, float]) -> int:  # a batch of a large database takes ~0.1-0.7 s
         time.sleep(0.1)
-        steps.append(n := one_step(before_ts))
+        steps.append(n := one_step(before))
         return n
     store.prune_step = slow_step
-    consumers(store=store, keep_s=90 * 86400.0)
+    consumers(store=store, keep_s={"requests": 90 * 86400.0})
     wait_until(lambda: len(steps) >= 2, message="the prune under way")
     devices("dev-new").emit(5)
     db = connect(fleet_db)
