@@ -26,14 +26,18 @@ class Bundle:
     manifest: wire.Manifest
     config: wire.ModelConfig
 
-    def runner(self, threads: int | None = None, spin_wait: SpinWait = False, kv_dtype: str = "fp32") -> ModelRunner:
-        c = self.config
+    def graph(self, kv_dtype: str = "fp32") -> Path:
+        """The graph that runs with this KV cache type; BundleError if the bundle has none."""
         graph = self.path / (wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH)
         if not graph.is_file():
             raise BundleError(f"{self.manifest.name}@{self.manifest.version} has no int8 KV cache graph "
                               f"({wire.GRAPH_INT8_KV}): rebuild it with edge-quantize build (which calibrates one), "
                               f"or set kv_dtype = \"fp32\"")
-        return ModelRunner(graph, c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
+        return graph
+
+    def runner(self, threads: int | None = None, spin_wait: SpinWait = False, kv_dtype: str = "fp32") -> ModelRunner:
+        c = self.config
+        return ModelRunner(self.graph(kv_dtype), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
     def tokenizer_json(self) -> str:
         return (self.path / wire.TOKENIZER).read_text()

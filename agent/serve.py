@@ -559,6 +559,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             report=lambda u: _report_job(telemetry, u),
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads,
+            kv_dtype=lambda: (backend.engine.config if backend.engine else config.engine).kv_dtype,
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
             artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s,
             job_keys=load_trusted_keys(list(config.updates.job_keys)))

@@ -82,14 +82,19 @@ class ModelStore:
         tmp.rename(self.root / name)  # rename(2) replaces the old link atomically
         durable.fsync_path(self.root)  # ... and this makes it survive a power cut
 
-    def activate(self, bundle_dir: Path) -> None:
+    def activate(self, bundle_dir: Path, keep_displaced: bool = False) -> tuple[Path | None, Path | None]:
+        """Make bundle_dir current and the current one previous; returns (current, previous) as they were.
+        The bundle `previous` named is deleted unless keep_displaced: an update keeps it until the engine
+        runs the new one, since a failed activation puts both links back (`restore`)."""
         current, displaced = self.link("current"), self.link("previous")
         if current and current != bundle_dir.resolve():
             self._set_link("previous", current)
         self._set_link("current", bundle_dir)
-        self._remove_unlinked(displaced)
+        if not keep_displaced:
+            self.remove_unlinked(displaced)
+        return current, displaced
 
-    def _remove_unlinked(self, bundle_dir: Path | None) -> None:
+    def remove_unlinked(self, bundle_dir: Path | None) -> None:
         """Delete an installed bundle that neither link names any more: every update left one behind, and
         months of them filled the disk. A directory outside models/ (`serve --model DIR`) is the user's."""
         if (bundle_dir is None or bundle_dir.parent != self.models.resolve()
@@ -205,6 +210,7 @@ class UpdateContext:
     artifacts_url: str | None = None  # config [updates]: downloads only from under this URL
     job_keys: dict = field(default_factory=dict)  # config [updates]: the jobs' signers; empty: jobs need no signature
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
+    kv_dtype: Callable[[], str] = lambda: "fp32"  # the KV cache type the engine would run the new model with
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
     # publish a status again that is no news (the last job's end, at each start); default: report
     replay: Callable[[wire.JobStatusUpdate], None] | None = None
@@ -403,6 +409,10 @@ class UpdateJob:
 
     def _health_check(self, bundle: Bundle) -> dict:
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)
+        try:  # found in review: a bundle without the int8 KV graph this device runs passed, then failed to load
+            bundle.graph(self.ctx.kv_dtype())
+        except BundleError as e:
+            raise JobFailed(JobState.FAILED, f"the device runs kv_dtype = \"{self.ctx.kv_dtype()}\": {e}") from e
         measure = self.ctx.measure or (lambda b, n: default_measure(b, self.ctx.threads, n))
         golden = bundle.manifest.golden.continuation_ids
         # the job may ask for more than the device's own floor, never for less (found in review: the config's
@@ -448,14 +458,20 @@ class UpdateJob:
         # installed again) stays until the new one is synced, as every replaced tree does (durable)
         durable.replace_tree(self.staging, final, final.with_name(f".{final.name}.old-{os.getpid()}"))
         self.staging = final
-        self.ctx.store.activate(final)
+        store = self.ctx.store
+        serving, kept = store.activate(final, keep_displaced=True)
         try:
             self.ctx.swap(open_bundle(final, verify_files=False))
         except Exception as e:  # the new model would not run here after all: back to the one that did
             log.exception("activating %s failed; rolling back", final.name)
-            previous = self.ctx.store.rollback()
-            self.ctx.swap(open_bundle(previous))
-            raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {previous.name}: {e}") from e
+            # Both links as they were, and the bundle that failed gone. Found in review: a rollback made the
+            # failed bundle `previous`, the target of the next rollback, and deleted the one `previous` named,
+            # the device's last good fallback.
+            store.restore(serving, kept)
+            store.remove_unlinked(final)
+            self.ctx.swap(open_bundle(serving))
+            raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {serving.name}: {e}") from e
+        store.remove_unlinked(kept)
 
     def _rollback(self) -> JobState:
         store = self.ctx.store

@@ -272,20 +272,39 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
         dev.serving = bundle
 
     dev.ctx.swap = swap
+    fallback = dev.store.models / "tiny@fallback"  # the model before v1: the device's rollback target
+    shutil.copytree(v1.path, fallback)
+    current = dev.store.link("current")
+    dev.store.activate(fallback)
+    dev.store.activate(current)
     url = server.publish_dir(v2.path, "tiny-v2")
     state = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run()
     assert state is JobState.FAILED and "rolled back" in dev.reports[-1].reason
     assert calls == [v2.manifest.version, v1.manifest.version]
     assert dev.serving.manifest.version == v1.manifest.version
-    assert dev.store.link("current").name.endswith(v1.manifest.version)
-    # found in review: a rollback command now (to v2, the `previous` the engine refused) left `current` at v2
-    # while v1 served, and the next start booted v2
+    # Found in review: the rollback made v2 `previous`, the next rollback's target, and deleted the model
+    # `previous` named. Both links are as they were, and v2 is gone.
+    assert (dev.store.link("current"), dev.store.link("previous")) == (current, fallback.resolve())
+    assert dev.model_dirs() == sorted([current.name, fallback.name])
     state = UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run()
-    assert state is JobState.FAILED and "still serving" in dev.reports[-1].reason
-    assert dev.serving.manifest.version == v1.manifest.version
-    assert dev.store.link("current").name.endswith(v1.manifest.version)
-    assert dev.store.link("previous").name.endswith(v2.manifest.version)
-    assert dev.store.bootable().manifest.version == v1.manifest.version
+    assert state is JobState.SUCCEEDED and dev.serving.path.resolve() == fallback.resolve()
+    assert dev.store.link("current") == fallback.resolve()
+
+
+def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tmp_path, bundles, keys, server):
+    """Found in review: the health check ran the fp32-KV graph whatever the device ran, so a bundle without
+    the int8 KV graph of a `kv_dtype = "int8"` device passed it and failed only at the engine swap."""
+    v1, v2 = bundles
+    assert not (v2.path / "model.int8kv.onnx").exists()
+    dev = Device(tmp_path, v1, keys)
+    swapped = []
+    dev.ctx.swap = swapped.append
+    dev.ctx.kv_dtype = lambda: "int8"
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
+    assert 'kv_dtype = "int8"' in dev.reports[-1].reason and "model.int8kv.onnx" in dev.reports[-1].reason
+    assert swapped == [] and dev.store.bootable().manifest.version == v1.manifest.version
+    assert dev.model_dirs() == [f"tiny@{v1.manifest.version}"] and dev.staging_empty()
 
 
 def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
