@@ -263,6 +263,16 @@ class MqttLink:
                 conn.client.publish(topic(self.device_id, "jobs", "update"), payload, qos=1, retain=True)
         return True
 
+    def publish_state(self) -> None:
+        """Publish our state again (retained) on the live connection, after what describe() says changed (a
+        model update or rollback). Found in review: the fleet's registry named the old model until the next
+        reconnect, and `edge-fleet deploy` picks the devices it skips by it. Offline, the next birth says it.
+        The Will registered at CONNECT still names the model of that moment (MQTT cannot change it)."""
+        conn = self._conn if self.is_connected else None
+        if conn is not None:
+            conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,
+                                retain=True)
+
     def publish_job_status(self, update_json: str, job_id: str) -> None:
         """Report a job's state (QoS 1, retained: the fleet sees the latest even after its own restart).
         Kept and re-sent after a reconnect, so a status reported while offline is not lost."""

@@ -573,6 +573,8 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
 
 
 def _report_job(telemetry: Telemetry, update) -> None:
+    if update.state.value in ("SUCCEEDED", "FAILED"):  # the model may have changed: the fleet's registry
+        telemetry.link.publish_state()  # first, so that it names the new model by the time the job has ended
     telemetry.link.publish_job_status(update.model_dump_json(), update.job_id)
     if update.state.value in ("SUCCEEDED", "FAILED", "REJECTED"):
         telemetry.record_event("model_change" if update.state.value == "SUCCEEDED" else "error",

@@ -336,6 +336,29 @@ def test_birth_is_retained_the_will_says_offline_and_a_clean_stop_says_stopped(b
     fleet.close()
 
 
+def test_the_state_is_published_again_when_the_model_changes(broker, tmp_path):
+    """Found in review: after an update the fleet's registry named the old model until the device reconnected,
+    and `edge-fleet deploy` skips the devices it says are already on the target."""
+    fleet = Fleet(broker, subscribe=["edge/v1/+/state"])
+    described = {"model": "smollm2", "version": "int4-a"}
+    store = TelemetryStore(tmp_path / "t.db", "dev-m")
+    link = MqttLink(fast_config(broker.url), "dev-m", store, describe=lambda: dict(described))
+    link.start()
+    try:
+        assert fleet.wait(lambda f: (s := f.last_state("dev-m")) is not None and s.version == "int4-a")
+        birth = fleet.last_state("dev-m")
+        described["version"] = "int4-b"
+        link.publish_state()
+        assert fleet.wait(lambda f: f.last_state("dev-m").version == "int4-b")
+        now = retained_state(broker, "dev-m")
+        assert (now.status, now.connection, now.boot_id, now.version) == ("online", birth.connection,
+                                                                          birth.boot_id, "int4-b")
+    finally:
+        link.stop()
+        store.close()
+        fleet.close()
+
+
 def test_commands_round_trip_with_correlation_data(broker, links):
     config = fast_config(broker.url, username="dev-c", password="hunter2")
     made = []
