@@ -1,7 +1,7 @@
 """The local HTTP API: OpenAI-compatible endpoints served over the agent's Unix socket (the only Starlette import).
 
 POST /v1/chat/completions and /v1/completions answer with one JSON object or, with "stream": true, a
-server-sent-event stream ending in `data: [DONE]` (OpenAI API); GET /v1/models, /health and /metrics
+server-sent-event stream ending in `data: [DONE]` (OpenAI API); GET /v1/models[/{id}], /health and /metrics
 report the model, readiness and Prometheus metrics. This module translates between HTTP and the engine
 and holds no engine logic: it validates a body (agent.openai_models), tokenizes it, submits it, and relays
 the request's events. The engine thread fills one blocking queue per request; an `EventBridge` thread
@@ -615,9 +615,19 @@ class OpenAIServer:
 
     # -- status --
     async def models(self, request: Request) -> Response:
+        return Response(om.ModelList(data=[self._card()]).model_dump_json(), media_type="application/json")
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}, the OpenAI clients' models.retrieve (found in review: a 404 for the served id)."""
+        model_id = request.path_params["model_id"]
+        if model_id not in self.backend.model_ids:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
+        return Response(self._card().model_dump_json(), media_type="application/json")
+
+    def _card(self) -> om.ModelCard:
         m = self.backend.manifest
-        card = om.ModelCard(id=m.name, created=_unix_seconds(m.created_at), version=m.version, precision=m.precision)
-        return Response(om.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return om.ModelCard(id=m.name, created=_unix_seconds(m.created_at), version=m.version, precision=m.precision)
 
     async def health(self, request: Request) -> Response:
         state, m = self.backend.state, self.backend.manifest
@@ -654,6 +664,7 @@ def create_app(backend: Backend, metrics: Metrics, config: ApiConfig = ApiConfig
         Route("/v1/chat/completions", e(server.chat_completions), methods=["POST"]),
         Route("/v1/completions", e(server.completions), methods=["POST"]),
         Route("/v1/models", e(server.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", e(server.model), methods=["GET"]),
         Route("/health", e(server.health), methods=["GET"]),
         Route("/metrics", e(server.prometheus), methods=["GET"]),
     ]

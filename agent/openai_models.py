@@ -1,7 +1,8 @@
 """The OpenAI-compatible wire shapes of the local API: requests validated at the boundary, responses built here.
 
 Requests follow the OpenAI API reference for /v1/chat/completions and /v1/completions (strict JSON types,
-n = 1 only, an unknown field is an error) plus vLLM's extension names: top_k, min_p, repetition_penalty,
+n = 1 only, an unknown field is an error, except inside a message: SDKs add their own fields to the replies
+that apps append to the history) plus vLLM's extension names: top_k, min_p, repetition_penalty,
 ignore_eos and priority. OpenAI parameters this server does not implement (logprobs, tools,
 echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
 call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
@@ -14,7 +15,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      field_validator, model_validator)
+                      ValidationInfo, field_validator)
 
 from agent.sampling_params import SamplingParams
 from agent.wire import RequestFigures
@@ -47,10 +48,31 @@ class TextPart(_Request):
     text: str
 
 
+def _off(*values) -> Any:
+    """A parameter accepted only as null or one of `values` (what it is when the feature is off)."""
+    def check(v):
+        if v is None or any(type(v) is type(d) and v == d for d in values):
+            return None
+        allowed = " or ".join(["null", *(json.dumps(d) for d in values)])
+        raise ValueError(f"{json.dumps(v)[:60]} is not supported by this server (only {allowed})")
+    return Annotated[Any, AfterValidator(check)]
+
+
 class ChatMessage(_Request):
+    # Unknown keys are ignored, as vLLM and llama.cpp's server do: an SDK's reply appended to the history as it
+    # comes (openai's message.model_dump(), litellm's message) carries the SDK's own fields, and every
+    # multi-turn chat through them got 400 (found in review: `refusal`, `provider_specific_fields`).
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None  # the participant's name, as OpenAI has it; passed to templates that print it
+    # an assistant reply's fields as OpenAI returns them, nullable; what would need tools or audio is refused
+    refusal: str | None = None  # a reply that refused; its content is what the template shows
+    annotations: _off([]) = None
+    tool_calls: _off([]) = None
+    function_call: _off() = None
+    audio: _off() = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -71,16 +93,6 @@ class ChatMessage(_Request):
         # parts joined by a newline as vLLM does: "".join ran "Describe:" and "the cat" into one word's tokens
         text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return {"role": role, "content": text} | ({"name": self.name} if self.name is not None else {})
-
-
-def _off(*values) -> Any:
-    """A parameter accepted only as null or one of `values` (what it is when the feature is off)."""
-    def check(v):
-        if v is None or any(type(v) is type(d) and v == d for d in values):
-            return None
-        allowed = " or ".join(["null", *(json.dumps(d) for d in values)])
-        raise ValueError(f"{json.dumps(v)[:60]} is not supported by this server (only {allowed})")
-    return Annotated[Any, AfterValidator(check)]
 
 
 class SamplingRequest(_Request):
@@ -118,14 +130,27 @@ class SamplingRequest(_Request):
     tools: _off([]) = None
     tool_choice: _off("none", "auto") = None
     parallel_tool_calls: _off(True, False) = None  # no tools: nothing runs in parallel either way
+    functions: _off([]) = None  # tools' older names
+    function_call: _off("none", "auto") = None
+    modalities: _off(["text"]) = None
+    prediction: _off() = None
+    audio: _off() = None
+    metadata: dict[str, str] | None = None  # tags for OpenAI's stored completions: nothing is stored here
 
-    @model_validator(mode="after")
-    def _check_choices_and_stream(self):
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (this server returns one choice per request), got {self.n}")
-        if self.stream_options is not None and not self.stream:
+    # field validators rather than one for the model, so that the error's `param` names the field
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n must be 1 (this server returns one choice per request), got {n}")
+        return n
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")  # as the OpenAI API says
-        return self
+        return options
 
     @property
     def include_usage(self) -> bool:
@@ -161,12 +186,13 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
 
-    @model_validator(mode="after")
-    def _check_max_tokens(self):
-        both = self.max_tokens is not None and self.max_completion_tokens is not None
-        if both and self.max_tokens != self.max_completion_tokens:
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _same_as_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        max_tokens = info.data.get("max_tokens")
+        if value is not None and max_tokens is not None and value != max_tokens:
             raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
-        return self
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -387,6 +387,44 @@ def test_openai_parameters_we_do_not_implement_are_accepted_when_off_and_refused
         assert needle in r.json()["error"]["message"]
 
 
+def test_a_reply_appended_to_the_history_as_the_sdks_return_it_is_accepted(tiny):
+    """Found in review: openai's `message.model_dump()` (`refusal`, `tool_calls`, ... as null) and litellm's
+    message (`provider_specific_fields`) appended to the history got 400 "unknown field": every multi-turn chat
+    through them failed. A message's unknown keys are ignored, as vLLM does; what needs tools is still refused."""
+    client = tiny.openai()
+    history = [*USER_HI]
+    for _ in range(2):
+        reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=3).choices[0].message
+        history += [reply.model_dump(), {"role": "user", "content": "and then?"}]
+    assert history[1]["refusal"] is None and "tool_calls" in history[1]
+    litellm_style = {"role": "assistant", "content": "hi", "provider_specific_fields": None, "function_call": None}
+    assert client.chat.completions.create(model="tiny", messages=[*USER_HI, litellm_style], max_tokens=2).choices
+    http = tiny.http()
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+        *USER_HI, {"role": "assistant", "content": "", "tool_calls": calls}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls", r.text
+    # what SDKs send at the top level when the feature is off, and tags for stored completions
+    off = {"functions": [], "function_call": "none", "modalities": ["text"], "prediction": None, "audio": None,
+           "metadata": {"app": "notes"}}
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER_HI, "max_tokens": 2, **off})
+    assert r.status_code == 200, r.text
+    for field, value in (("n", 2), ("stream_options", {"include_usage": True}), ("max_completion_tokens", 3)):
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER_HI, "max_tokens": 2,
+                                                     field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text  # it was null
+
+
+def test_models_retrieve_answers_for_the_served_model_and_404_otherwise(tiny):
+    """Found in review: GET /v1/models/{id} (the clients' models.retrieve) was a 404 even for the served model."""
+    client = tiny.openai()
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+
+
 def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():
     """Found in review: parts were joined with nothing between them, running the last word of one into the next."""
     msg = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "Summarize:"},
