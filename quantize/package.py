@@ -210,7 +210,11 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib, calib_ids, threads,
     del calib  # the Hessians are large
     (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
     (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)
-    (tmp / wire.MODEL_CONFIG).write_text(model_config(ckpt, spec, name).model_dump_json(indent=2))
+    # Fields at their defaults are left out: those are the ones added after the first agents (attention_bias,
+    # sliding_window, rope_freq_factors), whose schema forbids unknown keys; written as null, every bundle
+    # failed their verification after the download (found in review).
+    config = model_config(ckpt, spec, name)
+    (tmp / wire.MODEL_CONFIG).write_text(config.model_dump_json(indent=2, exclude_defaults=True))
     unverified = Bundle(tmp, None, wire.ModelConfig.read(tmp))  # type: ignore[arg-type]
     runner = unverified.runner(threads)
     if calib_ids:

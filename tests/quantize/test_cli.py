@@ -39,6 +39,10 @@ def test_build_writes_a_complete_bundle(built):
     assert not [p for p in root.iterdir() if p.name.startswith(".")], "temporary directories left behind"
     # every file readable by the agent and the artifact server, whoever built it (onnx wrote the weights 0600)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in (root / "int4").iterdir()} == {n: "0o644" for n in names}
+    # what agents from before these fields read: found in review, "rope_freq_factors": null in every bundle made
+    # them refuse it (their schema forbids unknown keys)
+    assert not {"attention_bias", "sliding_window", "rope_freq_factors"} & json.loads(
+        (root / "int4" / "model_config.json").read_text()).keys()
 
 
 def test_inspect_and_eval_json(built):
