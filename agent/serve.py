@@ -216,19 +216,47 @@ class _CutOffRequests(logging.Filter):
 _CUT_OFF_REQUESTS = _CutOffRequests()
 
 
+# After drain_timeout_s the engine stops, and the streams it held get this long to send their error event and
+# [DONE] before uvicorn cancels what is left.
+CUT_OFF_GRACE_S = 5.0
+
+
 class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, backend: Backend):
+    def __init__(self, config: uvicorn.Config, backend: Backend, drain_timeout_s: float):
         super().__init__(config)
-        self.backend = backend
+        self.backend, self.drain_timeout_s = backend, drain_timeout_s
+        self._cut_off: threading.Timer | None = None
         logging.getLogger("uvicorn.error").addFilter(_CUT_OFF_REQUESTS)  # once: the same filter is not added twice
 
     notifier: Notifier | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        self.backend.mark_draining()  # /health answers 503 while in-flight requests finish
+        self.begin_drain()
         if self.notifier:
             self.notifier.stopping()
         super().handle_exit(sig, frame)
+
+    def begin_drain(self) -> None:
+        """/health answers 503 while in-flight requests finish; after drain_timeout_s the engine ends them."""
+        self.backend.mark_draining()
+        if self._cut_off is None:
+            self._cut_off = threading.Timer(self.drain_timeout_s, self._stop_engine)
+            self._cut_off.daemon = True
+            self._cut_off.start()
+
+    def end_drain(self) -> None:
+        """The server has stopped: nothing is left for the timer to cut off (the caller stops the engine)."""
+        if self._cut_off is not None:
+            self._cut_off.cancel()
+
+    def _stop_engine(self) -> None:
+        """Every request still held ends with an "unavailable" error, which a stream sends as its last event
+        before [DONE]. Found in review: uvicorn cancelled them instead, closing each connection mid-body, which
+        openai's clients raise as httpx's RemoteProtocolError rather than an APIError their callers catch."""
+        engine = self.backend.engine
+        if engine is not None and not engine.stopped:
+            log.warning("drain_timeout_s (%.0f s) ran out: stopping the requests still running", self.drain_timeout_s)
+            engine.stop()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -259,8 +287,9 @@ class ApiServer:
         app = create_app(backend, self.metrics, config)
         protocol = type("Protocol", (_DeadlineProtocol,), {"request_timeout_s": config.request_timeout_s})
         uv = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", access_log=False, log_config=None,
-                            timeout_graceful_shutdown=config.drain_timeout_s, limit_concurrency=config.max_connections)
-        self.uvicorn = _Uvicorn(uv, backend)
+                            timeout_graceful_shutdown=config.drain_timeout_s + CUT_OFF_GRACE_S,
+                            limit_concurrency=config.max_connections)
+        self.uvicorn = _Uvicorn(uv, backend, config.drain_timeout_s)
         self.load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -285,7 +314,10 @@ class ApiServer:
             engine.stop()
 
     def run(self) -> None:
-        self.uvicorn.run(sockets=self.sockets)
+        try:
+            self.uvicorn.run(sockets=self.sockets)
+        finally:
+            self.uvicorn.end_drain()
 
     def start(self, timeout_s: float = 10.0) -> None:
         self._thread = threading.Thread(target=self.run, name="api-server", daemon=True)
@@ -297,7 +329,7 @@ class ApiServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
-        self.backend.mark_draining()
+        self.uvicorn.begin_drain()
         self.uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join()
