@@ -56,6 +56,11 @@ def test_check_config_finds_what_serve_would_refuse_here(tmp_path, tiny_fp32_bun
     good.write_text(f'model = "{tiny_fp32_bundle.path}"\n[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
     r = check(good)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    # found in review: an int8 KV cache asked of a bundle without that graph stopped serve at start
+    assert not (tiny_fp32_bundle.path / "model.int8kv.onnx").exists()
+    good.write_text(good.read_text().replace("[telemetry]", '[engine]\nkv_dtype = "int8"\n[telemetry]'))
+    r = check(good)
+    assert r.returncode == 1 and 'engine.kv_dtype: "int8" needs the bundle\'s int8 KV cache graph' in r.stderr, r.stderr
 
 
 def test_a_config_file_that_is_not_utf8_is_named_not_an_internal_error(tmp_path):
