@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
 from fleet.mqtt import Credentials, Inbound, Link, Session
-from fleet.store import Committed, FleetStore, Ingest
+from fleet.store import TELEMETRY_TABLES, Committed, FleetStore, Ingest
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,11 @@ def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, sto
     """Run a consumer until `stop` is set; returns its totals. With artifacts it also serves published
     bundles over HTTP and drives model rollouts. keep_s: telemetry retention, table -> seconds."""
     store = FleetStore(db_path)
+    # said at every start: an upgrade can bring a retention the database never had (found in review: the first
+    # start of a fleet from before --keep deleted everything older than 90 days, saying so only afterwards)
+    kept = {table: f"{keep_s[table] / 86400:g} days" if table in (keep_s or {}) else "for good"
+            for table in TELEMETRY_TABLES}
+    log.info("telemetry kept: %s (--keep, --keep-samples)", ", ".join(f"{t} {k}" for t, k in kept.items()))
     consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None
     started = time.monotonic()
