@@ -210,6 +210,7 @@ class TelemetryStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.device_id, self.clock, self.uptime = path, device_id, clock, uptime
         self._last_stamp: tuple[float, float] | None = None  # (wall clock, uptime) at the last append
+        self.clock_steps: list[float] = []  # steps of the wall clock seen in this run, seconds, in order
         self.recovered_from: Path | None = None  # where a corrupt database was moved, if it was
         self.in_memory_because: str | None = None  # why the file could not be used, if it could not
         hard_limit = max_file_bytes
@@ -310,6 +311,7 @@ class TelemetryStore:
         except sqlite3.Error as e:
             log.warning("the clock stepped %+.0f s; this boot's records keep their stamps (%s)", step, e)
             return
+        self.clock_steps.append(step)
         log.info("the clock stepped %+.0f s: moved this boot's %d records with it", step, n)
 
     def mark_sent(self, row_ids: Iterable[int]) -> None:

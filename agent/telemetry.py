@@ -82,6 +82,7 @@ class Telemetry:
         self._engine: EngineProbe | None = None
         self._tokens = 0  # completion tokens of requests recorded since the last sample
         self._tokens_lock = threading.Lock()
+        self._steps_told = 0  # store.clock_steps already recorded as events (under _tokens_lock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._full_logged_at = -float("inf")
@@ -158,8 +159,22 @@ class Telemetry:
             log.exception("telemetry: a %s record could not be stored", type(body).__name__)
             self.store.count_unwritten()
             return
+        self._tell_clock_steps()
         if self.link is not None:
             self.link.notify()
+
+    def _tell_clock_steps(self) -> None:
+        """A step the store found (NTP setting the clock) becomes an event, and the device's state is published
+        again: its retained birth was stamped by the wrong clock, and a fleet that reads it after a restart
+        ranks it against the previous boot's states by that stamp (a birth behind them showed the device
+        offline until it next connected)."""
+        with self._tokens_lock:
+            steps = self.store.clock_steps[self._steps_told:]
+            self._steps_told += len(steps)
+        for step in steps:
+            self.record_event("clock_step", {"step_s": round(step, 3)})
+        if steps and self.link is not None:
+            self.link.publish_state()
 
     def _commit(self, body) -> None:
         try:

@@ -628,6 +628,38 @@ def test_telemetry_wiring_records_samples_and_delivers(broker, tmp_path):
     fleet.close()
 
 
+def test_a_clock_step_is_an_event_and_the_state_is_published_again(broker, tmp_path):
+    """A box without an RTC boots in 1970: its retained birth carried that stamp, and a fleet that read it after
+    its own restart ranked it behind the previous boot's states (the device showed offline until it next
+    connected). When NTP steps the clock, the state goes out again with the right stamp."""
+    from agent.telemetry import Telemetry
+
+    wall = [60.0]
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-c/#"])
+    config = AgentConfig(telemetry=TelemetryConfig(state_dir=tmp_path, device_id="dev-c",
+                                                   mqtt=fast_config(broker.url)))
+    telemetry = Telemetry.open(config, describe=lambda: {"model": "smollm2", "version": "int4-x"})
+    telemetry.store.clock = telemetry.link.clock = lambda: wall[0]
+    telemetry.store.uptime = lambda: 100.0
+    telemetry.start()
+    try:
+        assert fleet.wait(lambda f: (s := f.last_state("dev-c")) is not None and s.ts == 60.0)
+        birth = fleet.last_state("dev-c")
+        wall[0] += 1_764_000_000.0  # NTP
+        telemetry.record_event("tick", {})
+        assert fleet.wait(lambda f: f.last_state("dev-c").ts == wall[0])
+        again = fleet.last_state("dev-c")
+        assert (again.status, again.connection, again.boot_id) == ("online", birth.connection, birth.boot_id)
+        assert retained_state(broker, "dev-c").ts == wall[0]
+        rows = telemetry.store.db.execute("SELECT ts, body FROM records ORDER BY id").fetchall()
+        kinds = [json.loads(body)["event"]["kind"] for _, body in rows]
+        assert kinds == ["start", "tick", "clock_step"] and {ts for ts, _ in rows} == {wall[0]}
+        assert json.loads(rows[2][1])["event"]["detail"] == {"step_s": 1_764_000_000.0}
+    finally:
+        telemetry.stop()
+        fleet.close()
+
+
 def write_tls_files(directory: Path) -> tuple[Path, Path, Path]:
     """A throwaway CA and a server certificate for 127.0.0.1: (ca.crt, server.crt, server.key)."""
     import datetime
