@@ -29,6 +29,8 @@ class Bundle:
     def graph(self, kv_dtype: str = "fp32") -> Path:
         """The graph that runs with this KV cache type; BundleError if the bundle has none."""
         graph = self.path / (wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH)
+        if not graph.is_file() and kv_dtype != "int8":
+            raise BundleError(f"{self.manifest.name}@{self.manifest.version} has no {wire.GRAPH}")
         if not graph.is_file():
             raise BundleError(f"{self.manifest.name}@{self.manifest.version} has no int8 KV cache graph "
                               f"({wire.GRAPH_INT8_KV}): rebuild it with edge-quantize build (which calibrates one), "

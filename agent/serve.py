@@ -595,7 +595,8 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             current=lambda: backend.engine.bundle if backend.engine else store.bootable(),
             report=lambda u: _report_job(telemetry, u),
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
-            swap=lambda bundle: swap_engine(backend, bundle, config.engine, notifier), threads=config.engine.threads,
+            swap=lambda bundle, check=None: swap_engine(backend, bundle, config.engine, notifier, check),
+            threads=config.engine.threads,
             kv_dtype=lambda: (backend.engine.config if backend.engine else config.engine).kv_dtype,
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
             artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s,
@@ -632,13 +633,15 @@ def describe_device(backend: Backend) -> dict:
                          "memory_mb": mem_kb // 1024, "arch": platform.machine()}}
 
 
-def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifier | None) -> None:
+def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifier | None,
+                check: Callable[[object], None] | None = None) -> None:
     """Activate a new model: the old one finishes what it holds, stops and lets go of its memory, then the new
     one is measured and loaded with the whole budget; requests arriving meanwhile wait for it (api
     SWITCH_WAIT_S). Found in review: loaded beside a busy old model, the new one's budget counted only what
     the old held at that moment, so the old one's requests went on filling its KV cache past
     memory_budget_mb, and the new model kept a KV cache sized around the old one until a restart. If the
-    new model fails to load, the caller rolls back (the same way)."""
+    new model fails to load, the caller rolls back (the same way). check(bundle), an update's health check, runs
+    between the two, alone in the budget; if it raises, the old model loads again and the exception propagates."""
     # A job can arrive while the first model still loads (a rollback queued for an offline device): swapped in
     # then, the loader's mark_ready() replaced it, and it ran on unused beside the one served.
     deadline = time.monotonic() + LOADING_WAIT_S
@@ -651,12 +654,22 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
     backend.switching.set()
     try:
         old = backend.engine
+        serving = old.bundle if old is not None else None
         if old is not None:
             _drain(old, timeout_s=DRAIN_BEFORE_SWITCH_S)
             old.stop()
             old.close()  # stopped alone, it kept its session and KV cache (the API still references it)
             del old
             trim_heap()
+        if check is not None:
+            try:
+                check(bundle)
+            except BaseException:
+                if serving is not None:
+                    backend.swap(load_engine(serving.path, config, notifier))
+                raise
+            finally:
+                trim_heap()  # the check's sessions, before the next load measures its baseline
         backend.swap(load_engine(bundle.path, config, notifier))
     finally:
         backend.switching.clear()

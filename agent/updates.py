@@ -202,7 +202,10 @@ class UpdateContext:
     memory_budget_mb: int
     current: Callable[[], Bundle]  # the bundle now serving
     report: Callable[[wire.JobStatusUpdate], None]
-    swap: Callable[[Bundle], None]  # make the engine serve this bundle (drains the old one)
+    # swap(bundle, check=None): make the engine serve this bundle. The old one drains, stops and gives back its
+    # memory; then check(bundle), if given, runs and the new one loads. If check raises, the old one serves
+    # again and the exception propagates.
+    swap: Callable[..., None]
     threads: int | None = None
     health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
     allow_downgrade: bool = True  # config [updates]: False refuses an older model whatever the job says
@@ -264,9 +267,7 @@ class UpdateJob:
             self.status(JobState.QUEUED)
             self._check()
             self._download()
-            bundle = self._verify()
-            figures = self._health_check(bundle)
-            self._activate(bundle)
+            figures = self._activate(self._verify())
             self.status(JobState.SUCCEEDED, figures=figures)
             return JobState.SUCCEEDED
         except JobFailed as e:
@@ -410,7 +411,8 @@ class UpdateJob:
     def _health_check(self, bundle: Bundle) -> dict:
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)
         try:  # found in review: a bundle without the int8 KV graph this device runs passed, then failed to load
-            bundle.graph(self.ctx.kv_dtype())
+            if self.ctx.kv_dtype() != "fp32":
+                bundle.graph(self.ctx.kv_dtype())
         except BundleError as e:
             raise JobFailed(JobState.FAILED, f"the device runs kv_dtype = \"{self.ctx.kv_dtype()}\": {e}") from e
         measure = self.ctx.measure or (lambda b, n: default_measure(b, self.ctx.threads, n))
@@ -444,34 +446,53 @@ class UpdateJob:
         return self.ctx.current_tokens_per_s[cur.manifest.version]
 
     # -- activate --
-    def _activate(self, bundle: Bundle) -> None:
-        self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
+    def _activate(self, bundle: Bundle) -> dict:
+        """Move the bundle into models/ and switch to it: the serving model stops and gives back its memory, the
+        new one is health-checked alone in the budget, the links move and it loads. Returns the check's figures.
+        Found in review: checked beside the serving model, the new model's session took the process ~210 MB
+        past memory_budget_mb (526 MB at 420, SmolLM2 INT4 -> INT8)."""
         m = bundle.manifest
-        final = self.ctx.store.models / _install_name(m)
+        store = self.ctx.store
+        final = store.models / _install_name(m)
         # journalled before anything moves: after a crash from here on, recover() removes `final` unless it
         # became current (journalled after the rename, a crash in between left the bundle there for good)
-        self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
-                                      "step": JobStep.ACTIVATING.value, "target": str(final)})
+        store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
+                             "step": JobStep.LOADING.value, "target": str(final)})
         if final.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR stays
             final.unlink()
         # on disk before a link names it, let alone the fleet; a copy already there (the `previous` model
         # installed again) stays until the new one is synced, as every replaced tree does (durable)
         durable.replace_tree(self.staging, final, final.with_name(f".{final.name}.old-{os.getpid()}"))
         self.staging = final
-        store = self.ctx.store
-        serving, kept = store.activate(final, keep_displaced=True)
+        figures: dict = {}
+        links: list[tuple[Path | None, Path | None]] = []  # (current, previous) as they were, once moved
+
+        def check_then_link(new: Bundle) -> None:
+            figures.update(self._health_check(new))
+            self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)  # a crash from here is settled by the links
+            links.append(store.activate(final, keep_displaced=True))
+
         try:
-            self.ctx.swap(open_bundle(final, verify_files=False))
+            self.ctx.swap(open_bundle(final, verify_files=False), check_then_link)
+        except JobFailed:  # the health check failed: the links never moved, and the old model serves again
+            store.remove_unlinked(final)
+            raise
         except Exception as e:  # the new model would not run here after all: back to the one that did
-            log.exception("activating %s failed; rolling back", final.name)
+            log.exception("activating %s failed", final.name)
+            if not links:
+                store.remove_unlinked(final)
+                raise JobFailed(JobState.FAILED, f"activation failed: {e}") from e
             # Both links as they were, and the bundle that failed gone. Found in review: a rollback made the
             # failed bundle `previous`, the target of the next rollback, and deleted the one `previous` named,
             # the device's last good fallback.
+            serving, kept = links[0]
             store.restore(serving, kept)
             store.remove_unlinked(final)
             self.ctx.swap(open_bundle(serving))
             raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {serving.name}: {e}") from e
-        store.remove_unlinked(kept)
+        store.remove_unlinked(links[0][1])
+        self.ctx.current_tokens_per_s[m.version] = figures["decode_tokens_per_s"]  # the next update's floor
+        return figures
 
     def _rollback(self) -> JobState:
         store = self.ctx.store

@@ -76,7 +76,10 @@ class Device:
             self.reported.wait_for(lambda: first() is not None, timeout_s)
             return first()
 
-    def _swap(self, bundle: Bundle) -> None:
+    def _swap(self, bundle: Bundle, check=None) -> None:
+        """As serve's swap_engine: the check runs once the old model has stopped; if it fails, the old one serves."""
+        if check is not None:
+            check(bundle)
         self.serving = bundle
 
     def model_dirs(self) -> list[str]:

@@ -272,6 +272,38 @@ def test_a_switch_lets_the_old_model_finish_and_free_its_memory_before_loading_t
     backend.engine.stop()
 
 
+def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memory(tiny_bundle):
+    """Found in review: an update's health check loaded the new model beside the serving one, taking the process
+    ~210 MB past memory_budget_mb (526 MB at 420, SmolLM2 INT4 -> INT8). It now runs inside the switch, after
+    the old engine has stopped and freed its session; if it fails, the old model serves again."""
+    import weakref
+
+    import agent.serve as serve
+    from agent.api import Backend
+
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
+    old = serve.load_engine(tiny_bundle.path, config)
+    backend = Backend(old.bundle.manifest)
+    backend.mark_ready(old)
+    session = weakref.ref(old.runner.session)
+    seen = []
+
+    def failing_check(bundle):
+        seen.append((session() is None, backend.switching.is_set()))
+        raise RuntimeError("golden output mismatch")
+
+    del old
+    with pytest.raises(RuntimeError, match="golden"):
+        serve.swap_engine(backend, tiny_bundle, config, None, failing_check)
+    assert seen == [(True, True)] and not backend.switching.is_set()
+    assert backend.engine.is_running and backend.engine.runner.session is not None  # the old model, again
+    assert backend.engine.generate(prompts(1)[0], SamplingParams(max_tokens=3, **GREEDY)).figures.completion_tokens == 3
+    serving = backend.engine
+    serve.swap_engine(backend, tiny_bundle, config, None, lambda bundle: seen.append("checked"))
+    assert seen[-1] == "checked" and backend.engine is not serving and backend.engine.is_running
+    backend.engine.stop()
+
+
 def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny_bundle):
     """Found in review: with the model failing on every call, the loop failed each request and went on feeding
     the watchdog, so systemd never restarted the service and /health said ready."""

@@ -202,7 +202,7 @@ def report(u):
         os.kill(os.getpid(), signal.SIGKILL)
 ctx = UpdateContext(device_id="dev1", store=store, trusted_keys=load_trusted_keys([Path(sys.argv[5])]),
                     memory_budget_mb=4096, current=lambda: serving[0], report=report,
-                    swap=lambda b: serving.__setitem__(0, b), threads=1)
+                    swap=lambda b, check=None: (check and check(b), serving.__setitem__(0, b)), threads=1)
 UpdateJob(ctx, doc).run()
 """
 
@@ -265,8 +265,10 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
     dev = Device(tmp_path, v1, keys)
     calls = []
 
-    def swap(bundle):
+    def swap(bundle, check=None):
         calls.append(bundle.manifest.version)
+        if check:
+            check(bundle)
         if bundle.manifest.version == v2.manifest.version:
             raise RuntimeError("engine failed to start")
         dev.serving = bundle
@@ -298,7 +300,11 @@ def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tm
     assert not (v2.path / "model.int8kv.onnx").exists()
     dev = Device(tmp_path, v1, keys)
     swapped = []
-    dev.ctx.swap = swapped.append
+
+    def swap(bundle, check=None):
+        check(bundle)
+        swapped.append(bundle)
+    dev.ctx.swap = swap
     dev.ctx.kv_dtype = lambda: "int8"
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
@@ -498,7 +504,7 @@ def test_a_crash_in_a_rollback_after_the_links_moved_is_recovered_as_succeeded(t
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
 
-    def crash(bundle):
+    def crash(bundle, check=None):
         raise Crash()
 
     dev.ctx.swap = crash
