@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import onnxruntime as ort
+
+# ONNX Runtime 1.29+ sends usage telemetry from Linux too, and keeps a device id and an event database under
+# $HOME/.cache/Microsoft (3 MB here after two days; the agent's HOME is its state directory). A device serving
+# local users must not call out on its own: this opt-out, read when the runtime initializes, turns it all off
+# (found in review). A user who wants it sets ORT_DISABLE_TELEMETRY=0.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
 from agent import wire
 from agent.process import trim_heap

@@ -165,3 +165,16 @@ def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_
     shutil.copytree(tiny_fp32_bundle.path, odd / "bundle")
     with pytest.raises(BundleError, match="must be valid UTF-8"):
         open_bundle(odd / "bundle")
+
+
+def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundle, tmp_path):
+    """Found in review: ONNX Runtime 1.29+ collects usage telemetry on Linux too, with a device id and an event
+    database under $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the
+    runner opts out before the runtime initializes."""
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(tmp_path)}
+    script = ("import sys; from agent.bundle import open_bundle; "
+              "open_bundle(sys.argv[1]).runner(1)")
+    r = subprocess.run([sys.executable, "-c", script, str(tiny_fp32_bundle.path)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / ".cache").exists(), sorted(str(p) for p in tmp_path.rglob("*"))
