@@ -78,7 +78,7 @@ class ApiConfig(BaseModel):
                                 "read or tokenized take at most four of these together (429 past that)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 'overloaded' answer")
     drain_timeout_s: float = Field(30.0, ge=0, le=50, description="on shutdown, time in-flight requests get to "
-                                   "finish (under the unit's TimeoutStopSec=75, with the shutdown's other steps)")
+                                   "finish (under the unit's TimeoutStopSec=100, with the shutdown's other steps)")
     max_connections: int = Field(256, ge=1, description="open connections beyond these get 503 (each holds a file "
                                  "descriptor: keep it under the process's limit, LimitNOFILE=)")
     request_timeout_s: float = Field(30.0, gt=0, description="a connection must send a whole request head, and "

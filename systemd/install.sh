@@ -17,17 +17,25 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# The system's Python, not the first on PATH: a pyenv or conda one under /root or /home cannot be run by the
+# service's user, nor under ProtectHome=yes (found in review). PYTHON=/path/to/python3 to choose another.
+python="${PYTHON:-/usr/bin/python3}"
+case "$(readlink -f "$python")" in
+    /root/*|/home/*) echo "$python is under /root or /home: the service cannot run it; set PYTHON=" >&2; exit 2 ;;
+esac
+
 echo "==> package into $prefix/venv"
-python3 -m venv "$prefix/venv"
+"$python" -m venv "$prefix/venv"
 "$prefix/venv/bin/pip" install -q --upgrade pip
 "$prefix/venv/bin/pip" install -q "$repo"
 install -m 0644 "$repo/README.md" "$prefix/README.md"
 
 echo "==> users, directories, units"
-install -m 0644 "$repo/systemd/sysusers.d/edge-llm.conf" /usr/lib/sysusers.d/edge-llm.conf
-install -m 0644 "$repo/systemd/tmpfiles.d/edge-llm.conf" /usr/lib/tmpfiles.d/edge-llm.conf
-systemd-sysusers /usr/lib/sysusers.d/edge-llm.conf
-systemd-tmpfiles --create /usr/lib/tmpfiles.d/edge-llm.conf
+# /etc, not /usr/lib: /usr is read-only on some images, and the install stopped half done (found in review)
+install -D -m 0644 "$repo/systemd/sysusers.d/edge-llm.conf" /etc/sysusers.d/edge-llm.conf
+install -D -m 0644 "$repo/systemd/tmpfiles.d/edge-llm.conf" /etc/tmpfiles.d/edge-llm.conf
+systemd-sysusers /etc/sysusers.d/edge-llm.conf
+systemd-tmpfiles --create /etc/tmpfiles.d/edge-llm.conf
 install -m 0644 "$repo/systemd/edge-agent.service" /etc/systemd/system/edge-agent.service
 # owned by the agent's user: the service runs with Group=edge-llm-clients (its socket's group), whose members
 # must not read a config that may hold the broker password; ProtectSystem=strict keeps it read-only to the agent
@@ -41,10 +49,13 @@ if [ -n "$bundle" ]; then
     echo "==> model bundle $bundle"
     "$prefix/venv/bin/edge-quantize" inspect "$bundle" >/dev/null  # verifies every file's hash first
     name="$(basename "$bundle")"
-    cp -a "$bundle" "/var/lib/edge-agent/models/.$name.tmp"
-    sync -f "/var/lib/edge-agent/models/.$name.tmp"  # the data on disk before a name points at it (power cuts)
+    tmp="/var/lib/edge-agent/models/.$name.tmp"
+    rm -rf "$tmp"  # an interrupted run's: cp would copy into it, and the bundle installed was a folder inside
+    cp -a "$bundle" "$tmp"
+    "$prefix/venv/bin/edge-quantize" inspect "$tmp" >/dev/null  # the copy, before it replaces anything
+    sync -f "$tmp"  # the data on disk before a name points at it (power cuts)
     rm -rf "/var/lib/edge-agent/models/$name"
-    mv "/var/lib/edge-agent/models/.$name.tmp" "/var/lib/edge-agent/models/$name"
+    mv "$tmp" "/var/lib/edge-agent/models/$name"
     ln -sfn "models/$name" /var/lib/edge-agent/current.tmp && mv -T /var/lib/edge-agent/current.tmp /var/lib/edge-agent/current
     chown -R edge-agent:edge-llm-clients /var/lib/edge-agent  # as StateDirectory= sets it (mode 0700)
     sync -f /var/lib/edge-agent  # the renames and the link too: a box that loses power now still boots
@@ -52,6 +63,11 @@ fi
 
 "$prefix/venv/bin/edge-agent" check-config --config /etc/edge-agent/agent.toml
 systemctl daemon-reload
-systemctl enable --now edge-agent.service
-[ "$fleet" = 1 ] && systemctl enable --now edge-fleet.service
+# restart, not enable --now: rerun to upgrade, a running service kept the old code (found in review)
+systemctl enable edge-agent.service
+systemctl restart edge-agent.service
+if [ "$fleet" = 1 ]; then
+    systemctl enable edge-fleet.service
+    systemctl restart edge-fleet.service
+fi
 echo "installed: systemctl status edge-agent"

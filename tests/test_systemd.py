@@ -203,3 +203,19 @@ def test_the_shipped_unit_gives_the_socket_its_group_without_a_chown():
     assert service["Group"] == "edge-llm-clients" and "g     edge-llm-clients" in (UNITS / "sysusers.d" / "edge-llm.conf").read_text()
     assert int(service["RuntimeDirectoryMode"], 8) & 0o010 and service["StateDirectoryMode"] == "0700"
     assert "IPAddressDeny" not in service  # the fleet broker and artifact server are not on localhost
+
+
+def test_the_shipped_broker_config_loads_beside_the_distributions_own(tmp_path):
+    """Found in review: installed as the README says (conf.d beside Debian's stock mosquitto.conf, which sets
+    persistence_location), its second persistence_location stopped Mosquitto at start."""
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "edge.conf").write_text((UNITS / "mosquitto" / "mosquitto.conf").read_text())
+    stock = tmp_path / "mosquitto.conf"  # Debian's, Ubuntu's and Raspberry Pi OS's, paths moved here
+    stock.write_text(f"pid_file {tmp_path}/pid\npersistence true\npersistence_location {tmp_path}/\n"
+                     f"log_dest stderr\ninclude_dir {tmp_path}/conf.d\n")
+    try:
+        out = subprocess.run(["mosquitto", "-c", str(stock)], capture_output=True, text=True, timeout=3)
+        text = out.stdout + out.stderr
+    except subprocess.TimeoutExpired as e:  # it started (the certificate paths are the box's, not here)
+        text = (e.stdout or b"").decode() + (e.stderr or b"").decode()
+    assert "Loading config file" in text and "Error found at" not in text and "Duplicate" not in text, text
