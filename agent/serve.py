@@ -58,6 +58,7 @@ LOADING_WAIT_S = 300.0  # a model switch waits this long for the first model to 
 # each, up to a second on a slow SD card, several at once)
 REQUEST_HOOKS_WAIT_S = 10.0
 DRAIN_BEFORE_SWITCH_S = 60.0  # a switch lets the old model's requests finish this long, then stops them
+SWITCH_KEEPALIVE_S = 300.0  # a switch's health check and load may take this long before the watchdog restarts us
 
 
 class ServeError(RuntimeError):
@@ -651,26 +652,29 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
         time.sleep(0.1)
     if backend.engine is not None:  # its config carries what SIGHUP changed since the start: kept, not reverted
         config = backend.engine.config
+    keepalive = notifier.keepalive(SWITCH_KEEPALIVE_S) if notifier else contextlib.nullcontext()
     backend.switching.set()
     try:
         old = backend.engine
         serving = old.bundle if old is not None else None
         if old is not None:
             _drain(old, timeout_s=DRAIN_BEFORE_SWITCH_S)
-            old.stop()
-            old.close()  # stopped alone, it kept its session and KV cache (the API still references it)
-            del old
-            trim_heap()
-        if check is not None:
-            try:
-                check(bundle)
-            except BaseException:
-                if serving is not None:
-                    backend.swap(load_engine(serving.path, config, notifier))
-                raise
-            finally:
-                trim_heap()  # the check's sessions, before the next load measures its baseline
-        backend.swap(load_engine(bundle.path, config, notifier))
+        with keepalive:  # from here no engine loop feeds the watchdog until the new one runs
+            if old is not None:
+                old.stop()
+                old.close()  # stopped alone, it kept its session and KV cache (the API still references it)
+                del old
+                trim_heap()
+            if check is not None:
+                try:
+                    check(bundle)
+                except BaseException:
+                    if serving is not None:
+                        backend.swap(load_engine(serving.path, config, notifier))
+                    raise
+                finally:
+                    trim_heap()  # the check's sessions, before the next load measures its baseline
+            backend.swap(load_engine(bundle.path, config, notifier))
     finally:
         backend.switching.clear()
 
