@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 Precision = Literal["fp32", "int8", "int4"]
 Kind = Literal["qkv", "o", "gate_up", "down"]  # a layer's fused projections
@@ -52,6 +52,10 @@ class QuantSpec(BaseModel):
     lm_head: Precision | None = None  # None: int8 when precision is int4 (the lm_head is ~1/5 of the weights)
     # Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks instead of requantizing from dequantized weights.
     keep_source_quant: bool = False
+
+    @field_serializer("int4_symmetric_kinds")
+    def _sorted(self, kinds: frozenset[Kind]) -> list[Kind]:
+        return sorted(kinds)  # a set's order changes between runs: the same build gave another model_config.json
 
     @model_validator(mode="after")
     def _check(self) -> "QuantSpec":

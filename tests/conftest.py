@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+import quantize  # noqa: F401  before tests/ joins sys.path: its quantize/ folder would pass for the package
+# (resources.files("quantize") then named tests/quantize, when those tests ran alone)
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py and tests/tiny.py
 
 from tiny import write_tiny_llama  # noqa: E402
