@@ -211,6 +211,7 @@ class TelemetryStore:
         self.path, self.device_id, self.clock, self.uptime = path, device_id, clock, uptime
         self._last_stamp: tuple[float, float] | None = None  # (wall clock, uptime) at the last append
         self.clock_steps: list[float] = []  # steps of the wall clock seen in this run, seconds, in order
+        self._connections, self._connections_counted = 0, True  # the last connection number handed out
         self.recovered_from: Path | None = None  # where a corrupt database was moved, if it was
         self.in_memory_because: str | None = None  # why the file could not be used, if it could not
         hard_limit = max_file_bytes
@@ -322,8 +323,22 @@ class TelemetryStore:
                                      [(now, i) for i in row_ids])
 
     def next_connection(self) -> int:
-        """Count one more connection attempt and return the count (the DeviceState `connection`)."""
-        return self._meta_add("connections", 1)
+        """Count one more connection attempt and return the count (the DeviceState `connection`), which only
+        grows within a run. On a full disk the count goes on in memory: found in review, the failed write failed
+        the attempt, so the device stayed off MQTT (a traceback every retry) for as long as the disk was full."""
+        with self._lock:
+            at_least = self._connections + 1
+            try:
+                with self.db.atomic():
+                    self.db.execute("UPDATE meta SET value = MAX(value + 1, ?) WHERE key = 'connections'", [at_least])
+                    self._connections = self._meta("connections")
+            except sqlite3.Error as e:
+                if self._connections_counted:
+                    log.warning("telemetry database: cannot count a connection (%s); counting in memory", e)
+                self._connections_counted, self._connections = False, at_least
+                return at_least
+            self._connections_counted = True
+            return self._connections
 
     def _meta_add(self, key: str, n: int) -> int:
         with self._lock, self.db.atomic():

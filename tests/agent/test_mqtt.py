@@ -443,6 +443,18 @@ def test_a_database_error_while_connecting_is_a_failed_attempt_not_the_end_of_th
         store.close()
 
 
+def test_a_device_whose_disk_is_full_still_connects(broker, tmp_path):
+    store = TelemetryStore(tmp_path / "dev-f.db", "dev-f")
+    store.db.execute("PRAGMA query_only = 1")  # every write fails, as on a full disk
+    link = MqttLink(fast_config(broker.url), "dev-f", store)
+    link.start()
+    try:
+        assert wait_until(lambda: link.is_connected), link.state
+    finally:
+        link.stop()
+        store.close()
+
+
 def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links):
     """The rows stayed unsent until the next reconnect, weeks away on a steady link."""
     fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-marksent")

@@ -167,6 +167,19 @@ def test_connection_counter_persists_across_starts(db_path):
     assert TelemetryStore(db_path, "dev-1").next_connection() == 4
 
 
+def test_connections_are_counted_in_memory_while_the_file_takes_no_writes(db_path):
+    """Found in review: on a full disk the count's write failed the connection attempt, so the device stayed
+    off MQTT for as long as the disk was full. The number still only grows within the run."""
+    store = TelemetryStore(db_path, "dev-1")
+    assert [store.next_connection() for _ in range(2)] == [1, 2]
+    store.db.execute("PRAGMA query_only = 1")  # every write fails, as on a full disk
+    assert [store.next_connection() for _ in range(2)] == [3, 4]
+    store.db.execute("PRAGMA query_only = 0")
+    assert store.next_connection() == 5  # not 3: the file's count catches up
+    store.close()
+    assert TelemetryStore(db_path, "dev-1").next_connection() == 6
+
+
 def test_a_record_too_large_for_one_batch_is_refused(db_path):
     store = TelemetryStore(db_path, "dev-1")
     with pytest.raises(ValueError, match="exceeds"):
