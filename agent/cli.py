@@ -17,7 +17,7 @@ import click
 from pydantic import ValidationError
 
 from agent.bundle import BundleError, open_bundle
-from agent.clikit import run
+from agent.clikit import run, setup_logging
 from agent.config import EngineConfig
 from agent.memory import MemoryBudgetError
 from agent.process import peak_rss_bytes
@@ -45,8 +45,10 @@ def _require_utf8(name: str, value: str) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Log engine details to stderr.")
 def cli(verbose: bool) -> None:
     """The edge LLM agent."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    # the service says what it does (connected, reloaded, switched models: a few lines an hour); the
+    # one-shot commands only what went wrong
+    service = click.get_current_context().invoked_subcommand == "serve"
+    setup_logging(logging.INFO if verbose or service else logging.WARNING)
 
 
 @cli.command()

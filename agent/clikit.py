@@ -1,7 +1,9 @@
 """What the three command lines (edge-quantize, edge-agent, edge-fleet) share: how a CLI is run."""
 from __future__ import annotations
 
+import logging
 import math
+import os
 import sys
 
 import click
@@ -45,3 +47,38 @@ def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> No
         click.echo(f"Error: internal error ({type(e).__name__}): {first}", err=True)
         sys.exit(2)
     sys.exit(code if type(code) is int else 0)  # an int only from --help and the like (click's Exit)
+
+
+# sd-daemon(3)'s priority prefixes, which journald reads off each line of a service's stderr
+_SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+
+class _JournalFormatter(logging.Formatter):
+    """Each line prefixed with its priority, so that `journalctl -p warning` finds the warnings (every line was
+    "info" to journald), and no time stamp: journald keeps its own (found in review)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        priority = _SYSLOG_PRIORITY.get(record.levelno, 6)
+        return "\n".join(f"<{priority}>{line}" for line in super().format(record).splitlines())
+
+
+def _stderr_is_the_journal() -> bool:
+    """$JOURNAL_STREAM names the device and inode of the stream systemd connected to journald."""
+    device, _, inode = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+        return (st.st_dev, st.st_ino) == (int(device), int(inode))
+    except (ValueError, OSError):
+        return False
+
+
+def setup_logging(level: int, timestamps: bool = False) -> None:
+    """Log to stderr at `level`: for journald with priorities and without time stamps, otherwise as
+    "[time ]LEVEL logger: message"."""
+    handler = logging.StreamHandler(sys.stderr)
+    text = "%(levelname)s %(name)s: %(message)s"
+    if _stderr_is_the_journal():
+        handler.setFormatter(_JournalFormatter(text))
+    else:
+        handler.setFormatter(logging.Formatter(("%(asctime)s " if timestamps else "") + text))
+    logging.basicConfig(level=level, handlers=[handler])

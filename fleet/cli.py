@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 
 from agent import durable
-from agent.clikit import Seconds, run
+from agent.clikit import Seconds, run, setup_logging
 from agent.wire import is_device_id
 from fleet import queries
 from fleet.commands import CommandError
@@ -184,8 +184,7 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     for label, value in (("client id", client_id), ("shared group", shared_group)):
         if value is not None and (not value or any(c in value for c in "/+#")):
             raise click.BadParameter(f"{label} {value!r} must be non-empty without '/', '+' or '#'")
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.DEBUG if verbose else logging.INFO, timestamps=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -344,7 +344,7 @@ class Link:
 
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._ready.clear()
-        if not self._stop.is_set():
+        if not self._stop.is_set() and self.connect_error is None:  # a refusal was said already, with its reason
             # Mosquitto closes the older of two connections with one client id ("session taken over", often
             # without saying so): two `edge-fleet serve` with the default id flapped with only this line
             log.warning("disconnected from MQTT broker: %s (if this repeats every few seconds, another client "

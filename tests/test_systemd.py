@@ -246,3 +246,24 @@ def test_the_shipped_broker_config_loads_beside_the_distributions_own(tmp_path):
     except subprocess.TimeoutExpired as e:  # it started (the certificate paths are the box's, not here)
         text = (e.stdout or b"").decode() + (e.stderr or b"").decode()
     assert "Loading config file" in text and "Error found at" not in text and "Duplicate" not in text, text
+
+
+def test_logs_to_journald_carry_their_priority_and_no_time_stamp(tmp_path):
+    """Found in review: journald took every line as priority info (`journalctl -p warning` showed nothing)
+    and the fleet's lines carried a second time stamp. Under journald ($JOURNAL_STREAM names stderr) each line
+    starts with its sd-daemon priority; elsewhere lines are as before."""
+    import os
+
+    script = ("import logging; from agent.clikit import setup_logging; setup_logging(logging.INFO, timestamps=True);"
+              "log = logging.getLogger('x'); log.info('ready'); log.warning('careful'); log.error('two\\nlines')")
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        st = os.fstat(f.fileno())
+        env = os.environ | {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        subprocess.run([sys.executable, "-c", script], stderr=f, env=env, check=True, timeout=60)
+    assert err.read_text().splitlines() == ["<6>INFO x: ready", "<4>WARNING x: careful", "<3>ERROR x: two",
+                                            "<3>lines"]
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    first = out.stderr.splitlines()[0]
+    assert first.endswith("INFO x: ready") and first[:4].isdigit(), out.stderr  # "2026-12-05 10:20:01,123 INFO ..."

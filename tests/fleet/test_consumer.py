@@ -4,6 +4,7 @@ replicas on a shared subscription."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -266,3 +267,25 @@ def test_a_negative_count_or_time_is_refused():
             add_message(Ingest(), Inbound(topic("dev-x", "tele"), json.dumps(body).encode(), 1, 1, False, 0), "dev-x",
                         time.time())
         assert e.value.reason == "schema" and field in str(e.value)
+
+
+def test_rejections_are_logged_once_per_device_and_reason_and_at_most_twenty_lines_a_minute(caplog, monkeypatch):
+    """Found in review: one line per (device, reason) per minute had no fleet-wide cap (300 devices sending a
+    schema this server does not know: 300 lines a minute; ids that change with every message: 2,900), and
+    the map of what had been logged grew without bound."""
+    import fleet.consumer as consumer_module
+    from fleet.consumer import Consumer, Rejected
+
+    now = [1000.0]
+    monkeypatch.setattr(consumer_module.time, "monotonic", lambda: now[0])
+    consumer = Consumer.__new__(Consumer)  # only the logging state: no broker, no store
+    consumer._rejection_logged, consumer._rejection_period = set(), (-60.0, 0)
+    caplog.set_level(logging.WARNING, logger="fleet.consumer")
+    for i in range(300):
+        for _ in range(3):
+            consumer._log_rejection(f"dev-{i}", Rejected("schema", "unknown field"))
+    assert len(caplog.records) == 20 and len(consumer._rejection_logged) == 20
+    now[0] += 61
+    consumer._log_rejection("dev-0", Rejected("schema", "unknown field"))
+    assert "880 more rejected messages" in caplog.records[20].getMessage()
+    assert "dev-0" in caplog.records[21].getMessage() and len(consumer._rejection_logged) == 1
