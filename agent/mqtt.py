@@ -51,6 +51,7 @@ CommandHandler = Callable[[str, CommandRequest], CommandResponse]
 MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
 COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
 REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
+REFUSAL_LOG_EVERY_S = 3600.0  # a refusal that goes on is logged this often
 NO_MATCHING_SUBSCRIBERS = 0x10  # PUBACK reason (MQTT v5 3.4.2.1): accepted, and delivered to no one
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
@@ -404,6 +405,7 @@ class _Outbox:
         self._inflight: dict[int, list[int]] = {}
         self._cursor = 0  # the last row id published on this connection
         self._paused_until = 0.0
+        self._refusal_logged_at = -float("inf")  # when a refused batch was last logged; reset by an accepted one
 
     def attach(self, conn: _Connection | None) -> None:
         self._target = conn
@@ -449,12 +451,17 @@ class _Outbox:
             # one (0x10: the fleet server's session is gone, e.g. a broker restarted without persistence):
             # found in review, those rows were marked sent and lost. Both keep the rows and retry later.
             if reason.is_failure or reason.value == NO_MATCHING_SUBSCRIBERS:
-                log.warning("mqtt: the broker %s a batch of %d records: %s; retrying in %.0f s",
-                            "refused" if reason.is_failure else "delivered to no one", len(rows), reason,
-                            REFUSED_PAUSE_S)
+                # said once an hour while it lasts (found in review: every 30 s, for good, while no fleet server
+                # was subscribed); the retries go on every REFUSED_PAUSE_S
+                if time.monotonic() - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
+                    self._refusal_logged_at = time.monotonic()
+                    log.warning("mqtt: the broker %s a batch of %d records: %s; retrying every %.0f s%s",
+                                "refused" if reason.is_failure else "delivered to no one", len(rows), reason,
+                                REFUSED_PAUSE_S, "" if reason.is_failure else " (is the fleet server running?)")
                 self._cursor = min(self._cursor, rows[0] - 1)
                 self._paused_until = time.monotonic() + REFUSED_PAUSE_S
                 continue
+            self._refusal_logged_at = -float("inf")  # accepted: the next refusal is news
             try:
                 self.store.mark_sent(rows)
             except Exception:  # SQLite locked or full: they go again (the fleet drops replays), not weeks later

@@ -877,20 +877,25 @@ if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
 
 # ---- (e) a broker that refuses or delivers to no one ---------------------------------------------------------
 
-def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, monkeypatch):
+def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, monkeypatch, caplog):
     """Found in review: PUBACK 0x10 'no matching subscribers' (the fleet's session gone with a broker that lost
-    its state) counted as delivered, and the rows were marked sent and lost."""
+    its state) counted as delivered, and the rows were marked sent and lost. It was also logged at every retry
+    (every 30 s, for good, while no fleet server ran): now once, then hourly."""
     import agent.mqtt
 
     monkeypatch.setattr(agent.mqtt, "REFUSED_PAUSE_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="agent.mqtt")
     link = links(broker.url, "dev-n")
     assert wait_until(lambda: link.is_connected)
     link.store.append(EventRecord(kind="tick"))
     assert link.flush(1.0) == {"unsent": 1, "connected": True}
+    time.sleep(1.5)  # several retries, each delivered to no one
     fleet = Fleet(broker, subscribe=["edge/v1/dev-n/tele"], client_id="fleet-late")
     assert wait_until(lambda: link.flush(0.2)["unsent"] == 0, 10)
     assert fleet.wait(lambda f: any(m.topic == "edge/v1/dev-n/tele" for m in f.messages))
     fleet.close()
+    said = [r.getMessage() for r in caplog.records if "delivered to no one" in r.getMessage()]
+    assert len(said) == 1 and "is the fleet server running?" in said[0], said
 
 
 def test_a_refused_subscription_takes_the_device_offline_and_is_retried(tmp_path, links, caplog):
