@@ -42,6 +42,10 @@ def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> No
     except click.ClickException as e:  # the user's error: usage, a bad value, a refused input
         e.show()
         sys.exit(e.exit_code)
+    except MemoryError:  # found in review: "internal error (MemoryError): " with nothing after it
+        click.echo("Error: out of memory: this needs more memory than the process may use (free some, raise its "
+                   "limit, or use a machine with more)", err=True)
+        sys.exit(1)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         click.echo(f"Error: internal error ({type(e).__name__}): {first}", err=True)

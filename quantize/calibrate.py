@@ -43,12 +43,14 @@ class Calibration:
     hessians: dict[str, np.ndarray]  # sum of x x^T [K, K] float64 per projection input (GPTQ), may be empty
 
 
-def calibrate(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, threads: int | None = None) -> Calibration:
-    """Activation statistics of every projection's input over the token ids, keyed by HF weight name."""
+def calibrate(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, threads: int | None = None,
+              work_dir: Path | None = None) -> Calibration:
+    """Activation statistics of every projection's input over the token ids, keyed by HF weight name.
+    work_dir: where the fp32 capture graph is written meanwhile (a whole fp32 model; default $TMPDIR)."""
     g = ckpt.geometry
     model, _ = build_graph(ckpt, QuantSpec(), capture=True)
     keys = [o.name for o in model.graph.output if o.name.startswith("model.")]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         path = Path(tmp) / wire.GRAPH
         onnx.save_model(model, str(path), save_as_external_data=True, location=wire.GRAPH_DATA)
         del model

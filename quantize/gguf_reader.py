@@ -220,7 +220,8 @@ def load(path: Path) -> Checkpoint:
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, OverflowError,
             ZeroDivisionError, MemoryError) as e:
         # a corrupt file can break any assumption about field types and shapes: one clear error, not a trace
-        raise CheckpointError(f"{path}: malformed GGUF ({type(e).__name__}: {e})") from e
+        also = " or not enough memory" if isinstance(e, MemoryError) else ""
+        raise CheckpointError(f"{path}: malformed GGUF{also} ({type(e).__name__}: {e})") from e
 
 
 def _load(path: Path) -> Checkpoint:

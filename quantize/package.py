@@ -203,7 +203,9 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
     # its error being dominated by the int8 activations; GPTQ still helped (0.0040 -> 0.0037)
     if calib_ids and (spec.method == "gptq" or (spec.precision == "int4" and spec.method == "search")):
         progress("measuring activation statistics over the calibration text")
-        calib = calibrate(ckpt, calib_ids, with_hessians=spec.method == "gptq", threads=threads)
+        # its fp32 graph inside the build's folder: a SIGKILLed build (the OOM killer) left it in $TMPDIR for
+        # good (1.5 GB at SmolLM2-360M's size, found in review); the next build removes the folder
+        calib = calibrate(ckpt, calib_ids, with_hessians=spec.method == "gptq", threads=threads, work_dir=tmp)
     progress(f"building {spec.precision} graph")
     report = write_graph(ckpt, spec, tmp, calib, show_progress)
     # The only reference to the Hessians (GBs past 1B parameters): the caller held another, so they stayed

@@ -89,6 +89,8 @@ def test_an_interrupted_command_exits_130_and_a_bug_is_one_line(tmp_path):
         "@cli.command()\n"
         "def buggy(): raise ZeroDivisionError('x')\n"
         "@cli.command()\n"
+        "def hungry(): raise MemoryError\n"
+        "@cli.command()\n"
         "@click.option('--n', type=int, required=True)\n"
         "def fine(n): click.echo(n)\n"
         "run(cli, 'demo')\n")
@@ -99,4 +101,6 @@ def test_an_interrupted_command_exits_130_and_a_bug_is_one_line(tmp_path):
     assert r.returncode == 130 and "Aborted!" in r.stderr
     r = demo("buggy")
     assert r.returncode == 2 and "internal error (ZeroDivisionError)" in r.stderr and "Traceback" not in r.stderr
+    r = demo("hungry")  # found in review: "internal error (MemoryError): " and nothing more
+    assert r.returncode == 1 and "Error: out of memory" in r.stderr and "internal error" not in r.stderr
     assert demo("fine", "--n", "3").stdout == "3\n" and demo("fine").returncode == 2 and demo("--help").returncode == 0

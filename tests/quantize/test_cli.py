@@ -128,6 +128,29 @@ def test_tampered_bundle_is_refused(built, tmp_path):
     assert_one_line_error(run("inspect", str(copy)), "sha256")
 
 
+def test_calibration_writes_its_fp32_graph_inside_the_builds_folder(tiny_checkpoint, tmp_path, monkeypatch):
+    """Found in review: a SIGKILLed build (the OOM killer) left the calibration's whole fp32 graph in $TMPDIR
+    for good; inside the build's folder, the next build removes it with the folder."""
+    import tempfile
+
+    import quantize.calibrate
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    made = []
+
+    class Recorded(tempfile.TemporaryDirectory):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(Path(self.name))
+
+    monkeypatch.setattr(quantize.calibrate.tempfile, "TemporaryDirectory", Recorded)
+    build_bundle(tiny_checkpoint, QuantSpec(precision="int4", method="gptq"), tmp_path / "b", name="tiny",
+                 calibration_text="the cat sat on the mat " * 20, progress=lambda s: None)
+    assert made and all(p.parent.name.startswith(".b.partial-") for p in made), made
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
 def test_an_output_that_appears_during_the_build_is_not_replaced_without_force(tiny_checkpoint, tmp_path):
     """Found in review: the final rename replaced whatever had appeared at the output meanwhile (another build,
     a user's folder), --force or not; with --force, a file or link there left a .NAME.old-PID behind."""
