@@ -86,7 +86,9 @@ def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, p
     if plan.source is not None:
         return _linear_from_source(b, name, x, plan.source, spec)
     bits = 8 if plan.precision == "int8" else 4
-    hessian = b.hessians.get(key) if key else None
+    # popped: each is read once, and the last reference goes with it (GBs past 1B parameters, all alive while
+    # the graph grew to the model's size)
+    hessian = b.hessians.pop(key, None) if key else None
     if spec.method == "gptq" and hessian is not None:
         q = nbits.quantize_gptq(w, bits, plan.block_size, plan.symmetric, hessian, importance=importance,
                                 act_order=spec.act_order, damp=spec.gptq_damp)
