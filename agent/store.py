@@ -289,6 +289,15 @@ class TelemetryStore:
             self._next_seq += 1
         return record
 
+    def append_all(self, items: list[tuple[RequestRecord | SampleRecord | EventRecord, float]]) -> list[TelemetryRecord]:
+        """Commit (record, age in seconds) pairs in one transaction, each stamped its age before now: samples
+        are committed a few at a time, one fsync for several (found in review: an idle agent, a sample and a
+        commit every 10 s, wrote ~250 MB a day to its SD card). All or none are written."""
+        with self._lock:
+            now = self._stamp()
+            with self.db.atomic():
+                return [self.append(body, ts=now - age) for body, age in items]
+
     def _stamp(self) -> float:
         """The wall clock now; if it was stepped since the last append, this boot's rows are restamped first."""
         wall, up = self.clock(), self.uptime()

@@ -466,3 +466,30 @@ def test_the_documented_queries_run(db_path):
         done = subprocess.run([str(exe), *args[1:]], cwd=db_path.parent, capture_output=True, text=True)
         assert done.returncode == 0, (line, done.stderr)
         assert re.match(r"^\[", done.stdout.strip()), line
+
+
+def test_samples_are_committed_a_few_at_a_time_each_stamped_when_taken(tmp_path, monkeypatch):
+    """Found in review: a commit (an fsync of ~5 pages) per sample wrote ~250 MB a day to an idle box's SD
+    card. Samples now wait for SAMPLES_PER_COMMIT of them (or the stop), each stamped when it was taken."""
+    import time
+
+    import agent.telemetry as telemetry_module
+
+    monkeypatch.setattr(telemetry_module, "SAMPLES_PER_COMMIT", 4)
+    store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
+    telemetry = Telemetry(store, TelemetryConfig(state_dir=tmp_path, sample_interval_s=0.2))
+    samples = lambda: [ts for (ts,) in store.db.execute(  # noqa: E731
+        "SELECT ts FROM records WHERE kind = 'sample' ORDER BY id").fetchall()]
+    telemetry.start()
+    deadline = time.monotonic() + 10
+    while len(telemetry._pending_samples) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert samples() == []  # taken, not yet committed
+    while len(samples()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    committed = samples()
+    assert len(committed) == 4 and all(0.15 < b - a < 0.5 for a, b in zip(committed, committed[1:])), committed
+    telemetry.stop()  # what was taken since goes in at the stop
+    again = TelemetryReader(tmp_path / DB_NAME)
+    assert again.counts()["records"] >= 6  # start, 4+ samples, stop
+    again.close()
