@@ -15,7 +15,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      ValidationInfo, field_validator)
+                      ValidationInfo, field_validator, model_validator)
 
 from agent.sampling_params import SamplingParams
 from agent.wire import RequestFigures
@@ -73,6 +73,19 @@ class ChatMessage(_Request):
     tool_calls: _off([]) = None
     function_call: _off() = None
     audio: _off() = None
+    # others' extensions whose meaning would be lost if they were ignored: Ollama's images, vLLM's prefix
+    images: _off([]) = None
+    prefix: _off(False) = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refusal_as_content(cls, data):
+        # OpenAI returns a refusal as "content": null and "refusal": "..."; appended to the history as it comes,
+        # the template shows what was said
+        if (isinstance(data, dict) and data.get("role") == "assistant" and data.get("content") is None
+                and isinstance(data.get("refusal"), str)):
+            return {**data, "content": data["refusal"]}
+        return data
 
     @field_validator("content", mode="before")
     @classmethod

@@ -71,6 +71,7 @@ class Notifier:
             return
         done = threading.Event()
         deadline = time.monotonic() + max_s
+        self.send("WATCHDOG=1")  # now: the engine's last ping may be nearly an interval old already
 
         def ping() -> None:
             while not done.wait(self.watchdog_interval_s) and time.monotonic() < deadline:

@@ -229,7 +229,7 @@ class _Repeats(logging.Filter):
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno != logging.WARNING or record.exc_info:  # errors and tracebacks: each is news
             return True
         message, now = record.getMessage(), self.clock()
         with self._lock:
@@ -278,9 +278,12 @@ class _Uvicorn(uvicorn.Server):
             self._cut_off.start()
 
     def end_drain(self) -> None:
-        """The server has stopped: nothing is left for the timer to cut off (the caller stops the engine)."""
+        """The server has stopped: nothing is left for the timer to cut off (the caller stops the engine, so
+        a cut-off already under way is waited for: two stops at once would end the held requests twice)."""
         if self._cut_off is not None:
             self._cut_off.cancel()
+            if self._cut_off.is_alive():
+                self._cut_off.join()
 
     def _stop_engine(self) -> None:
         """Every request still held ends with an "unavailable" error, which a stream sends as its last event
@@ -701,11 +704,15 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
                 try:
                     check(bundle)
                 except BaseException:
+                    trim_heap()
                     if serving is not None:
-                        backend.swap(load_engine(serving.path, config, notifier))
+                        try:
+                            backend.swap(load_engine(serving.path, config, notifier))
+                        except Exception:  # the check's reason is the news; the watchdog restarts us
+                            log.exception("the model that served before the check failed to load again: "
+                                          "nothing is served until the agent restarts")
                     raise
-                finally:
-                    trim_heap()  # the check's sessions, before the next load measures its baseline
+                trim_heap()  # the check's sessions, before the next load measures its baseline
             backend.swap(load_engine(bundle.path, config, notifier))
     finally:
         backend.switching.clear()

@@ -408,13 +408,17 @@ class UpdateJob:
         except BundleError as e:
             raise JobFailed(JobState.FAILED, f"verification failed: {e}") from e
 
-    def _health_check(self, bundle: Bundle) -> dict:
-        self.status(JobState.IN_PROGRESS, JobStep.LOADING)
-        try:  # found in review: a bundle without the int8 KV graph this device runs passed, then failed to load
+    def _check_kv_graph(self, bundle: Bundle) -> None:
+        """Found in review: a bundle without the int8 KV graph this device runs passed the health check (which
+        runs the fp32-KV graph), then failed to load. Checked before the serving model stops."""
+        try:
             if self.ctx.kv_dtype() != "fp32":
                 bundle.graph(self.ctx.kv_dtype())
         except BundleError as e:
             raise JobFailed(JobState.FAILED, f"the device runs kv_dtype = \"{self.ctx.kv_dtype()}\": {e}") from e
+
+    def _health_check(self, bundle: Bundle) -> dict:
+        self.status(JobState.IN_PROGRESS, JobStep.LOADING)
         measure = self.ctx.measure or (lambda b, n: default_measure(b, self.ctx.threads, n))
         golden = bundle.manifest.golden.continuation_ids
         # the job may ask for more than the device's own floor, never for less (found in review: the config's
@@ -453,6 +457,7 @@ class UpdateJob:
         past memory_budget_mb (526 MB at 420, SmolLM2 INT4 -> INT8)."""
         m = bundle.manifest
         store = self.ctx.store
+        self._check_kv_graph(bundle)
         final = store.models / _install_name(m)
         # journalled before anything moves: after a crash from here on, recover() removes `final` unless it
         # became current (journalled after the rename, a crash in between left the bundle there for good)
@@ -470,7 +475,12 @@ class UpdateJob:
         def check_then_link(new: Bundle) -> None:
             figures.update(self._health_check(new))
             self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)  # a crash from here is settled by the links
-            links.append(store.activate(final, keep_displaced=True))
+            before = store.link("current"), store.link("previous")
+            try:
+                links.append(store.activate(final, keep_displaced=True))
+            except BaseException:  # a link moved and the other not (a full disk): both as they were
+                store.restore(*before)
+                raise
 
         try:
             self.ctx.swap(open_bundle(final, verify_files=False), check_then_link)
@@ -487,8 +497,10 @@ class UpdateJob:
             # the device's last good fallback.
             serving, kept = links[0]
             store.restore(serving, kept)
+            # serving was verified when it loaded: hashing every file again held the switch (and the watchdog)
+            # up to tens of seconds on an SD card; the failed bundle goes once the old model serves again
+            self.ctx.swap(open_bundle(serving, verify_files=False))
             store.remove_unlinked(final)
-            self.ctx.swap(open_bundle(serving))
             raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {serving.name}: {e}") from e
         store.remove_unlinked(links[0][1])
         self.ctx.current_tokens_per_s[m.version] = figures["decode_tokens_per_s"]  # the next update's floor

@@ -283,9 +283,9 @@ class Consumer:
         now = time.monotonic()
         start, unlogged = self._rejection_period
         if now - start >= REJECTION_LOG_EVERY_S:  # a new period (the set forgets the last one's: bounded)
-            if unlogged:
-                log.warning("%d more rejected messages in the last %.0f s were not logged (edge-fleet rejected "
-                            "counts them all)", unlogged, now - start)
+            if unlogged:  # said when the next rejection comes: the count is of a period that has ended
+                log.warning("%d more rejected messages were not logged in the %.0f s after %d lines (edge-fleet "
+                            "rejected counts them all)", unlogged, REJECTION_LOG_EVERY_S, REJECTION_LINES)
             self._rejection_logged.clear()
             start, unlogged = now, 0
         key = (device_id, e.reason)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the edge agent on an edge box: the package in its own virtual environment under /opt/edge-llm,
 # the systemd units and snippets, the config, and a model bundle. Run as root from a checkout:
-#   sudo systemd/install.sh --bundle bundles/smollm2-int4 [--fleet]
+#   sudo systemd/install.sh --bundle bundles/smollm2-int4 [--fleet]     (PYTHON=/path/to/python3: another Python)
 # Idempotent: rerunning upgrades the package and keeps an existing /etc/edge-agent/agent.toml.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,7 +19,7 @@ done
 
 # The system's Python, not the first on PATH: a pyenv or conda one under /root or /home cannot be run by the
 # service's user, nor under ProtectHome=yes (found in review). PYTHON=/path/to/python3 to choose another.
-python="${PYTHON:-/usr/bin/python3}"
+python="$(command -v "${PYTHON:-/usr/bin/python3}")" || { echo "no Python at ${PYTHON:-/usr/bin/python3}" >&2; exit 2; }
 case "$(readlink -f "$python")" in
     /root/*|/home/*) echo "$python is under /root or /home: the service cannot run it; set PYTHON=" >&2; exit 2 ;;
 esac

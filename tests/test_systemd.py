@@ -93,7 +93,8 @@ class NotifyListener:
     def _read(self):
         while not self._stop:
             try:
-                self.messages.append((time.monotonic(), self.sock.recv(4096).decode()))
+                data = self.sock.recv(4096)  # then the time: the tuple's order read the clock before waiting
+                self.messages.append((time.monotonic(), data.decode()))
             except OSError:
                 continue
 
@@ -153,6 +154,20 @@ def test_the_watchdog_is_fed_through_a_model_switch_for_a_bounded_time(tiny_bund
     backend.engine.stop()
     listener.close()
     assert fed >= 3 and unfed == 0, (fed, unfed)
+
+
+def test_the_switch_keepalive_pings_as_it_begins(tmp_path):
+    """Found in review of the keepalive: its first ping came one interval in, and the engine's last one could be
+    nearly an interval old already, a gap as long as WatchdogSec."""
+    listener = NotifyListener(tmp_path / "notify")
+    notifier = Notifier(str(tmp_path / "notify"), watchdog_usec=20_000_000)  # an interval of 10 s
+    t0 = time.monotonic()
+    with notifier.keepalive(60.0):
+        time.sleep(0.3)
+    time.sleep(0.2)
+    pings = listener.pings_between(t0, time.monotonic())
+    listener.close()
+    assert pings == 1
 
 
 def test_serve_speaks_sd_notify_ready_then_stopping_and_exits_0_on_sigterm(tiny_bundle, tmp_path):

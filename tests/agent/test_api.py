@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from agent.api import Backend, EventBridge
 from agent.config import ApiConfig, EngineConfig
@@ -400,6 +401,11 @@ def test_a_reply_appended_to_the_history_as_the_sdks_return_it_is_accepted(tiny)
     assert history[1]["refusal"] is None and "tool_calls" in history[1]
     litellm_style = {"role": "assistant", "content": "hi", "provider_specific_fields": None, "function_call": None}
     assert client.chat.completions.create(model="tiny", messages=[*USER_HI, litellm_style], max_tokens=2).choices
+    refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}  # as OpenAI returns it
+    assert ChatMessage.model_validate(refused).as_template_message()["content"] == "I can't help with that."
+    for extension in ({"images": ["aGk="]}, {"prefix": True}):  # Ollama's, vLLM's: lost if ignored
+        with pytest.raises(ValidationError):
+            ChatMessage.model_validate({"role": "user", "content": "what is this?", **extension})
     http = tiny.http()
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
@@ -932,3 +938,9 @@ def test_a_client_sending_garbage_is_logged_once_a_minute_not_once_a_connection(
     now[0] = 61.0
     again = record()
     assert repeats.filter(again) and again.getMessage() == "Invalid HTTP request (3 more in the last 60 s)"
+    try:  # a crash is news every time, whatever its message (uvicorn's is always the same)
+        raise KeyError("x")
+    except KeyError:
+        crash = logging.LogRecord("uvicorn.error", logging.ERROR, "", 0, "Exception in ASGI application", (),
+                                  sys.exc_info())
+    assert all(repeats.filter(crash) for _ in range(3))

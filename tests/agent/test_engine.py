@@ -301,7 +301,19 @@ def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memor
     serving = backend.engine
     serve.swap_engine(backend, tiny_bundle, config, None, lambda bundle: seen.append("checked"))
     assert seen[-1] == "checked" and backend.engine is not serving and backend.engine.is_running
-    backend.engine.stop()
+    # the old model failing to load again keeps the check's reason (found in review: the reload's error
+    # replaced it); nothing serves then, and the watchdog restarts the agent
+    load = serve.load_engine
+
+    def broken_load(path, config, notifier=None):
+        raise MemoryError("cannot load old")
+    serve.load_engine = broken_load
+    try:
+        with pytest.raises(RuntimeError, match="golden"):
+            serve.swap_engine(backend, tiny_bundle, config, None, failing_check)
+    finally:
+        serve.load_engine = load
+    assert not backend.engine.is_running
 
 
 def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny_bundle):

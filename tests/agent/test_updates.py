@@ -313,6 +313,27 @@ def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tm
     assert dev.model_dirs() == [f"tiny@{v1.manifest.version}"] and dev.staging_empty()
 
 
+def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_path, bundles, keys, server,
+                                                                          monkeypatch):
+    """Found in review: a failure between the two link renames (a full disk) left `current` on the new bundle
+    while the old model served, so the next start booted the bundle the job had reported FAILED."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    before = dev.store.link("current"), dev.store.link("previous")
+    real_set_link, calls = dev.store._set_link, []
+
+    def set_link_then_fail(name, target):
+        calls.append(name)
+        real_set_link(name, target)
+        if len(calls) == 2:  # after `previous` and `current` moved, the fsync fails
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(dev.store, "_set_link", set_link_then_fail)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
+    assert (dev.store.link("current"), dev.store.link("previous")) == before
+    assert dev.serving.manifest.version == v1.manifest.version and dev.model_dirs() == [f"tiny@{v1.manifest.version}"]
+
+
 def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
     """Found in review: QoS 1 redelivery queued the job twice; the second run reported REJECTED ('already the
     current model') after the first SUCCEEDED, and the fleet kept that."""
