@@ -295,8 +295,13 @@ class TelemetryStore:
         commit every 10 s, wrote ~250 MB a day to its SD card). All or none are written."""
         with self._lock:
             now = self._stamp()
-            with self.db.atomic():
-                return [self.append(body, ts=now - age) for body, age in items]
+            try:
+                with self.db.atomic():
+                    return [self.append(body, ts=now - age) for body, age in items]
+            except sqlite3.OperationalError as e:  # the COMMIT itself can meet the full disk
+                if not is_full(e):
+                    raise
+                raise StoreFull(f"telemetry database full ({e}): {len(items)} record(s) not written") from None
 
     def _stamp(self) -> float:
         """The wall clock now; if it was stepped since the last append, this boot's rows are restamped first."""

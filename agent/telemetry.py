@@ -251,8 +251,8 @@ class Telemetry:
             return None
         if report.dropped_undelivered:
             # both causes in one count (found in review: a full disk's refusals were blamed on the byte cap)
-            log.warning("telemetry: %d undelivered records lost, deleted to stay under max_bytes (%d) or refused "
-                        "by a full disk", report.dropped_undelivered, self.config.max_bytes)
+            log.warning("telemetry: dropped %d undelivered records, deleted to stay under max_bytes (%d) or "
+                        "refused by a full disk", report.dropped_undelivered, self.config.max_bytes)
             if self.link is not None:
                 self.link.notify()
         return report
