@@ -40,7 +40,7 @@ from agent.process import trim_heap
 from agent.telemetry import Telemetry
 from agent.trust import load_trusted_keys
 from agent.updates import ModelStore, UpdateContext, UpdateService
-from agent.wire import GRAPH_INT8_KV, JobDocument, Manifest
+from agent.wire import JobDocument, Manifest
 
 AGENT_VERSION = "0.1.0"
 
@@ -544,10 +544,11 @@ def environment_problems(config: AgentConfig) -> list[str]:
                 errors.append(f"{path}: {str(e).splitlines()[0]}")
         else:
             problems.append(f"model: not a readable bundle ({'; '.join(errors)})")
-        if config.engine.kv_dtype == "int8" and readable and not (readable / GRAPH_INT8_KV).is_file():
-            # found in review: serve then refused to start, leaving the device off the network
-            problems.append(f"engine.kv_dtype: \"int8\" needs the bundle's int8 KV cache graph, and {readable} has "
-                            f"no {GRAPH_INT8_KV}: rebuild it with edge-quantize build, or set kv_dtype = \"fp32\"")
+        if config.engine.kv_dtype == "int8" and readable:
+            try:  # found in review: serve then refused to start, leaving the device off the network
+                open_bundle(readable, verify_files=False).graph("int8")
+            except (OSError, ValueError) as e:
+                problems.append(f"engine.kv_dtype: \"int8\" needs the bundle's int8 KV cache graph: {e}")
     elif not ((state / "current").exists() or (state / "previous").exists()):
         problems.append(f"model: none set and no installed model in {state}")
     if config.api.socket_group is not None:

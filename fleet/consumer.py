@@ -148,6 +148,12 @@ class Stats:
         self.acks_deferred += acks_deferred
 
 
+def describe_retention(keep_s: dict[str, float]) -> str:
+    """'requests 90 days, samples 14 days, events for good': how long each telemetry table is kept."""
+    return ", ".join(f"{table} {keep_s[table] / 86400:g} days" if table in keep_s else f"{table} for good"
+                     for table in TELEMETRY_TABLES)
+
+
 @dataclass
 class _Prune:
     """A retention pass under way in the writer thread."""
@@ -210,7 +216,7 @@ class Consumer:
         batch at most. Found in review: the whole prune in one call held ingest for 24 s on a day of expired
         rows, 149 s at the agent's default sample rate. Returns whether there is more; a failure waits for
         the next period."""
-        ages = ", ".join(f"{table} {keep_s / 86400:g} days" for table, keep_s in self.keep_s.items())
+        ages = describe_retention(self.keep_s)
         try:
             n = self.store.prune_step(prune.before)
         except sqlite3.Error as e:
@@ -350,9 +356,7 @@ def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, sto
     store = FleetStore(db_path)
     # said at every start: an upgrade can bring a retention the database never had (found in review: the first
     # start of a fleet from before --keep deleted everything older than 90 days, saying so only afterwards)
-    kept = {table: f"{keep_s[table] / 86400:g} days" if table in (keep_s or {}) else "for good"
-            for table in TELEMETRY_TABLES}
-    log.info("telemetry kept: %s (--keep, --keep-samples)", ", ".join(f"{t} {k}" for t, k in kept.items()))
+    log.info("telemetry kept: %s (--keep, --keep-samples)", describe_retention(keep_s or {}))
     consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None
     started = time.monotonic()
