@@ -511,6 +511,8 @@ class OpenAIServer:
             raise invalid_request(str(e), e.param) from None
         except RequestError as e:
             if e.code == "overloaded":
+                if e.refused is not None:
+                    self._observe(engine.bundle.manifest)(e.refused)
                 raise overloaded(str(e), self.config.retry_after_s) from None
             if e.code == "engine_stopped":
                 raise EngineStopped from None
@@ -521,7 +523,7 @@ class OpenAIServer:
         with self.intake.hold() as take:  # until the prompt is tokenized and submitted, or refused
             req = self.parse(await self.read_body(request, take), kind.request_model)
             handle, engine = await self._submit_parsed(req, kind)
-        events = EventBridge(handle, self._observe(handle, engine.bundle.manifest), self.backend.track)
+        events = EventBridge(handle, self._observe(engine.bundle.manifest), self.backend.track)
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
         stream = req.stream
@@ -556,7 +558,7 @@ class OpenAIServer:
         while self.backend.switching.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    def _observe(self, handle: RequestHandle, manifest: Manifest) -> Callable[[Finished], None]:
+    def _observe(self, manifest: Manifest) -> Callable[[Finished], None]:
         def observe(fin: Finished) -> None:  # on the request's EventBridge thread
             for hook in [lambda m, f: self.metrics.observe_finished(f.figures, f.token_times),
                          *self.backend.on_finished]:

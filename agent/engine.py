@@ -42,9 +42,11 @@ MAX_FAILED_STEPS = 3  # steps in a row that raise before the engine stops (the w
 class RequestError(ValueError):
     """A request the engine refuses up front; `code` follows OpenAI's error codes."""
 
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None,
+                 refused: "Finished | None" = None):
         super().__init__(message)
         self.code, self.param = code, param  # param: the request field at fault, when it is not the prompt
+        self.refused = refused  # a request turned away for load: its figures, for telemetry like a shed one's
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,11 @@ class Engine:
                 raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
             queued = self.scheduler.num_queued + self._inbox.qsize()  # preempted ones wait too, but were admitted
             if queued >= self.config.max_queue:
-                raise RequestError(f"overloaded: {queued} requests are already waiting", "overloaded")
+                # recorded like one shed from the queue later (found in review: refused at the door, it left no
+                # row, and the fleet saw an overloaded device with a clean record)
+                seq.finish(FinishReason.ERROR, f"overloaded: {queued} requests are already waiting")
+                raise RequestError(seq.error, "overloaded", refused=Finished("", [], seq.figures(), seq.error,
+                                                                             "overloaded"))
             self._inbox.put(handle)
         self._wake.set()
         return handle

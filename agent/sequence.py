@@ -118,7 +118,10 @@ class Sequence:
         return RequestFigures(
             prompt_tokens=len(self.prompt_ids), completion_tokens=n_out,
             cached_prompt_tokens=self.cached_prompt_tokens,
-            queue_ms=ms(self.t_submit, self.t_admit), ttft_ms=ms(self.t_submit, self.t_first),
+            # never admitted (shed, cancelled or refused while waiting): its whole wait (found in review: 0, so
+            # queue time read lowest when the device was saturated)
+            queue_ms=ms(self.t_submit, end if self.t_admit is None else self.t_admit),
+            ttft_ms=ms(self.t_submit, self.t_first),
             prefill_tokens_per_s=computed_prompt / prefill_s if prefill_s > 0 else 0.0,
             decode_tokens_per_s=(n_out - 1) / decode_s if decode_s > 0 else 0.0,
             itl_p50_ms=float(np.percentile(itl, 50)), itl_p95_ms=float(np.percentile(itl, 95)),

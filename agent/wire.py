@@ -171,7 +171,8 @@ class RequestFigures(_Frozen):
     prompt_tokens: Count
     completion_tokens: Count
     cached_prompt_tokens: Count = 0  # prompt tokens whose KV came from the prefix cache
-    queue_ms: Amount  # submission -> first admitted into the batch (a preempted request's later wait is not in it)
+    queue_ms: Amount  # submission -> first admitted into the batch (a preempted request's later wait is not in it;
+    # one never admitted: submission -> shed, cancelled or refused)
     ttft_ms: Amount  # submission -> first token (includes queue_ms)
     prefill_tokens_per_s: Amount  # prompt tokens computed / prefill time
     decode_tokens_per_s: Amount  # (completion_tokens - 1) / (last token - first token); 0 if < 2 tokens

@@ -231,7 +231,8 @@ def devices(db_path, as_json):
 @json_option
 @user_errors
 def tps(since, by, db_path, as_json):
-    """Requests, TTFT and decode tokens/s percentiles and tokens served, grouped.
+    """Requests, errors (shed or refused as overloaded, failed), TTFT and decode tokens/s percentiles and
+    tokens served, grouped.
 
     Example: edge-fleet tps --since 24h --by device
     """

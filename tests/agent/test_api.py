@@ -447,15 +447,25 @@ def test_a_message_name_reaches_the_template_only_when_given():
         "role": "user", "content": "hi"}
 
 
-def test_overloaded_engine_answers_429_with_retry_after(tiny_bundle):
+def test_overloaded_engine_answers_429_with_retry_after_and_records_the_refusal(tiny_bundle):
+    """Found in review: a request refused at submission left no telemetry row (one shed from the queue later
+    did), so the fleet saw an overloaded device with a clean record."""
     engine = Engine(tiny_bundle, TINY_ENGINE.model_copy(update={"max_queue": 0}))  # every submit is 'overloaded'
     engine.start()
     with serving(tiny_bundle, engine) as s:
+        recorded = []
+        s.server.backend.on_finished.append(lambda manifest, fin: recorded.append((manifest.name, fin)))
         r = s.http().post("/v1/completions", json={"model": "tiny", "prompt": "hello"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "overloaded"
         with pytest.raises(openai.RateLimitError):
             s.openai().completions.create(model="tiny", prompt="hello", stream=True)
+        assert len(recorded) == 2 and all(name == "tiny" for name, _ in recorded)
+        for _, fin in recorded:
+            f = fin.figures
+            assert (f.finish_reason, f.completion_tokens, fin.error_code) == ("error", 0, "overloaded")
+            assert f.prompt_tokens > 0 and 0 <= f.queue_ms < 1000
+        assert 'edge:request_success_total{finish_reason="error"} 2.0' in s.http().get("/metrics").text
     engine.stop()
 
 

@@ -436,3 +436,22 @@ def test_growth_preempts_the_holder_of_the_smallest_slot_that_fits():
     v2 = decoding(sched, prompt=100, total=120, t_submit=3.0)  # later, but in the 128 class
     fill_slot(sched, g)
     assert sched.grow() == [v1] and sched.pool_of(g).capacity == 32 and sched.pool_of(v2).capacity == 128
+
+
+def test_a_request_shed_or_cancelled_while_waiting_reports_its_whole_wait_as_queue_time():
+    """Found in review: never admitted, its queue_ms was 0, so queue time read lowest when the device was
+    saturated (a shed request that had waited 1 s was stored with queue_ms 0 and e2e_ms 1004)."""
+    kv = KVPool([SizeClass(32, 1)], num_layers=1, kv_heads=1, head_dim=2)
+    sched = Scheduler(kv, 16, max_queue_wait_s=0.5)
+    now = time.perf_counter()
+    holder = make_seq(30, t_submit=now)
+    sched.add(holder)
+    assert sched.admit() == [holder]  # the only slot is taken
+    shed, gone = make_seq(30, t_submit=now - 1.0), make_seq(30, t_submit=now - 0.3)
+    gone.cancelled = True
+    sched.add(shed)
+    sched.add(gone)
+    assert sorted(s.seq_id for s in sched.admit()) == sorted([shed.seq_id, gone.seq_id])  # both leave the queue
+    assert shed.finish_reason is FinishReason.ERROR and gone.finish_reason is FinishReason.CANCELLED
+    assert 1000 <= shed.figures().queue_ms < 1500 and 300 <= gone.figures().queue_ms < 800
+    assert holder.figures().queue_ms < 100  # admitted at once

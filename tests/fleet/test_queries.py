@@ -127,6 +127,27 @@ def test_tps_by_version(db):
     assert v2["tokens_served"] == 10 * 50 + 1
 
 
+def test_requests_shed_as_overloaded_are_counted_as_errors_beside_the_percentiles(tmp_path):
+    """Found in review: refused or shed requests have no TTFT, so they left the percentiles and nothing showed
+    them: the more a device shed, the better its TTFT p95 looked."""
+    store = FleetStore(tmp_path / "f.db")
+    ingest = Ingest()
+    served = [request(i, NOW - 60 + i, "m", "v1", 20, 100) for i in range(3)]
+    shed = [request(10 + i, NOW - 30 + i, "m", "v1", 0, 0, completion=0) for i in range(5)]
+    shed = [r.model_copy(update={"request": r.request.model_copy(update={
+        "figures": r.request.figures.model_copy(update={"finish_reason": "error", "queue_ms": 1000.0})})})
+        for r in shed]
+    ingest.add_records("dev-1", served + shed, NOW)
+    ingest.add_records("dev-2", [request(i, NOW - 60 + i, "m", "v2", 30, 90) for i in range(2)], NOW)
+    store.commit(ingest)
+    store.close()
+    db = queries.open_readonly(tmp_path / "f.db")
+    (row,) = queries.tps(db, 3600, "device", now=NOW)[:1]
+    assert (row["requests"], row["errors"], row["ttft_p95_ms"]) == (8, 5, 100.0)
+    assert [r["errors"] for r in queries.tps(db, 3600, "version", now=NOW)] == [5, 0]
+    assert [p["requests"] for p in queries.timeseries(db, 3600, now=NOW)] == [8, 2]
+
+
 def test_tps_groupings(db):
     assert [r["device"] for r in queries.tps(db, 86400, "device", now=NOW)] == ["dev-1", "dev-2"]
     assert [r["model"] for r in queries.tps(db, 86400, "model", now=NOW)] == ["m"]
