@@ -68,6 +68,9 @@ class ModelStore:
         self.journal = self.root / "updates" / "job.json"
         self.queue = self.root / "updates" / "queue"  # accepted job documents not yet run, one file each
         self._last_issued = self.root / "updates" / "last_signed_job.json"  # the last signed job begun (replays)
+        # the bundle the last rollback left: `previous` naming it means that rollback is done (a new model
+        # makes another previous, and a failed rollback leaves current naming it)
+        self._rolled_back_from = self.root / "updates" / "rolled_back_from"
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -116,11 +119,19 @@ class ModelStore:
                 shutil.rmtree(p, ignore_errors=True)
         return sorted(p.name for p in orphans)
 
-    def rollback(self) -> Path:
+    def rollback(self) -> Path | None:
+        """Make `previous` current (and current previous); None if that was the last thing done: a rollback
+        already done. Found in review: the links swapped on every rollback, so a retried command, a copy
+        redelivered by the broker or a replay undid the rollback it repeated. Going back to the model
+        rolled back from takes a deployment of it, as with Mender's artifacts."""
         previous = self.link("previous")
         if previous is None or not previous.exists():
             raise JobFailed(JobState.FAILED, "no previous model to roll back to")
         current = self.link("current")
+        if self._rolled_back_from.exists() and self._rolled_back_from.read_text().strip() == previous.name:
+            return None
+        if current:  # first: a crash before the swap leaves it naming current, which no rollback targets
+            durable.write_text(self._rolled_back_from, current.name)
         self._set_link("current", previous)
         if current:
             self._set_link("previous", current)
@@ -512,6 +523,10 @@ class UpdateJob:
         self.staging = kept  # journalled as the target: after a crash, recover() sees whether current became it
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         target = store.rollback()
+        if target is None:  # repeated: what was asked holds already
+            self.status(JobState.SUCCEEDED, figures={"rolled_back_to": serving.name if serving else None,
+                                                     "already": True})
+            return JobState.SUCCEEDED
         try:
             self.ctx.swap(open_bundle(target))  # verified in full: it may be the model whose activation failed
         except Exception as e:  # the links must name what the engine serves, or the next start boots `target`

@@ -17,6 +17,7 @@ import click
 from agent.clikit import run
 from agent.config import MAX_THREADS
 from agent.bundle import BundleError, open_bundle
+from quantize.calibrate import HESSIAN_BUDGET_MB
 from quantize.checkpoint import CheckpointError
 from quantize.package import PackageError
 
@@ -73,8 +74,11 @@ def cli() -> None:
               help="threads for calibration and evaluation (default: the cores this process may use)")
 @click.option("--force", is_flag=True, help="Replace an existing bundle (or empty folder) at --out; anything "
                                             "else there is refused.")
+@click.option("--hessian-memory-mb", type=click.IntRange(min=1), default=HESSIAN_BUDGET_MB, show_default=True,
+              help="GPTQ: memory for the layers' Hessians at once; less takes more passes over the calibration "
+                   "text, with the same result (a 1B Llama's are ~10 GB in all).")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
-          embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force):
+          embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force, hessian_memory_mb):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
     Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
@@ -107,7 +111,8 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         calib = read_text(calib_text) if calib_text else default_calibration_text()
         bundle = build_bundle(ckpt, spec, out, name=_name_of(source) if name is None else name, force=force, eval_text=text,
                               calibration_text=calib,
-                              threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True)
+                              threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True,
+                              hessian_budget_mb=hessian_memory_mb)
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -34,6 +35,12 @@ MS_DOMAIN = "com.microsoft"
 Importance = dict[str, np.ndarray]
 
 
+class HessianSource(Protocol):
+    """GPTQ's Hessians by HF weight name, each taken once: a dict, or calibrate.Hessians (made on demand)."""
+
+    def pop(self, key: str, default: np.ndarray | None = None, /) -> np.ndarray | None: ...
+
+
 @dataclass
 class GraphBuilder:
     """Accumulates nodes and initializers; every node gets a readable path-like name."""
@@ -42,7 +49,7 @@ class GraphBuilder:
     initializers: list = field(default_factory=list)
     report: list[str] = field(default_factory=list)  # what each weight became, for the build report
     importance: Importance = field(default_factory=dict)  # calibration statistics, by HF weight name
-    hessians: dict[str, np.ndarray] = field(default_factory=dict)  # sum of x x^T [K, K] per input, for GPTQ
+    hessians: HessianSource = field(default_factory=dict)  # sum of x x^T [K, K] per input, for GPTQ
     linear_inputs: dict[str, str] = field(default_factory=dict)  # HF weight name -> its input tensor's name
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -344,7 +351,7 @@ def io_spec(g: Geometry) -> tuple[list, list]:
 
 
 def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
-                hessians: dict[str, np.ndarray] | None = None,
+                hessians: HessianSource | None = None,
                 capture: bool = False, show_progress: bool = False) -> tuple[onnx.ModelProto, list[str]]:
     """The decoder ModelProto and a line per weight saying what precision it got.
 

@@ -21,7 +21,7 @@ import onnx
 from agent import durable, wire
 from agent.bundle import Bundle, file_sha256, open_bundle
 from agent.tokenizer import TextTokenizer
-from quantize.calibrate import Calibration, calibrate
+from quantize.calibrate import HESSIAN_BUDGET_MB, Calibration, calibration
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import compare, greedy
 from quantize.graph import build_graph
@@ -141,7 +141,8 @@ def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
 
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
                  eval_text: str | None = None, calibration_text: str | None = None, threads: int | None = None,
-                 progress: Callable[[str], None] = print, show_progress: bool = False) -> Bundle:
+                 progress: Callable[[str], None] = print, show_progress: bool = False,
+                 hessian_budget_mb: float = HESSIAN_BUDGET_MB) -> Bundle:
     """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4
     block search by activation importance and sets the int8 KV cache graph's scales (without one, the
     bundle has no int8 KV cache graph)."""
@@ -164,7 +165,8 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     held = _hold(tmp)
     try:
         calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
-        _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress)
+        _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
+                        hessian_budget_mb)
         for p in tmp.rglob("*"):  # onnx writes the weights 0600: an agent or artifact server running as
             if p.is_file():       # another user than the builder could not read them
                 p.chmod(0o644)
@@ -197,20 +199,26 @@ def golden_tokens(ckpt: Checkpoint, prompt_tokens: int) -> int:
     return n
 
 
-def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress) -> None:
-    calib = None
+def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
+                    hessian_budget_mb) -> None:
     # For INT8, importance-weighted search alone measured worse (mean KL 0.0059 vs 0.0040 without),
     # its error being dominated by the int8 activations; GPTQ still helped (0.0040 -> 0.0037)
     if calib_ids and (spec.method == "gptq" or (spec.precision == "int4" and spec.method == "search")):
         progress("measuring activation statistics over the calibration text")
         # its fp32 graph inside the build's folder: a SIGKILLed build (the OOM killer) left it in $TMPDIR for
         # good (1.5 GB at SmolLM2-360M's size, found in review); the next build removes the folder
-        calib = calibrate(ckpt, calib_ids, with_hessians=spec.method == "gptq", threads=threads, work_dir=tmp)
-    progress(f"building {spec.precision} graph")
-    report = write_graph(ckpt, spec, tmp, calib, show_progress)
-    # The only reference to the Hessians (GBs past 1B parameters): the caller held another, so they stayed
-    # through the KV calibration, the fp32 reference graph and evaluation (found in review)
-    del calib
+        with calibration(ckpt, calib_ids, with_hessians=spec.method == "gptq", threads=threads, work_dir=tmp,
+                         hessian_budget_mb=hessian_budget_mb) as calib:
+            progress(f"building {spec.precision} graph")
+            report = write_graph(ckpt, spec, tmp, calib, show_progress)
+        if calib.hessians.passes > 1:
+            progress(f"GPTQ's Hessians took {calib.hessians.passes} passes over the calibration text "
+                     f"(--hessian-memory-mb {hessian_budget_mb})")
+        # The Hessians (GBs past 1B parameters) end with the with block, not with this function: held any
+        # longer, they stayed through the KV calibration, the fp32 reference graph and evaluation (found in review)
+    else:
+        progress(f"building {spec.precision} graph")
+        report = write_graph(ckpt, spec, tmp, None, show_progress)
     (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
     (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)
     # Fields at their defaults are left out: those are the ones added after the first agents (attention_bias,

@@ -57,6 +57,28 @@ def test_install_succeeds_and_keeps_previous(tmp_path, bundles, keys, server):
     assert dev.serving.manifest.version == v1.manifest.version
 
 
+def test_a_repeated_rollback_leaves_the_rollback_in_place(tmp_path, bundles, keys, server):
+    """Found in review: each rollback swapped the links, so a command retried after a timeout, a copy the
+    broker redelivered or a replay undid the rollback it repeated. It is done once per model installed."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    for i in range(3):
+        assert UpdateJob(dev.ctx, JobDocument(job_id=f"rb-{i}", operation="rollback")).run() is JobState.SUCCEEDED
+        assert dev.serving.manifest.version == v1.manifest.version
+        assert dev.store.link("current").name.endswith(v1.manifest.version)
+        assert dev.store.link("previous").name.endswith(v2.manifest.version)  # kept, and deployable again
+    assert dev.reports[-1].figures == {"rolled_back_to": dev.store.link("current").name, "already": True}
+    # a new model makes rolling back possible again
+    url = server.publish_dir(v2.path, "tiny-v2-again")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0, job_id="again")
+                     ).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v2.manifest.version
+    assert UpdateJob(dev.ctx, JobDocument(job_id="rb-9", operation="rollback")).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v1.manifest.version and "already" not in dev.reports[-1].figures
+
+
 def _tamper_manifest(m: wire.Manifest, **changes) -> wire.Manifest:
     return wire.Manifest.model_validate(m.model_dump() | changes)
 
