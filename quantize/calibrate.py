@@ -11,12 +11,13 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
 
 from agent import wire
+from agent.process import trim_heap
 from agent.runner import ModelRunner
 from quantize.checkpoint import Checkpoint, Geometry
 from quantize.evaluate import windows
@@ -53,14 +54,16 @@ class Hessians:
     All at once they outweigh the rest of a build: 512 MiB for one down_proj input of a 1B Llama, ~10 GB
     for its 16 layers (found in review: a 1B model needed well over 8 GB to quantize). So only as many as
     fit in budget_bytes are held (at least one), and when the builder asks for one past them the
-    calibration text runs through the fp32 graph again for the next group. Each Hessian sums the same
-    chunks in the same order in any group, so the bundle is the same bit for bit whatever the budget; a
-    smaller budget costs a pass over the text per group.
+    calibration text runs through the fp32 graph again for the next group, in a session opened for that
+    pass alone (the whole model in fp32: not held while GPTQ works). Each Hessian sums the same chunks in
+    the same order in any group, so the bundle is the same bit for bit whatever the budget; a smaller
+    budget costs a pass over the text per group.
     """
 
-    def __init__(self, runner: ModelRunner | None, texts: list[list[int]], g: Geometry, keys: list[str],
-                 budget_bytes: int):
-        self.runner, self.texts, self.g, self.keys, self.budget_bytes = runner, texts, g, keys, budget_bytes
+    def __init__(self, open_runner: Callable[[], ModelRunner], texts: list[list[int]], g: Geometry,
+                 keys: list[str], budget_bytes: int):
+        self.open_runner, self.texts, self.g, self.keys = open_runner, texts, g, keys
+        self.budget_bytes = budget_bytes
         self.ready: dict[str, np.ndarray] = {}
         self.next = 0  # keys[:next] have been computed (and handed out, or dropped once passed)
         self.passes = 0
@@ -80,26 +83,27 @@ class Hessians:
         return group
 
     def add(self, group: dict[str, np.ndarray]) -> None:
-        """Take a computed group; the runner goes as soon as nothing is left to compute."""
+        """Take a group computed in a pass over the texts."""
         self.ready.update(group)
         self.passes += 1
         self.most_held_bytes = max(self.most_held_bytes, sum(h.nbytes for h in self.ready.values()))
-        if self.next == len(self.keys):
-            self.runner = None
 
     def pop(self, key: str, default: np.ndarray | None = None) -> np.ndarray | None:
-        if key not in self.ready and key in self.keys[self.next:] and self.runner is not None:
+        if key not in self.ready and key in self.keys[self.next:]:
             # those before it were passed over (a projection kept in fp32 or from the source's blocks)
             self.ready.clear()
             self.next = self.keys.index(key)
             group = self.next_group()
+            runner = self.open_runner()
             for text in self.texts:
-                _accumulate(self.runner, text, self.g, {}, group)
+                _accumulate(runner, text, self.g, {}, group)
+            del runner
+            trim_heap()  # the session's heap, before GPTQ takes its own
             self.add(group)
         return self.ready.pop(key, default)
 
     def close(self) -> None:
-        self.runner = None
+        self.next = len(self.keys)
         self.ready.clear()
 
 
@@ -123,12 +127,15 @@ def calibration(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, t
         onnx.save_model(model, str(path), save_as_external_data=True, location=wire.GRAPH_DATA)
         del model
         texts = windows(ids, g.context_length, ckpt.tokenizer.prompt_bos)
-        hessians = Hessians(ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads), texts, g,
-                            keys if with_hessians else [], int(hessian_budget_mb * 2**20))
+        open_runner = lambda: ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads)  # noqa: E731
+        hessians = Hessians(open_runner, texts, g, keys if with_hessians else [], int(hessian_budget_mb * 2**20))
         sums = {k: np.zeros(capture_width(g, k), np.float64) for k in keys}
         first = hessians.next_group() if with_hessians else {}
+        runner = open_runner()
         for text in texts:  # the first group's Hessians in the pass that measures importance
-            _accumulate(hessians.runner, text, g, sums, first)
+            _accumulate(runner, text, g, sums, first)
+        del runner
+        trim_heap()
         hessians.add(first)
         positions = sum(len(t) for t in texts)
         try:

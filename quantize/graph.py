@@ -98,7 +98,7 @@ def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, p
     hessian = b.hessians.pop(key, None) if key else None
     if spec.method == "gptq" and hessian is not None:
         q = nbits.quantize_gptq(w, bits, plan.block_size, plan.symmetric, hessian, importance=importance,
-                                act_order=spec.act_order, damp=spec.gptq_damp)
+                                act_order=spec.act_order, damp=spec.gptq_damp, overwrite_hessian=True)
     elif spec.method in ("search", "gptq"):
         q = nbits.quantize_search(w, bits, plan.block_size, plan.symmetric, importance)
     else:

@@ -179,7 +179,7 @@ def quantize_search(w: np.ndarray, bits: int, block_size: int, symmetric: bool,
 
 def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, hessian: np.ndarray, *,
                   damp: float = 0.01, importance: np.ndarray | None = None,
-                  act_order: bool = False) -> BlockQuantized:
+                  act_order: bool = False, overwrite_hessian: bool = False) -> BlockQuantized:
     """GPTQ (Frantar et al. 2022, arXiv:2210.17323): quantize column by column along K, pushing each column's
     rounding error onto the columns not yet quantized so as to minimise ||X w^T - X dequant(w)^T||_F.
 
@@ -190,14 +190,21 @@ def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, he
     the block, from its error-updated weights; importance defaults to diag(H). act_order sweeps channels
     by decreasing diag(H) with "static groups": every block's parameters are chosen up front from the
     original w, since blocks no longer come up whole. The result is an ordinary BlockQuantized.
+
+    overwrite_hessian: work in `hessian` itself (float64) rather than a copy, leaving it undefined. Each [K, K]
+    float64 buffer is 512 MiB at a 1B Llama's down_proj (K = 8192), and this took ~3.5 GB of them at once
+    (found in review), most of a build's peak; now at most four.
     """
     _check_geometry(bits, block_size)
     n, k = _check_weight(w).shape
-    h = _check_hessian(hessian, k, damp)
+    h = _check_hessian(hessian, k, damp, copy=not overwrite_hessian)
     diag = np.diag(h).copy()
     weights = _block_weights(diag if importance is None else importance, k, block_size)  # [k_blocks, B]
     order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
-    u = _inverse_hessian_cholesky(h[np.ix_(order, order)], damp).astype(np.float32)  # [K, K], sweep order
+    if act_order:
+        h = h[np.ix_(order, order)]
+    u = _inverse_hessian_cholesky(h, damp)  # float32 [K, K], sweep order; h is overwritten
+    del h
     if act_order:
         static = quantize_search(w, bits, block_size, symmetric, diag if importance is None else importance)
         scale, zp, choose = _static_params(static, order)
@@ -407,36 +414,46 @@ def _search_chunk(x: np.ndarray, weights: np.ndarray, bits: int, symmetric: bool
     return np.where(better, s_new, best_s), best_zp, j
 
 
-def _check_hessian(hessian: np.ndarray, k: int, damp: float) -> np.ndarray:
-    """hessian [K, K] -> float64 copy, refusing what cannot be sum x x^T."""
-    h = np.array(hessian, dtype=np.float64)
+def _check_hessian(hessian: np.ndarray, k: int, damp: float, copy: bool = True) -> np.ndarray:
+    """hessian [K, K] -> float64 (a copy, or itself when copy=False and it is float64 already), refusing
+    what cannot be sum x x^T."""
+    h = np.array(hessian, dtype=np.float64, order="C") if copy else np.asarray(hessian, np.float64, order="C")
     if h.shape != (k, k) or not np.isfinite(h).all():
         raise ValueError(f"hessian must be a finite ({k}, {k}) array (sum of x x^T over calibration tokens), "
                          f"got shape {h.shape}")
-    if (np.diag(h) < 0).any() or not np.allclose(h, h.T, rtol=1e-5, atol=1e-8 * max(float(np.abs(h).max()), 1e-30)):
+    if (np.diag(h) < 0).any() or not _symmetric(h, rtol=1e-5, atol=1e-8 * max(float(np.abs(h).max()), 1e-30)):
         raise ValueError("hessian must be symmetric with a non-negative diagonal (sum of x x^T)")
     if not np.isfinite(damp) or damp < 0:
         raise ValueError(f"damp must be a finite fraction >= 0 of mean(diag(H)), got {damp}")
     return h
 
 
+def _symmetric(h: np.ndarray, rtol: float, atol: float, rows: int = 512) -> bool:
+    """np.allclose(h, h.T) a band of rows at a time: whole, its temporaries were three more [K, K] arrays."""
+    return all(np.allclose(h[i:i + rows], h[:, i:i + rows].T, rtol=rtol, atol=atol) for i in range(0, len(h), rows))
+
+
 def _inverse_hessian_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U), float64 [K, K], after the reference's repairs to H.
+    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U), float32 [K, K], after the reference's repairs to H,
+    which are made in h itself.
 
     Row i of U, divided by U[i, i], is how an error in column i moves the later columns (the GPTQ paper's
     eq. 3 applied sequentially, in Cholesky form). With J the order reversal, J H J = M M^T for the lower
     triangular M = J U^-1 J, so U = J M^-1 J: one Cholesky and one inverse, where the reference's
     cholesky -> cholesky_inverse -> cholesky costs twice that (equal to 1e-14 at K = 1536)."""
-    h = h.copy()
     dead = np.flatnonzero(np.diag(h) == 0)  # channels never active: any value is free, keep H invertible
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.diag(h).mean())
     try:
         m = np.linalg.cholesky(h[::-1, ::-1])
-        return np.ascontiguousarray(np.linalg.inv(m)[::-1, ::-1])
     except np.linalg.LinAlgError as e:
         raise ValueError(f"hessian is not positive definite after damping with damp={damp}: raise damp, "
                          "or check it is sum x x^T") from e
+    inverse = np.linalg.inv(m)
+    del m
+    u = np.empty(inverse.shape, np.float32)
+    u[...] = inverse[::-1, ::-1]  # cast in place: no float64 copy of the reversed view
+    return u
 
 
 def _search_block(x: np.ndarray, weights: np.ndarray, bits: int, symmetric: bool):

@@ -36,7 +36,6 @@ def test_hessians_in_groups_equal_all_at_once_bit_for_bit(tiny_checkpoint):
             assert h is not None and h.dtype == np.float64 and np.array_equal(h, everything[k]), k
             assert grouped.hessians.pop(k) is None  # each is handed out once
         assert grouped.hessians.passes >= 4 and grouped.hessians.most_held_bytes <= budget
-        assert grouped.hessians.runner is None  # nothing left to compute: the fp32 graph's session is gone
 
 
 def test_a_projection_passed_over_is_dropped_and_a_hessian_wider_than_the_budget_still_comes(tiny_checkpoint):
@@ -50,7 +49,7 @@ def test_a_projection_passed_over_is_dropped_and_a_hessian_wider_than_the_budget
         np.testing.assert_array_equal(h.pop(keys[3]), reference[keys[3]])  # 1 and 2 passed over (kept fp32)
         assert h.pop(keys[1]) is None and not h.ready
         np.testing.assert_array_equal(h.pop(keys[-1]), reference[keys[-1]])
-        assert h.passes == 3 and h.runner is None
+        assert h.passes == 3
 
 
 def test_a_build_with_a_small_hessian_budget_writes_the_same_bundle(tiny_checkpoint, tmp_path):

@@ -310,3 +310,20 @@ def test_ort_gather_block_quantized_matches_dequantize(bits, symmetric, block_si
     (y,) = sess.run(None, {"ids": ids})
     assert_relative_close(y, q.dequantize()[ids])
     assert nbits.reconstruction_error(table, q) < (0.02 * (0.1 if bits == 4 else 0.01)) ** 2
+
+
+def test_gptq_working_in_the_hessian_itself_gives_the_same_blocks():
+    """overwrite_hessian saves the [K, K] float64 copies (512 MiB each at a 1B model's down_proj) and must not
+    change the result; without it the caller's Hessian is left as it was."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 128)).astype(np.float32)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    h = (x.T @ x).astype(np.float64)
+    kept = h.copy()
+    for act_order in (False, True):
+        a = nbits.quantize_gptq(w, 4, 32, False, h, act_order=act_order)
+        np.testing.assert_array_equal(h, kept)
+        b = nbits.quantize_gptq(w, 4, 32, False, h.copy(), act_order=act_order, overwrite_hessian=True)
+        np.testing.assert_array_equal(a.packed, b.packed)
+        np.testing.assert_array_equal(a.scales, b.scales)
+        np.testing.assert_array_equal(a.zero_points, b.zero_points)
