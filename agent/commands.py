@@ -88,8 +88,12 @@ class LiveSettings:
         return self._sampling
 
     def update_sampling(self, change: SamplingDefaults) -> SamplingDefaults:
+        """Merge change into the defaults; a field it sets to null is cleared (found in review: null was taken
+        as "not given", so a default once set could only be changed, never removed, short of a restart)."""
+        cleared = {k for k in change.model_fields_set if getattr(change, k) is None}
         with self._lock:
-            self._sampling = SamplingDefaults(**{**self._sampling.given(), **change.given()})
+            merged = {**self._sampling.given(), **change.given()}
+            self._sampling = SamplingDefaults(**{k: v for k, v in merged.items() if k not in cleared})
             return self._sampling
 
 
@@ -103,7 +107,8 @@ class Device:
     settings: LiveSettings
     benchmark: Callable[[BenchmarkArgs], RequestFigures] | None = None  # None: no model loaded
     flush: Callable[[], dict] | None = None  # None: no broker configured
-    rollback: Callable[[dict], dict] | None = None  # agent.updates: back to the previous model; None: not wired
+    # queues a rollback job (agent.updates), raising CommandError if it cannot be queued; None: not wired
+    rollback: Callable[[], dict] | None = None
     clock: Callable[[], float] = field(default=time.time)
 
 
@@ -179,7 +184,8 @@ class Commands:
     def rollback(self, args: dict) -> CommandResponse:
         if self.device.rollback is None:
             raise CommandError("rollback is not available on this device (no model updates are wired)")
-        return _ok("rollback", self.device.rollback(args))  # agent.updates validates its own args
+        _NoArgs.model_validate(args)
+        return _ok("rollback", self.device.rollback())
 
 
 def run_benchmark(engine, spec: BenchmarkArgs) -> RequestFigures:

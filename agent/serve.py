@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agent.api import Backend, ServerState, create_app
 from agent.bundle import open_bundle
+from agent.commands import CommandError
 from agent.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig, describe_errors
 from agent.engine import Engine
@@ -609,12 +610,16 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
     backend = server.backend
     updates: UpdateService | None = None
 
-    def rollback(args: dict) -> dict:
+    def rollback() -> dict:
+        # refusals are errors, so `edge-fleet cmd` exits non-zero (found in review: answered ok with "queued":
+        # false, it exited 0, and a device without a previous model failed the job only later, in its events)
         if updates is None:
-            return {"queued": False, "reason": "updates need a broker connection"}
+            raise CommandError("updates need a broker connection")
         if config.updates.job_keys:  # the command is not signed, and a rollback is a job like any other
-            return {"queued": False, "reason": "this device takes rollbacks only as signed jobs ([updates] job_keys): "
-                                               "edge-fleet rollback DEVICE"}
+            raise CommandError("this device takes rollbacks only as signed jobs ([updates] job_keys): "
+                               "edge-fleet rollback DEVICE")
+        if store.link("previous") is None:
+            raise CommandError("no previous model to roll back to")
         job_id = f"rollback-{int(time.time())}-{secrets.token_hex(3)}"  # two in one second are two jobs
         updates.offer(JobDocument(job_id=job_id, operation="rollback").model_dump_json().encode())
         return {"queued": True, "job_id": job_id}

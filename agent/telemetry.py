@@ -93,10 +93,10 @@ class Telemetry:
 
     @classmethod
     def open(cls, config: AgentConfig, describe: Callable[[], dict] = dict,
-             rollback: Callable[[dict], dict] | None = None) -> "Telemetry":
+             rollback: Callable[[], dict] | None = None) -> "Telemetry":
         """The store under config.telemetry.state_dir, plus the MQTT link and its command handler if a broker
         is configured. describe() returns DeviceState's optional fields (model, version, hardware, ...);
-        rollback(args) is agent.updates' answer to the `rollback` command."""
+        rollback() queues a rollback job for the `rollback` command (agent.commands.Device.rollback)."""
         tc = config.telemetry
         device_id = tc.device_id or default_device_id()
         store = TelemetryStore(Path(tc.state_dir) / DB_NAME, device_id, max_file_bytes=max_file_bytes(tc.max_bytes))

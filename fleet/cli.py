@@ -313,13 +313,14 @@ def report(out, since, db_path):
 @json_option
 @user_errors
 def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, db_path, as_json):
-    """Send DEVICE a command (ping, get-config, set-config KEY=VALUE..., benchmark) and print its answer.
+    """Send DEVICE a command (ping, get-config, set-config KEY=VALUE..., benchmark, telemetry-flush, rollback)
+    and print its answer. Exit status 1 if a device refused it, failed or did not answer.
 
     With --all or --group, leave out DEVICE: the command goes to many devices and the answers are tabulated.
 
     Example: edge-fleet cmd dev-0042 set-config 'sampling={"temperature": 0.7}' --mqtt mqtt://127.0.0.1:1883
     """
-    from fleet.commands import command_name, parse_assignments, run_command, select_targets
+    from fleet.commands import Outcome, command_name, parse_assignments, run_command, select_targets
 
     fan_out = to_all or group is not None
     if len(words) < (1 if fan_out else 2):
@@ -334,7 +335,7 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
     name, args = command_name(words[0]), parse_assignments(list(words[1:]))
     auth = credentials(username, password_file, ca_file)
     outcomes = run_command(url, targets, name, args, timeout_s, auth) if targets else []
-    rows = [o.row() for o in outcomes] + [{"device": d, "ok": False, "error": "offline (not sent)"} for d in skipped]
+    rows = [o.row() for o in outcomes] + [Outcome(d, False, error="offline (not sent)").row() for d in skipped]
     _print_outcomes(rows, fan_out, as_json)
     if not all(r["ok"] for r in rows):
         sys.exit(1)
@@ -346,6 +347,8 @@ def _print_outcomes(rows: list[dict], fan_out: bool, as_json: bool) -> None:
     elif rows[0]["ok"]:
         click.echo(json.dumps(rows[0]["result"], indent=2))
     else:
+        if rows[0]["result"]:  # partly done: set-config applies what it can (found in review: not shown)
+            click.echo(json.dumps(rows[0]["result"], indent=2))
         click.echo(f"Error: {rows[0]['device']}: {rows[0]['error']}", err=True)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from agent.wire import COMMANDS, CommandRequest, CommandResponse, device_of, topic
+from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, device_of, topic
 from fleet.mqtt import Credentials, Inbound, Link, Session
 
 CONNECT_TIMEOUT_S = 10.0
@@ -116,12 +116,20 @@ class _Waiter:
                 self.done.wait(deadline - time.monotonic())
 
 
+# Mosquitto answers a publish no subscription matched with PUBACK 0x10 and drops it: a device that has never
+# connected (a mistyped id) or whose session expired. Found in review: reported after the whole --timeout as
+# "no response"; an offline device's persistent session still matches, and its request waits there.
+NO_SUCH_SESSION = "no device session subscribes to it (a mistyped device id, or a device whose session expired)"
+
+
 def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: float,
                 credentials: Credentials = Credentials()) -> list[Outcome]:
     """Send `name` to every device at once and wait up to timeout_s for all answers. Answers come back on
     cmd/res/{this run's id}, so concurrent runs never see each other's."""
     run_id = f"edge-fleet-cmd-{uuid.uuid4().hex[:12]}"
     request = CommandRequest(args=args).model_dump_json().encode()
+    if len(request) > MAX_PAYLOAD_BYTES:  # found in review: the broker dropped it, or cut the connection
+        raise CommandError(f"the request is {len(request)} bytes; the limit is {MAX_PAYLOAD_BYTES}")
     waiter = _Waiter(time.monotonic())
     link = Link(url, Session(run_id, persistent=False, manual_ack=False),
                 [(topic(d, "cmd", "res", run_id), 1) for d in devices], waiter.on_message, credentials).start()
@@ -137,11 +145,15 @@ def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: 
             waiter.pending[correlation] = device_id
             sent = link.publish_confirmed(topic(device_id, "cmd", "req", name), request, CONNECT_TIMEOUT_S,
                                           response_topic=topic(device_id, "cmd", "res", run_id),
-                                          correlation_data=correlation, expiry_s=math.ceil(timeout_s))
+                                          correlation_data=correlation, expiry_s=math.ceil(timeout_s),
+                                          unmatched=NO_SUCH_SESSION)
             if sent is not True:  # refused by the ACL (found in review: reported as a device that never answered)
                 waiter.fail(device_id, f"request not sent: {sent or 'the connection to the broker was lost'}")
         waiter.wait(len(devices), waiter.sent_at + timeout_s)
     finally:
         link.stop()
-    return [waiter.outcomes.get(d) or Outcome(d, False, error=f"no response within {timeout_s:g} s")
+    # A device that got the request before the deadline may still be carrying it out; one that gets it later
+    # drops it (the request expires with the timeout), so a retry cannot run it twice after this
+    return [waiter.outcomes.get(d) or Outcome(d, False, error=f"no response within {timeout_s:g} s (a device that "
+                                                              f"received it may still be carrying it out)")
             for d in devices]

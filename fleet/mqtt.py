@@ -32,6 +32,7 @@ KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x
 BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
 STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
+NO_MATCHING_SUBSCRIBERS = 0x10  # a PUBACK reason code (MQTT v5 3.4.2.1): accepted, and delivered to nobody
 PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)
 
 
@@ -205,11 +206,13 @@ class Link:
         return self._publish(topic, payload, qos, retain, response_topic, correlation_data, expiry_s) is not None
 
     def publish_confirmed(self, topic: str, payload: bytes, timeout_s: float, response_topic: str | None = None,
-                          correlation_data: bytes | None = None, expiry_s: int | None = None) -> bool | str:
+                          correlation_data: bytes | None = None, expiry_s: int | None = None,
+                          unmatched: str | None = None) -> bool | str:
         """Publish at QoS 1 and wait for the broker's PUBACK: True if it took the message, False if it was not
         sent or no PUBACK came (try again), or the reason it refused (MQTT v5 3.4.2.1, e.g. "Not
         authorized" from its ACL: trying again will not help). Found in review: a refused command or rollout
-        notice counted as sent, and surfaced only later as a device that never answered."""
+        notice counted as sent, and surfaced only later as a device that never answered. `unmatched`: what to
+        return instead of True when the PUBACK says no subscriber matched (0x10: the broker dropped it)."""
         with self._puback_cond:
             before = self._puback_count
         # not under the condition's lock: paho calls on_publish holding a lock that publish() takes
@@ -220,7 +223,9 @@ class Link:
             if not self._puback_cond.wait_for(lambda: self._pubacks.get(mid, (0,))[0] > before, timeout_s):
                 return False
             reason = self._pubacks.pop(mid)[1]
-        return f"the broker refused it: {reason}" if reason.is_failure else True
+        if reason.is_failure:
+            return f"the broker refused it: {reason}"
+        return unmatched if unmatched is not None and reason.value == NO_MATCHING_SUBSCRIBERS else True
 
     def _publish(self, topic, payload, qos, retain, response_topic, correlation_data, expiry_s) -> int | None:
         """paho's message id of the queued message, or None if it was not queued."""
@@ -348,7 +353,8 @@ class Link:
             # Mosquitto closes the older of two connections with one client id ("session taken over", often
             # without saying so): two `edge-fleet serve` with the default id flapped with only this line
             log.warning("disconnected from MQTT broker: %s (if this repeats every few seconds, another client "
-                        "may be connecting as %r: give each consumer its own --client-id)", reason_code,
+                        "may be connecting as %r: give each its own --client-id, or its own broker user where the "
+                        "user name is the client id, as in the shipped Mosquitto config)", reason_code,
                         self.session.client_id)
         self._dropped.set()
 

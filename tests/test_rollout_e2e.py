@@ -91,7 +91,7 @@ def test_a_device_that_trusts_a_job_key_takes_the_fleets_signed_jobs_only(bundle
         wait(lambda: (health(agent.sock) or {}).get("version") == v2.manifest.version, "the new version serving")
         cmd = subprocess.run([BIN / "edge-fleet", "cmd", "dev-j", "rollback", "--mqtt", broker.url, "--json"],
                              capture_output=True, text=True, timeout=60)
-        assert "takes rollbacks only as signed jobs" in cmd.stdout, cmd.stdout + cmd.stderr
+        assert "takes rollbacks only as signed jobs" in cmd.stdout and cmd.returncode == 1, cmd.stdout + cmd.stderr
         job_id = fleet("rollback", "dev-j", db=db).split()[1].rstrip(":")
         wait(lambda: (health(agent.sock) or {}).get("version") == v1.manifest.version, "rolled back by the signed job")
         assert "SUCCEEDED" in fleet("job", job_id, db=db)

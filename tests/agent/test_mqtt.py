@@ -30,7 +30,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
-from agent.commands import Commands, Device, LiveSettings
+from agent.commands import CommandError, Commands, Device, LiveSettings
 from agent.config import AgentConfig, MqttConfig, TelemetryConfig
 from agent.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
 from agent.store import OutboxRow, TelemetryStore
@@ -115,8 +115,10 @@ class Fleet:
         self.client.publish(mqtt_topic, payload, qos=1, retain=retain, properties=properties).wait_for_publish(5)
 
     def request(self, device: str, name: str, payload: bytes, correlation: bytes | None = None,
-                response_topic: str | None = "default") -> None:
+                response_topic: str | None = "default", expiry_s: int | None = None) -> None:
         props = Properties(PacketTypes.PUBLISH)
+        if expiry_s is not None:
+            props.MessageExpiryInterval = expiry_s
         if response_topic:
             props.ResponseTopic = topic(device, "cmd", "res") if response_topic == "default" else response_topic
         if correlation is not None:
@@ -359,6 +361,28 @@ def test_the_state_is_published_again_when_the_model_changes(broker, tmp_path):
         fleet.close()
 
 
+def test_a_command_that_expires_behind_a_slow_one_is_not_run(broker, links):
+    """Found in review: the desk ran commands in turn whatever their age, so a set_config queued behind a
+    benchmark was applied after `edge-fleet cmd` had told the operator "no response" and exited 1."""
+    ran = []
+
+    def handler(name: str, request: CommandRequest) -> CommandResponse:
+        ran.append(name)
+        if name == "benchmark":
+            time.sleep(2.0)
+        return CommandResponse(command=name, ok=True, result={})
+
+    link = links(broker.url, "dev-e", handler=handler)
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-e/cmd/res/#"])
+    assert wait_until(lambda: link.is_connected)
+    fleet.request("dev-e", "benchmark", b"{}", correlation=b"slow")
+    fleet.request("dev-e", "set_config", b"{}", correlation=b"late", expiry_s=1)
+    fleet.request("dev-e", "ping", b"{}", correlation=b"patient", expiry_s=30)
+    assert fleet.wait(lambda f: b"patient" in f.responses, 10)
+    assert ran == ["benchmark", "ping"] and b"late" not in fleet.responses
+    fleet.close()
+
+
 def test_commands_round_trip_with_correlation_data(broker, links):
     config = fast_config(broker.url, username="dev-c", password="hunter2")
     made = []
@@ -590,10 +614,19 @@ def test_commands_dispatch_without_an_engine():
     commands("set_config", CommandRequest(args={"sampling": {"temperature": 0.5}}))
     commands("set_config", CommandRequest(args={"sampling": {"top_k": 40}}))
     assert settings_.sampling.given() == {"temperature": 0.5, "top_k": 40}  # updates merge
+    cleared = commands("set_config", CommandRequest(args={"sampling": {"temperature": None}}))
+    assert cleared.ok and settings_.sampling.given() == {"top_k": 40}  # null clears (found in review: ignored)
     assert "no broker" in commands("telemetry_flush", CommandRequest()).error
     assert "no model" in Commands(Device(AgentConfig(), LiveSettings()))("benchmark", CommandRequest()).error
-    wired = Commands(Device(AgentConfig(), LiveSettings(), rollback=lambda args: {"to": "int4-old", **args}))
-    assert wired("rollback", CommandRequest(args={"why": "test"})).result == {"to": "int4-old", "why": "test"}
+    wired = Commands(Device(AgentConfig(), LiveSettings(), rollback=lambda: {"queued": True}))
+    assert wired("rollback", CommandRequest()).result == {"queued": True}
+    assert "bad args" in wired("rollback", CommandRequest(args={"why": "test"})).error  # found in review: ignored
+
+    def refuse():
+        raise CommandError("no previous model to roll back to")
+
+    refused = Commands(Device(AgentConfig(), LiveSettings(), rollback=refuse))("rollback", CommandRequest())
+    assert not refused.ok and refused.error == "no previous model to roll back to"  # edge-fleet cmd exits 1
 
 
 def test_telemetry_wiring_records_samples_and_delivers(broker, tmp_path):

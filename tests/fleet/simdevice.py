@@ -169,8 +169,7 @@ class SimDevice:
             return
         self.connects += 1
         self._publish_other(topic(self.device_id, "state"), self.state("online").model_dump_json(), retain=True)
-        if self.answer_commands:
-            client.subscribe(topic(self.device_id, "cmd", "req", "+"), qos=1)
+        client.subscribe(topic(self.device_id, "cmd", "req", "+"), qos=1)  # answered only if answer_commands
         with self._lock:
             pending = sorted(self._outbox)
             self._in_flight.clear()
@@ -180,6 +179,8 @@ class SimDevice:
 
     # ---- commands ------------------------------------------------------------------------------------------
     def _on_message(self, client, userdata, message) -> None:
+        if not self.answer_commands:
+            return
         name = message.topic.rsplit("/", 1)[-1]
         request = CommandRequest.model_validate_json(message.payload)
         if name == "ping":
