@@ -503,7 +503,7 @@ class OpenAIServer:
                                 f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
         return req
 
-    def submit(self, engine: Engine, prompt_ids: list[int], req: om.SamplingRequest, kind: Kind) -> RequestHandle:
+    async def submit(self, engine: Engine, prompt_ids: list[int], req: om.SamplingRequest, kind: Kind) -> RequestHandle:
         try:
             params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults())
             return engine.submit(prompt_ids, params, req.priority)
@@ -511,8 +511,8 @@ class OpenAIServer:
             raise invalid_request(str(e), e.param) from None
         except RequestError as e:
             if e.code == "overloaded":
-                if e.refused is not None:
-                    self._observe(engine.bundle.manifest)(e.refused)
+                if e.refused is not None:  # recorded off the loop: telemetry commits to disk
+                    await asyncio.to_thread(self._observe(engine.bundle.manifest), e.refused)
                 raise overloaded(str(e), self.config.retry_after_s) from None
             if e.code == "engine_stopped":
                 raise EngineStopped from None
@@ -544,7 +544,7 @@ class OpenAIServer:
                     continue
                 raise invalid_request(str(e), kind.prompt_field, "context_length_exceeded") from None
             try:
-                handle = self.submit(engine, prompt_ids, req, kind)
+                handle = await self.submit(engine, prompt_ids, req, kind)
                 break
             except EngineStopped:
                 log.info("the engine stopped while a request was submitted to it: trying the current one")
