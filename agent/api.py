@@ -512,7 +512,7 @@ class OpenAIServer:
         except RequestError as e:
             if e.code == "overloaded":
                 if e.refused is not None:  # recorded off the loop: telemetry commits to disk
-                    await asyncio.to_thread(self._observe(engine.bundle.manifest), e.refused)
+                    await asyncio.to_thread(self._observe(engine.bundle.manifest, metrics=False), e.refused)
                 raise overloaded(str(e), self.config.retry_after_s) from None
             if e.code == "engine_stopped":
                 raise EngineStopped from None
@@ -558,10 +558,12 @@ class OpenAIServer:
         while self.backend.switching.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    def _observe(self, manifest: Manifest) -> Callable[[Finished], None]:
+    def _observe(self, manifest: Manifest, metrics: bool = True) -> Callable[[Finished], None]:
+        """The finished-request hooks; metrics=False leaves out /metrics, which counts a request refused at
+        submission as an error of its own (its zero queue time and uncomputed prompt would skew the rest)."""
         def observe(fin: Finished) -> None:  # on the request's EventBridge thread
-            for hook in [lambda m, f: self.metrics.observe_finished(f.figures, f.token_times),
-                         *self.backend.on_finished]:
+            hooks = [lambda m, f: self.metrics.observe_finished(f.figures, f.token_times)] if metrics else []
+            for hook in [*hooks, *self.backend.on_finished]:
                 try:
                     hook(manifest, fin)
                 except Exception:  # a failing observer must not keep the answer from its client

@@ -68,8 +68,9 @@ class ModelStore:
         self.journal = self.root / "updates" / "job.json"
         self.queue = self.root / "updates" / "queue"  # accepted job documents not yet run, one file each
         self._last_issued = self.root / "updates" / "last_signed_job.json"  # the last signed job begun (replays)
-        # the bundle the last rollback left: `previous` naming it means that rollback is done (a new model
-        # makes another previous, and a failed rollback leaves current naming it)
+        # the bundle the last rollback left: `previous` naming it means that rollback is done. An install that
+        # serves forgets it (found in review: the same name@version deployed again was taken for the one
+        # rolled back from); a failed rollback leaves current naming it, which no rollback targets.
         self._rolled_back_from = self.root / "updates" / "rolled_back_from"
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
@@ -136,6 +137,9 @@ class ModelStore:
         if current:
             self._set_link("previous", current)
         return previous
+
+    def forget_rollback(self) -> None:
+        self._rolled_back_from.unlink(missing_ok=True)
 
     def restore(self, current: Path | None, previous: Path | None) -> None:
         """Put both links back as they were (a rollback the engine could not carry out)."""
@@ -514,6 +518,7 @@ class UpdateJob:
             store.remove_unlinked(final)
             raise JobFailed(JobState.FAILED, f"activation failed, rolled back to {serving.name}: {e}") from e
         store.remove_unlinked(links[0][1])
+        store.forget_rollback()  # a new model serves: it may be rolled back from
         self.ctx.current_tokens_per_s[m.version] = figures["decode_tokens_per_s"]  # the next update's floor
         return figures
 

@@ -202,7 +202,7 @@ def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, he
     weights = _block_weights(diag if importance is None else importance, k, block_size)  # [k_blocks, B]
     order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
     if act_order:
-        h = h[np.ix_(order, order)]
+        _permute_symmetric(h, order)  # in place: h[np.ix_(order, order)] was another [K, K] copy (found in review)
     u = _inverse_hessian_cholesky(h, damp)  # float32 [K, K], sweep order; h is overwritten
     del h
     if act_order:
@@ -426,6 +426,22 @@ def _check_hessian(hessian: np.ndarray, k: int, damp: float, copy: bool = True) 
     if not np.isfinite(damp) or damp < 0:
         raise ValueError(f"damp must be a finite fraction >= 0 of mean(diag(H)), got {damp}")
     return h
+
+
+def _permute_symmetric(h: np.ndarray, order: np.ndarray) -> None:
+    """h := h[np.ix_(order, order)] in place: the rows, then the columns, moved along each cycle of order with
+    one line held aside (position i takes the line at order[i])."""
+    for line in (lambda i: h[i], lambda i: h[:, i]):
+        done = np.zeros(len(order), bool)
+        for start in range(len(order)):
+            if done[start]:
+                continue
+            held, i = line(start).copy(), start
+            while order[i] != start:
+                line(i)[...] = line(order[i])
+                done[i], i = True, order[i]
+            line(i)[...] = held
+            done[i] = True
 
 
 def _symmetric(h: np.ndarray, rtol: float, atol: float, rows: int = 512) -> bool:

@@ -75,8 +75,13 @@ def test_a_repeated_rollback_leaves_the_rollback_in_place(tmp_path, bundles, key
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0, job_id="again")
                      ).run() is JobState.SUCCEEDED
     assert dev.serving.manifest.version == v2.manifest.version
+    # ...and so does v1 deployed again, although the links then name what they named after the rollback
+    url = server.publish_dir(v1.path, "tiny-v1-again")
+    assert UpdateJob(dev.ctx, job(v1.manifest, keys / "fleet.key", url, min_tokens_per_s=0, job_id="v1-again",
+                                  allow_downgrade=True)).run() is JobState.SUCCEEDED
+    assert dev.serving.manifest.version == v1.manifest.version
     assert UpdateJob(dev.ctx, JobDocument(job_id="rb-9", operation="rollback")).run() is JobState.SUCCEEDED
-    assert dev.serving.manifest.version == v1.manifest.version and "already" not in dev.reports[-1].figures
+    assert dev.serving.manifest.version == v2.manifest.version and "already" not in dev.reports[-1].figures
 
 
 def _tamper_manifest(m: wire.Manifest, **changes) -> wire.Manifest:
