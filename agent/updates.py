@@ -387,6 +387,8 @@ class UpdateJob:
                 # HTTPException: a body cut off mid-chunk (IncompleteRead) or a garbled status line
                 if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the disk, not the network
                     raise JobFailed(JobState.FAILED, f"no space left for {rel} on the device: {e}") from e
+                if getattr(e, "errno", None) in STORAGE_ERRNOS:  # found in review: retried as a network fault
+                    raise JobFailed(JobState.FAILED, f"cannot write {rel} on the device: {e}") from e
                 log.info("download of %s interrupted (%s), resuming", rel, e)
             now = path.stat().st_size if path.exists() else -1
             stalled = 0 if now >= 0 and now - have >= min(CHUNK_BYTES, entry.size_bytes - have) else stalled + 1
@@ -700,16 +702,28 @@ class UpdateService:
         while (doc := self._queue.get()) is not None:
             try:
                 final = UpdateJob(self.ctx, doc).run()
-            except Exception:  # a bug must not end updates for good; the old model keeps serving
-                log.exception("update job %s crashed", doc.job_id)
+            except Exception as e:  # a bug must not end updates for good; the old model keeps serving
                 final = JobState.FAILED
+                if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:  # the card, not a bug (found in review:
+                    log.error("update job %s: %s", doc.job_id, e)      # reported as "internal error")
+                    reason = f"the device's storage failed: {e}"
+                else:
+                    log.exception("update job %s crashed", doc.job_id)
+                    reason = "internal error"
                 self.ctx.report(wire.JobStatusUpdate(job_id=doc.job_id, device_id=self.ctx.device_id,
-                                                     state=JobState.FAILED, reason="internal error", ts=time.time()))
+                                                     state=JobState.FAILED, reason=reason, ts=time.time()))
             with self._lock:
                 self.done[doc.job_id] = final
                 saved = self._pending.pop(doc.job_id, None)
-            if saved is not None:  # after the journal holds its end: a restart now reports it, not reruns it
-                saved.unlink(missing_ok=True)
+            try:
+                if saved is not None:  # after the journal holds its end: a restart now reports it, not reruns it
+                    saved.unlink(missing_ok=True)
+            except OSError as e:  # found in review: a read-only card ended this thread, and every later job
+                log.error("job %s: cannot remove its queued copy: %s", doc.job_id, e)  # waited for ever
+
+
+# A card that failed under us: ext4 remounts itself read-only after an I/O error (errors=remount-ro)
+STORAGE_ERRNOS = (errno.EROFS, errno.EIO)
 
 
 def _install_name(m: wire.Manifest) -> str:

@@ -978,3 +978,44 @@ def test_check_config_refuses_the_manifest_key_as_a_job_key(tmp_path, bundles, k
                    f'[updates]\ntrusted_keys = ["{keys / "fleet.key.pub"}"]\njob_keys = ["{keys / "fleet.key.pub"}"]\n')
     problems = environment_problems(load_agent_config(cfg))
     assert any("is also a manifest key" in p for p in problems), problems
+
+
+def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path, bundles, keys, server, monkeypatch):
+    """Found in review (ext4 remounted read-only after an I/O error, as SD cards do): a download was retried as
+    a network fault and reported "no progress", a failed activation was "internal error", and removing the
+    queued copy of a finished job raised out of the updates thread, so every later job waited for ever."""
+    import errno
+    from pathlib import Path as P
+
+    from agent import durable
+    from agent.updates import UpdateService
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    read_only = OSError(errno.EROFS, "Read-only file system")
+
+    def refuse(*args, **kwargs):
+        raise read_only
+
+    with monkeypatch.context() as m:  # the download's writes
+        m.setattr(UpdateJob, "_get", staticmethod(refuse))
+        assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
+    assert "cannot write" in dev.reports[-1].reason and "Read-only" in dev.reports[-1].reason
+
+    svc = UpdateService(dev.ctx)
+    real_unlink = P.unlink
+    with monkeypatch.context() as m:  # activation (the bundle's sync) and the queue's clean-up
+        m.setattr(durable, "replace_tree", refuse)
+        m.setattr(P, "unlink", lambda self, *a, **k: refuse() if self.parent == dev.store.queue else real_unlink(self, *a, **k))
+        svc.start()
+        try:
+            svc.offer(job(v2.manifest, keys / "fleet.key", url, job_id="j2", min_tokens_per_s=0).model_dump_json().encode())
+            failed = dev.wait_report(lambda r: r.job_id == "j2" and r.state is JobState.FAILED, 60)
+            assert failed is not None and failed.reason.startswith("the device's storage failed")
+            svc.offer(JobDocument(job_id="rb", operation="rollback").model_dump_json().encode())
+            assert dev.wait_report(lambda r: r.job_id == "rb" and r.state in wire.TERMINAL_JOB_STATES, 30) is not None
+        finally:
+            svc.stop()
+    assert dev.serving.manifest.version == v1.manifest.version and dev.store.link("current").name.endswith(
+        v1.manifest.version)
