@@ -25,6 +25,7 @@ import logging
 import queue
 import random
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
 from agent.config import MqttConfig
-from agent.store import OutboxRow, TelemetryStore
+from agent.store import OutboxRow, StoreFull, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, TelemetryBatch,
                         topic)
 
@@ -406,6 +407,7 @@ class _Outbox:
         self._cursor = 0  # the last row id published on this connection
         self._paused_until = 0.0
         self._refusal_logged_at = -float("inf")  # when a refused batch was last logged; reset by an accepted one
+        self._unmarked_logged_at = -float("inf")  # when delivered rows that could not be marked sent were logged
 
     def attach(self, conn: _Connection | None) -> None:
         self._target = conn
@@ -464,9 +466,16 @@ class _Outbox:
             self._refusal_logged_at = -float("inf")  # accepted: the next refusal is news
             try:
                 self.store.mark_sent(rows)
-            except Exception:  # SQLite locked or full: they go again (the fleet drops replays), not weeks later
+            except (sqlite3.Error, StoreFull, OSError) as e:
+                # Locked, full or read-only: they go again (the fleet drops replays), not weeks later, after a
+                # pause (found in review: on a card remounted read-only, the same batch went every second, for
+                # good, with a traceback each time), said once an hour while it lasts.
                 self._cursor = min(self._cursor, rows[0] - 1)
-                raise
+                self._paused_until = time.monotonic() + REFUSED_PAUSE_S
+                if time.monotonic() - self._unmarked_logged_at >= REFUSAL_LOG_EVERY_S:
+                    self._unmarked_logged_at = time.monotonic()
+                    log.warning("mqtt: delivered %d records but cannot mark them sent (%s); they go again in "
+                                "%.0f s (the fleet keeps one copy)", len(rows), e, REFUSED_PAUSE_S)
 
     def _publish_batch(self) -> bool:
         rows = self.store.unsent(self.config.batch_max_records, after=self._cursor)

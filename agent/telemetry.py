@@ -44,6 +44,7 @@ MB = 1 << 20
 # Samples are committed this many at a time (a minute's at the default interval): each commit is an fsync of
 # ~5 pages, and one per sample was ~250 MB a day written to an idle box's SD card. A crash loses at most these.
 SAMPLES_PER_COMMIT = 6
+FAILURE_LOG_EVERY_S = 3600.0  # records that cannot be stored are logged at most this often while it lasts
 
 
 class EngineProbe(Protocol):
@@ -87,6 +88,7 @@ class Telemetry:
         self._tokens_lock = threading.Lock()
         self._steps_told = 0  # store.clock_steps already recorded as events (under _tokens_lock)
         self._pending_samples: list[tuple[SampleRecord, float]] = []  # (sample, uptime when taken): sampler thread
+        self._failure_logged_at = -float("inf")  # when records that could not be stored were last logged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._full_logged_at = -float("inf")
@@ -164,9 +166,9 @@ class Telemetry:
         except StoreFull:
             self.store.count_unwritten(len(items))  # the next retention pass reports them as a dropped_rows event
             return
-        except (sqlite3.Error, ValueError):  # damaged file, a record over the batch limit: lost, and said so
-            log.exception("telemetry: %d record(s) could not be stored", len(items))
-            self.store.count_unwritten(len(items))
+        except (sqlite3.Error, ValueError) as e:  # damaged file, read-only disk, a record over the batch limit:
+            self.store.count_unwritten(len(items))  # lost, and said so
+            self._say_failure(f"{len(items)} record(s) could not be stored (counted as dropped)", e)
             return
         self._tell_clock_steps()
         if self.link is not None:
@@ -215,10 +217,22 @@ class Telemetry:
                     if len(self._pending_samples) >= SAMPLES_PER_COMMIT:
                         self._commit_samples()
                 if now - last_retention >= self.config.retention_interval_s:
-                    self.enforce_retention()
-                    last_retention = now
-            except Exception:  # a full disk or a locked database: log it, keep sampling
+                    last_retention = now  # a pass that fails waits for the next interval (found in review: retried
+                    self.enforce_retention()  # every second, with a traceback each, on a read-only card)
+            except (sqlite3.Error, OSError) as e:  # a full or read-only disk, a locked database: keep sampling
+                self._say_failure("sampling or retention failed", e)
+            except Exception:
                 log.exception("telemetry: sampling or retention failed")
+
+    def _say_failure(self, what: str, e: Exception) -> None:
+        """Log a storage failure once an hour while it lasts (found in review: on a card gone read-only, a
+        traceback for every request and every retention pass); a traceback only for what is not SQLite's
+        or the OS's own report."""
+        now = time.monotonic()
+        if now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
+            self._failure_logged_at = now
+            log.error("telemetry: %s: %s (said again in an hour if it goes on)", what, e,
+                      exc_info=not isinstance(e, (sqlite3.OperationalError, OSError)))
 
     def _commit_samples(self) -> None:
         """Samples taken since the last commit, stamped by when each was taken (by the time since boot, so a

@@ -30,6 +30,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
+import agent.mqtt
 from agent.commands import CommandError, Commands, Device, LiveSettings
 from agent.config import AgentConfig, MqttConfig, TelemetryConfig
 from agent.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
@@ -479,8 +480,9 @@ def test_a_device_whose_disk_is_full_still_connects(broker, tmp_path):
         store.close()
 
 
-def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links):
+def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links, monkeypatch):
     """The rows stayed unsent until the next reconnect, weeks away on a steady link."""
+    monkeypatch.setattr(agent.mqtt, "REFUSED_PAUSE_S", 0.2)
     fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-marksent")
     link = links(broker.url, "dev-m")
     assert wait_until(lambda: link.is_connected)
@@ -490,6 +492,28 @@ def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, 
     link.notify()
     assert wait_until(lambda: link.store.count_unsent() == 0), link.store.count_unsent()
     assert len(calls) >= 2 and link.store.connections == 1
+    fleet.close()
+
+
+def test_rows_that_cannot_be_marked_sent_go_again_after_a_pause_said_once(broker, links, caplog):
+    """Found in review, on a card remounted read-only: mark_sent failed after every PUBACK and the same batch
+    went again every second, for good, with a traceback each time (a cellular link pays for each copy)."""
+    fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-readonly")
+    link = links(broker.url, "dev-ro")
+    assert wait_until(lambda: link.is_connected)
+
+    def read_only(rows):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    link.store.mark_sent = read_only
+    link.store.append(EventRecord(kind="tick"))
+    link.notify()
+    batches = lambda: [m for m in fleet.messages if m.topic.endswith("/tele")]  # noqa: E731
+    assert fleet.wait(lambda f: len(batches()) >= 1)
+    time.sleep(4.0)  # four outbox passes at least
+    assert len(batches()) == 1 and link.store.count_unsent() >= 1
+    said = [r for r in caplog.records if "cannot mark them sent" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is None and "outbox pass failed" not in caplog.text
     fleet.close()
 
 

@@ -493,3 +493,35 @@ def test_samples_are_committed_a_few_at_a_time_each_stamped_when_taken(tmp_path,
     again = TelemetryReader(tmp_path / DB_NAME)
     assert again.counts()["records"] >= 6  # start, 4+ samples, stop
     again.close()
+
+
+def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_interval(tmp_path, caplog):
+    """Found in review, on a card remounted read-only: a traceback for every request recorded, and a failed
+    retention pass retried every second, each with a traceback (~86,000 a day)."""
+    import time
+
+    store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
+    passes = []
+
+    def read_only(*args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    def failing_pass(*args, **kwargs):
+        passes.append(time.monotonic())
+        raise sqlite3.OperationalError("disk I/O error")
+
+    store.append_all, store.enforce = read_only, failing_pass
+    telemetry = Telemetry(store, TelemetryConfig(state_dir=tmp_path, sample_interval_s=600, retention_interval_s=1))
+    figures = RequestFigures(prompt_tokens=5, completion_tokens=3, queue_ms=1, ttft_ms=2, prefill_tokens_per_s=3,
+                             decode_tokens_per_s=4, itl_p50_ms=5, itl_p95_ms=6, e2e_ms=7, kv_bytes=8,
+                             finish_reason="stop")
+    for _ in range(50):
+        telemetry.record_request("m", "v", figures)
+    telemetry.start()
+    time.sleep(3.5)
+    telemetry._stop.set()
+    telemetry._thread.join()
+    said = [r for r in caplog.records if r.name == "agent.telemetry" and r.levelname == "ERROR"]
+    assert len(said) == 1 and "could not be stored" in said[0].getMessage() and not said[0].exc_info, caplog.text
+    assert store.dropped_total >= 50
+    assert 2 <= len(passes) <= 4, passes  # once a retention interval (1 s here), not at every 1 s wake-up only
