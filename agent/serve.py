@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import grp
 import logging
@@ -506,7 +507,17 @@ def lock_state_dir(state_dir: Path) -> int:
     An flock, so the kernel lets go when the process ends however it ends: no stale lock after a SIGKILL.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        # A card ext4 remounted read-only: serve what is there rather than nothing (found in review: every
+        # start failed here). An flock holds on a read-only descriptor too.
+        log.error("the state directory %s is on a read-only file system: serving, with telemetry kept in "
+                  "memory, and updates fail, until the agent starts on it writable again", state_dir)
+        lock = state_dir / "agent.lock"
+        fd = os.open(lock if lock.exists() else state_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -514,8 +525,9 @@ def lock_state_dir(state_dir: Path) -> int:
         os.close(fd)
         raise ServeError(f"another edge-agent{f' (pid {holder})' if holder.isdigit() else ''} is using the state "
                          f"directory {state_dir}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if os.access(state_dir, os.W_OK):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -216,10 +217,15 @@ class TelemetryStore:
         self.in_memory_because: str | None = None  # why the file could not be used, if it could not
         hard_limit = max_file_bytes
         try:
+            # Checked first: SQLite opens a WAL file in a read-only directory read-only without a word, and then
+            # every write fails. That is an SD card ext4 remounted read-only after an I/O error (found in review:
+            # every start failed, so the box served nothing though its model was there).
+            if not os.access(path.parent, os.W_OK):
+                raise sqlite3.OperationalError(f"{path.parent} is read-only")
             self.db = _connect(path)
         except sqlite3.DatabaseError as e:
             code = _primary_code(e)
-            if code in (SQLITE_FULL, SQLITE_IOERR):
+            if code in (SQLITE_FULL, SQLITE_IOERR) or not os.access(path.parent, os.W_OK):
                 self.db = self._in_memory(path, e)
                 hard_limit = FALLBACK_HARD_LIMIT
             elif code in (SQLITE_CORRUPT, SQLITE_NOTADB):
@@ -243,12 +249,12 @@ class TelemetryStore:
         self._lock = threading.RLock()
 
     def _in_memory(self, path: Path, e: sqlite3.Error) -> Database:
-        """A full disk: a clean stop removed the WAL index (-shm), which SQLite cannot create again, and every
-        start failed, leaving the device without its API and without MQTT to be fixed remotely. The file is
-        left as it is; records are kept in memory (and delivered from there) until a start finds room."""
+        """A full or read-only disk: a clean stop removed the WAL index (-shm), which SQLite cannot create again,
+        and every start failed, leaving the device without its API and without MQTT to be fixed remotely. The
+        file is left as it is; records are kept in memory (and delivered from there) until a start can use it."""
         self.in_memory_because = str(e)
         log.error("telemetry database %s cannot be opened (%s): telemetry is kept in memory (at most %d MiB) "
-                  "until the agent starts with room on the disk", path, e, FALLBACK_HARD_LIMIT >> 20)
+                  "until the agent starts with room on a writable disk", path, e, FALLBACK_HARD_LIMIT >> 20)
         return _connect(Path(":memory:"))
 
     def count_unwritten(self, n: int = 1) -> None:

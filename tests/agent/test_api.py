@@ -956,3 +956,39 @@ def test_a_client_sending_garbage_is_logged_once_a_minute_not_once_a_connection(
         crash = logging.LogRecord("uvicorn.error", logging.ERROR, "", 0, "Exception in ASGI application", (),
                                   sys.exc_info())
     assert all(repeats.filter(crash) for _ in range(3))
+
+
+def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_path, monkeypatch):
+    """Found in review (an SD card that ext4 remounted read-only after an I/O error): every start failed at the
+    state directory's lock file, so the box served nothing though its model was readable. The lock holds on a
+    read-only descriptor, telemetry goes to memory (and says so), and a second agent is still refused."""
+    import errno
+
+    from agent.serve import lock_state_dir
+    from agent.store import TelemetryStore
+    from agent.wire import EventRecord
+
+    state = tmp_path / "state"
+    os.close(lock_state_dir(state))  # as a run before the card failed left it
+    TelemetryStore(state / "telemetry.db", "dev-1").close()
+    real_open, real_access = os.open, os.access
+
+    def read_only_open(path, flags, *args):
+        if Path(path).parent == state and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == state and mode & os.W_OK
+                        else real_access(p, mode, **k))
+    fd = lock_state_dir(state)
+    try:
+        with pytest.raises(ServeError, match="another edge-agent"):
+            lock_state_dir(state)
+        store = TelemetryStore(state / "telemetry.db", "dev-1")
+        assert "read-only" in store.in_memory_because
+        store.append(EventRecord(kind="tick"))
+        assert store.count_unsent() == 1
+        store.close()
+    finally:
+        os.close(fd)
