@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 WINDOW_S = 0.05  # gather messages this long before one commit: ~20 commits/s whatever the message rate
 MAX_BATCH_MESSAGES = 1000  # ...or this many messages, to bound a commit while draining a backlog
 RETRY_CAP_S = 5.0  # a failing commit (disk full, database locked) is retried with backoff up to this delay
+COMMIT_FAILURES_LOGGED = 5  # a failing commit's first attempts are logged, then one attempt an hour
 LOG_EVERY_S = 600.0  # ingest-rate summary period (every 10 s was 8,640 lines a day of nothing new)
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
 REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 devices sending a schema this
@@ -279,7 +280,11 @@ class Consumer:
                 return self.store.commit(ingest)
             except sqlite3.Error as e:
                 attempt += 1
-                log.error("commit of %d records failed (attempt %d), retrying: %s", ingest.num_records, attempt, e)
+                # the first few, then one an hour while it lasts (found in review: a database on a disk gone
+                # read-only logged a line every 5 s for good, ~17,000 a day)
+                if attempt <= COMMIT_FAILURES_LOGGED or attempt % int(3600 / RETRY_CAP_S) == 0:
+                    log.error("commit of %d records failed (attempt %d), retrying%s: %s", ingest.num_records,
+                              attempt, "; said again hourly" if attempt == COMMIT_FAILURES_LOGGED else "", e)
                 if self._stopping.wait(min(RETRY_CAP_S, 0.1 * 2 ** attempt)):
                     return None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sqlite3
 import threading
 import time
 
@@ -84,6 +85,32 @@ class BlockingStore(FleetStore):
         self.entered.set()
         self.release.wait()
         return super().commit(ingest)
+
+
+class ReadOnlyStore(FleetStore):
+    """The real store on a disk that went read-only: every commit fails."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.attempts = 0
+
+    def commit(self, ingest):
+        self.attempts += 1
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+
+def test_a_commit_that_keeps_failing_is_logged_a_few_times_then_hourly(broker, consumers, devices, tmp_path,
+                                                                       monkeypatch, caplog):
+    """Found in review: on a disk gone read-only, a line every 5 s for good (~17,000 a day)."""
+    import fleet.consumer
+
+    monkeypatch.setattr(fleet.consumer, "RETRY_CAP_S", 0.02)  # 180,000 attempts an hour: the hourly line never
+    store = ReadOnlyStore(tmp_path / "ro.db")
+    consumers(client_id="fleet-ro", store=store)
+    devices("dev-a").emit(3)
+    wait_until(lambda: store.attempts >= 40, message="commits retried")
+    lines = [r for r in caplog.records if "commit of" in r.getMessage()]
+    assert len(lines) == fleet.consumer.COMMIT_FAILURES_LOGGED and "said again hourly" in lines[-1].getMessage()
 
 
 def test_a_message_is_acked_only_after_its_commit(broker, consumers, devices, fleet_db, tmp_path):
