@@ -498,12 +498,18 @@ class TelemetryReader:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"no telemetry database at {path}")
-        self.db = Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S))
+        # On a read-only file system SQLite cannot make the WAL index a reader needs ("unable to open database
+        # file", found in review: reported as not a telemetry database): read it as immutable there, which sees
+        # what was checkpointed (all of it after a clean stop)
+        read_only_fs = not os.access(path.parent, os.W_OK)
+        mode = "ro&immutable=1" if read_only_fs else "ro"
+        self.db = Database(sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=BUSY_TIMEOUT_S))
         try:
             self.db.table_names()
         except sqlite3.DatabaseError as e:  # "file is not a database" named no file
             self.db.close()
-            raise ValueError(f"{path} is not a telemetry database ({e})") from None
+            where = " (on a read-only file system)" if read_only_fs else ""
+            raise ValueError(f"{path} is not a telemetry database{where} ({e})") from None
 
     def request_rows(self, since_ts: float) -> list[dict]:
         """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s,

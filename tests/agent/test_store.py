@@ -525,3 +525,25 @@ def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_int
     assert len(said) == 1 and "could not be stored" in said[0].getMessage() and not said[0].exc_info, caplog.text
     assert store.dropped_total >= 50
     assert 2 <= len(passes) <= 4, passes  # once a retention interval (1 s here), not at every 1 s wake-up only
+
+
+def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkeypatch):
+    """Found in review: `edge-agent telemetry` on a card remounted read-only said "not a telemetry database
+    (unable to open database file)": SQLite cannot make the WAL index there. It reads the file as immutable."""
+    import os
+
+    from agent.wire import EventRecord
+
+    store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
+    store.append(EventRecord(kind="tick"))
+    store.close()  # a clean stop: checkpointed, no -wal or -shm left
+    (tmp_path / "junk.db").write_bytes(b"not sqlite" * 100)
+    opened = []
+    real_connect, real_access = sqlite3.connect, os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == tmp_path else real_access(p, mode, **k))
+    monkeypatch.setattr(sqlite3, "connect", lambda target, **k: (opened.append(target), real_connect(target, **k))[1])
+    reader = TelemetryReader(tmp_path / DB_NAME)
+    assert reader.counts()["records"] == 1 and opened[-1].endswith("?mode=ro&immutable=1")
+    reader.close()
+    with pytest.raises(ValueError, match="on a read-only file system"):
+        TelemetryReader(tmp_path / "junk.db")
