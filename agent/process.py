@@ -7,6 +7,41 @@ import gc
 from pathlib import Path
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_values(name: str) -> list[str]:
+    """The cgroup v2 file `name` (cpu.max, memory.max) of this process's cgroup and of each parent that has
+    it, innermost first: a systemd service's CPUQuota= and MemoryMax= sit on its own cgroup, not the root's."""
+    try:
+        own = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
+    except (OSError, StopIteration):
+        own = "/"
+    values, group = [], CGROUP_ROOT / own.strip().lstrip("/")
+    while True:
+        try:
+            values.append((group / name).read_text().strip())
+        except OSError:
+            pass  # no such controller here
+        if group == CGROUP_ROOT or CGROUP_ROOT not in group.parents:
+            return values
+        group = group.parent
+
+
+def memory_limit_bytes() -> int:
+    """The most memory this process can have: the machine's RAM, or less under a cgroup v2 memory.max."""
+    limits = [_meminfo_kb("MemTotal") * 1024]
+    limits += [int(v) for v in cgroup_values("memory.max") if v.isdigit()]  # "max": no limit there
+    return min(limits)
+
+
+def _meminfo_kb(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def _status_kb(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):

@@ -27,7 +27,7 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
 from agent import wire
-from agent.process import trim_heap
+from agent.process import cgroup_values, trim_heap
 
 log = logging.getLogger(__name__)
 SpinWait = bool | Literal["auto"]
@@ -58,26 +58,18 @@ def has_lone_row(width: int) -> bool:
     return width % LONE_ROW_TILE == 1
 
 PROC_STAT = Path("/proc/stat")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def cpu_quota_cores() -> float | None:
     """The tightest cgroup v2 CPU quota (cpu.max) on this process's cgroup and its parents, in cores."""
-    try:
-        own = next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
-    except (OSError, StopIteration):
-        own = "/"
-    quotas, group = [], CGROUP_ROOT / own.strip().lstrip("/")
-    while True:  # a systemd service's CPUQuota= sits on its own cgroup, not on the root's
+    quotas = []
+    for value in cgroup_values("cpu.max"):
         try:
-            quota, period = (group / "cpu.max").read_text().split()
+            quota, period = value.split()
             if quota != "max":
                 quotas.append(int(quota) / int(period))
-        except (OSError, ValueError):
-            pass  # no CPU controller here
-        if group == CGROUP_ROOT or CGROUP_ROOT not in group.parents:
-            break
-        group = group.parent
+        except ValueError:
+            pass
     return min(quotas) if quotas else None
 
 

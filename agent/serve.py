@@ -37,8 +37,9 @@ from agent.commands import CommandError
 from agent.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig, describe_errors
 from agent.engine import Engine
+from agent.memory import MB
 from agent.metrics import Metrics
-from agent.process import trim_heap
+from agent.process import memory_limit_bytes, trim_heap
 from agent.telemetry import Telemetry
 from agent.trust import load_trusted_keys
 from agent.updates import ModelStore, UpdateContext, UpdateService
@@ -455,6 +456,8 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
     starts; the engine loads in the background (READY after it);
     at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
     """
+    if problem := budget_problem(config.engine):
+        raise ServeError(problem)
     lock = lock_state_dir(Path(config.telemetry.state_dir))
     try:
         _serve(config, announce, notifier, reload_config)
@@ -578,10 +581,23 @@ def environment_problems(config: AgentConfig) -> list[str]:
     if both := set(loaded.get("trusted_keys", {})) & set(loaded.get("job_keys", {})):
         problems.append(f"updates.job_keys: key {sorted(both)[0]} is also a manifest key (trusted_keys): the job key "
                         "lives on the fleet server, so the manifest key would no longer be offline; use two keys")
+    if problem := budget_problem(config.engine):
+        problems.append(problem)
     for key, directory in (("telemetry.state_dir", state), ("api.socket", Path(config.api.socket).parent)):
         if problem := _not_writable(directory):  # found in review: said ok, and serve then failed "Read-only
             problems.append(f"{key}: {problem}")  # file system" (the socket's without naming a path)
     return problems
+
+
+def budget_problem(engine: EngineConfig) -> str | None:
+    """Why memory_budget_mb cannot hold on this machine, if so: over the RAM, or over the service's MemoryMax=
+    (cgroup memory.max), the kernel kills the agent under load where the budget would have refused requests
+    (found in review: nothing compared them)."""
+    limit_mb = memory_limit_bytes() // MB
+    if engine.memory_budget_mb <= limit_mb:
+        return None
+    return (f"engine.memory_budget_mb = {engine.memory_budget_mb} is above the {limit_mb} MB this process may use "
+            "(the machine's memory, or its cgroup's memory.max: systemd's MemoryMax=); lower it below that")
 
 
 def _not_writable(directory: Path) -> str | None:

@@ -992,3 +992,22 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
         store.close()
     finally:
         os.close(fd)
+
+
+def test_a_budget_above_the_services_memory_limit_is_refused_at_start(tmp_path, monkeypatch, tiny_bundle):
+    """Found in review: nothing compared memory_budget_mb with systemd's MemoryMax= (cgroup memory.max) or the
+    RAM, so a budget above them ended with the kernel killing the agent under load, where the budget would
+    have refused requests. check-config names it too."""
+    import agent.process
+    from agent.serve import environment_problems, serve_forever
+
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "memory.max").write_text(f"{800 * 2**20}\n")  # MemoryMax=800M
+    monkeypatch.setattr(agent.process, "CGROUP_ROOT", tmp_path / "cg")
+    config = load_agent_config(None, model=tiny_bundle.path, socket=tmp_path / "a.sock", tcp=None, threads=1,
+                               memory_budget_mb=1024, state_dir=tmp_path / "state")
+    with pytest.raises(ServeError, match="memory_budget_mb = 1024 is above the 800 MB"):
+        serve_forever(config)
+    assert any("above the 800 MB" in p for p in environment_problems(config))
+    (tmp_path / "cg" / "memory.max").write_text("max\n")
+    assert not any("memory_budget_mb" in p for p in environment_problems(config))

@@ -142,10 +142,11 @@ def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch):
 
 
 def test_a_cgroup_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
+    import agent.process
     import agent.runner as runner_module
 
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # CPUQuota=150%
-    monkeypatch.setattr(runner_module, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(agent.process, "CGROUP_ROOT", tmp_path)
     assert runner_module.cpu_quota_cores() == 1.5
     assert usable_cores() == 1
     assert not choose_spinning("auto", 2) and not choose_spinning(True, 2)
