@@ -510,11 +510,13 @@ def lock_state_dir(state_dir: Path) -> int:
     An flock, so the kernel lets go when the process ends however it ends: no stale lock after a SIGKILL.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
+    read_only = False
     try:
         fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         if e.errno != errno.EROFS:
             raise
+        read_only = True
         # A card ext4 remounted read-only: serve what is there rather than nothing (found in review: every
         # start failed here). An flock holds on a read-only descriptor too.
         log.error("the state directory %s is on a read-only file system: serving, with telemetry kept in "
@@ -528,7 +530,7 @@ def lock_state_dir(state_dir: Path) -> int:
         os.close(fd)
         raise ServeError(f"another edge-agent{f' (pid {holder})' if holder.isdigit() else ''} is using the state "
                          f"directory {state_dir}") from None
-    if os.access(state_dir, os.W_OK):
+    if not read_only:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -185,6 +186,24 @@ def _connect(path: Path) -> Database:
     return db
 
 
+def writable_dir(directory: Path) -> bool:
+    """Whether a file can be made in directory now, by making one. access(2) is not enough: ext4 remounted
+    read-only after an I/O error (errors=remount-ro, "emergency_ro" in /proc/mounts) still passes W_OK
+    (found in review). A full disk counts as writable here: StoreFull deals with that."""
+    probe = Path(directory) / f".write-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        probe.unlink()
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return True
+
+
 def _move_aside(path: Path) -> Path:
     """Rename the database and its WAL/SHM files to `<name>.corrupt-<unix time>[-wal|-shm]`."""
     aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
@@ -220,12 +239,12 @@ class TelemetryStore:
             # Checked first: SQLite opens a WAL file in a read-only directory read-only without a word, and then
             # every write fails. That is an SD card ext4 remounted read-only after an I/O error (found in review:
             # every start failed, so the box served nothing though its model was there).
-            if not os.access(path.parent, os.W_OK):
+            if not writable_dir(path.parent):
                 raise sqlite3.OperationalError(f"{path.parent} is read-only")
             self.db = _connect(path)
         except sqlite3.DatabaseError as e:
             code = _primary_code(e)
-            if code in (SQLITE_FULL, SQLITE_IOERR) or not os.access(path.parent, os.W_OK):
+            if code in (SQLITE_FULL, SQLITE_IOERR) or not writable_dir(path.parent):
                 self.db = self._in_memory(path, e)
                 hard_limit = FALLBACK_HARD_LIMIT
             elif code in (SQLITE_CORRUPT, SQLITE_NOTADB):
@@ -248,14 +267,48 @@ class TelemetryStore:
         self._unwritten_counted = 0  # ... and those already in meta: the next enforce() reports both
         self._lock = threading.RLock()
 
-    def _in_memory(self, path: Path, e: sqlite3.Error) -> Database:
+    def _in_memory(self, path: Path, e: Exception, what: str = "opened") -> Database:
         """A full or read-only disk: a clean stop removed the WAL index (-shm), which SQLite cannot create again,
         and every start failed, leaving the device without its API and without MQTT to be fixed remotely. The
         file is left as it is; records are kept in memory (and delivered from there) until a start can use it."""
         self.in_memory_because = str(e)
-        log.error("telemetry database %s cannot be opened (%s): telemetry is kept in memory (at most %d MiB) "
-                  "until the agent starts with room on a writable disk", path, e, FALLBACK_HARD_LIMIT >> 20)
+        log.error("telemetry database %s cannot be %s (%s): telemetry is kept in memory (at most %d MiB) "
+                  "until the agent starts with room on a writable disk", path, what, e, FALLBACK_HARD_LIMIT >> 20)
         return _connect(Path(":memory:"))
+
+    def move_to_memory(self, e: Exception) -> bool:
+        """Go on in memory once the file's directory cannot be written any more (an SD card ext4 remounted
+        read-only under a running agent): found in review, every record after that was dropped and the fleet
+        never heard why. The undelivered rows come along with their ids (the outbox's cursor and in-flight
+        batches name them), as many as fit; those that do not stay in the file for the next start. False if
+        the store was in memory already or the directory is writable (the failure is something else)."""
+        with self._lock:
+            if self.in_memory_because is not None or writable_dir(self.path.parent):
+                return False
+            memory = self._in_memory(self.path, e, "written any more")
+            page = memory.execute("PRAGMA page_size").fetchone()[0]
+            memory.execute(f"PRAGMA max_page_count = {max(16, FALLBACK_HARD_LIMIT // page)}")
+            columns = "id, device_id, boot_id, seq, ts, kind, body"
+            try:
+                kept = [(k, self._meta(k)) for k in ("dropped_undelivered", "connections")]
+                unsent = self.db.execute(f"SELECT {columns} FROM records WHERE sent = 0 ORDER BY id").fetchall()
+                top = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+            except sqlite3.Error:
+                kept, unsent, top = [], [], None  # unreadable too: they wait in the file
+            with memory.atomic():
+                memory.conn.executemany("UPDATE meta SET value = ? WHERE key = ?", [(v, k) for k, v in kept])
+                # new rows' ids go on from the file's: the outbox's cursor skips ids below the last it sent
+                memory.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('records', ?)", [top[0] if top else 0])
+                for row in unsent:
+                    try:
+                        memory.execute(f"INSERT INTO records ({columns}) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+                    except sqlite3.OperationalError as full:
+                        if not is_full(full):
+                            raise
+                        break
+            self.db.close()
+            self.db = memory
+            return True
 
     def count_unwritten(self, n: int = 1) -> None:
         """Records given up on after StoreFull: counted in the file at once when it takes the change (an update
@@ -501,7 +554,7 @@ class TelemetryReader:
         # On a read-only file system SQLite cannot make the WAL index a reader needs ("unable to open database
         # file", found in review: reported as not a telemetry database): read it as immutable there, which sees
         # what was checkpointed (all of it after a clean stop)
-        read_only_fs = not os.access(path.parent, os.W_OK)
+        read_only_fs = not writable_dir(path.parent)
         mode = "ro&immutable=1" if read_only_fs else "ro"
         self.db = Database(sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=BUSY_TIMEOUT_S))
         try:

@@ -166,7 +166,11 @@ class Telemetry:
         except StoreFull:
             self.store.count_unwritten(len(items))  # the next retention pass reports them as a dropped_rows event
             return
-        except (sqlite3.Error, ValueError) as e:  # damaged file, read-only disk, a record over the batch limit:
+        except (sqlite3.Error, ValueError) as e:  # damaged file, read-only disk, a record over the batch limit
+            if isinstance(e, sqlite3.Error) and self.store.move_to_memory(e):  # the disk went read-only
+                self.record_event("store_in_memory", {"reason": self.store.in_memory_because})
+                self._append_all(items)
+                return
             self.store.count_unwritten(len(items))  # lost, and said so
             self._say_failure(f"{len(items)} record(s) could not be stored (counted as dropped)", e)
             return

@@ -971,16 +971,17 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
     state = tmp_path / "state"
     os.close(lock_state_dir(state))  # as a run before the card failed left it
     TelemetryStore(state / "telemetry.db", "dev-1").close()
-    real_open, real_access = os.open, os.access
+    real_open = os.open
 
     def read_only_open(path, flags, *args):
         if Path(path).parent == state and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
             raise OSError(errno.EROFS, "Read-only file system", str(path))
         return real_open(path, flags, *args)
 
+    import agent.store
+
     monkeypatch.setattr(os, "open", read_only_open)
-    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == state and mode & os.W_OK
-                        else real_access(p, mode, **k))
+    monkeypatch.setattr(agent.store, "writable_dir", lambda d: Path(d) != state)
     fd = lock_state_dir(state)
     try:
         with pytest.raises(ServeError, match="another edge-agent"):

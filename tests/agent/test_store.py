@@ -530,8 +530,6 @@ def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_int
 def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkeypatch):
     """Found in review: `edge-agent telemetry` on a card remounted read-only said "not a telemetry database
     (unable to open database file)": SQLite cannot make the WAL index there. It reads the file as immutable."""
-    import os
-
     from agent.wire import EventRecord
 
     store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
@@ -539,11 +537,58 @@ def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkey
     store.close()  # a clean stop: checkpointed, no -wal or -shm left
     (tmp_path / "junk.db").write_bytes(b"not sqlite" * 100)
     opened = []
-    real_connect, real_access = sqlite3.connect, os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == tmp_path else real_access(p, mode, **k))
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(store_module, "writable_dir", lambda d: Path(d) != tmp_path)
     monkeypatch.setattr(sqlite3, "connect", lambda target, **k: (opened.append(target), real_connect(target, **k))[1])
     reader = TelemetryReader(tmp_path / DB_NAME)
     assert reader.counts()["records"] == 1 and opened[-1].endswith("?mode=ro&immutable=1")
     reader.close()
     with pytest.raises(ValueError, match="on a read-only file system"):
         TelemetryReader(tmp_path / "junk.db")
+
+
+def test_a_store_whose_disk_goes_read_only_goes_on_in_memory_with_its_undelivered_rows(tmp_path, monkeypatch):
+    """Found in review: when the card went read-only under a running agent, every record after that was
+    dropped and the fleet never learned why. The store moves to memory with the file's undelivered rows (their
+    ids kept: the outbox names them) and the fleet gets a store_in_memory event."""
+    from sqlite_utils import Database
+
+    from agent.wire import EventRecord
+
+    store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
+    telemetry = Telemetry(store, TelemetryConfig(state_dir=tmp_path))
+    for i in range(5):
+        store.append(EventRecord(kind="tick", detail={"i": i}))
+    first_two = [r.row_id for r in store.unsent(2)]
+    store.mark_sent(first_two)
+    top = store.unsent(10)[-1].row_id
+    # the card goes read-only: the connection can still read, every write fails
+    store.db.close()
+    store.db = Database(sqlite3.connect(f"file:{tmp_path / DB_NAME}?mode=ro", uri=True, check_same_thread=False))
+    monkeypatch.setattr(store_module, "writable_dir", lambda d: Path(d) != tmp_path)
+    telemetry.record_event("after", {})
+    assert store.in_memory_because is not None
+    rows = store.unsent(50)
+    kinds = [(r.record.event.kind, r.record.event.detail.get("i")) for r in rows]
+    assert kinds == [("tick", 2), ("tick", 3), ("tick", 4), ("store_in_memory", None), ("after", None)]
+    assert [r.row_id for r in rows[:3]] == [first_two[-1] + 1, first_two[-1] + 2, top] and rows[3].row_id > top
+    store.mark_sent([r.row_id for r in rows])
+    assert store.count_unsent() == 0 and store.dropped_total == 0
+
+
+def test_writable_dir_makes_a_file_to_know(tmp_path, monkeypatch):
+    """access(2) says W_OK on ext4 remounted read-only after an error ("emergency_ro"): found in review."""
+    import errno
+    import os
+
+    assert store_module.writable_dir(tmp_path) and list(tmp_path.iterdir()) == []  # the probe is gone
+    real_open = os.open
+
+    def failing(path, flags, *args):
+        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", failing)
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)  # as on emergency_ro
+    assert not store_module.writable_dir(tmp_path)
