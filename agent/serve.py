@@ -508,32 +508,38 @@ def lock_state_dir(state_dir: Path) -> int:
     Two agents on one state directory (another socket, the same --state-dir) shared its telemetry
     database, models, links and update journal, and took the device's MQTT session from each other.
     An flock, so the kernel lets go when the process ends however it ends: no stale lock after a SIGKILL.
+    It is taken on the directory itself, which a read-only file system (an SD card ext4 remounted after an
+    I/O error) lets us open too: found in review, every start failed there on creating a lock file, and a
+    lock on a file that may or may not exist let two agents in. agent.lock names the holder, when it can.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
-    read_only = False
-    try:
-        fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        if e.errno != errno.EROFS:
-            raise
-        read_only = True
-        # A card ext4 remounted read-only: serve what is there rather than nothing (found in review: every
-        # start failed here). An flock holds on a read-only descriptor too.
-        log.error("the state directory %s is on a read-only file system: serving, with telemetry kept in "
-                  "memory, and updates fail, until the agent starts on it writable again", state_dir)
-        lock = state_dir / "agent.lock"
-        fd = os.open(lock if lock.exists() else state_dir, os.O_RDONLY)
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 16, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise ServeError(f"another edge-agent{f' (pid {holder})' if holder.isdigit() else ''} is using the state "
+        holder = _lock_holder(state_dir / "agent.lock")
+        raise ServeError(f"another edge-agent{f' (pid {holder})' if holder else ''} is using the state "
                          f"directory {state_dir}") from None
-    if not read_only:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        (state_dir / "agent.lock").write_text(f"{os.getpid()}\n")
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            os.close(fd)
+            raise
+        log.error("the state directory %s is on a read-only file system: serving, with telemetry kept in "
+                  "memory, and updates fail, until the agent starts on it writable again", state_dir)
     return fd
+
+
+def _lock_holder(pid_file: Path) -> int | None:
+    """The pid agent.lock names, if that process is alive (on a read-only disk the file can be a dead run's)."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
 
 
 def names_store_current(model: Path, state_dir: Path) -> bool:

@@ -958,12 +958,14 @@ def test_a_client_sending_garbage_is_logged_once_a_minute_not_once_a_connection(
     assert all(repeats.filter(crash) for _ in range(3))
 
 
-def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_path, monkeypatch):
+def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_path, monkeypatch, caplog):
     """Found in review (an SD card that ext4 remounted read-only after an I/O error): every start failed at the
-    state directory's lock file, so the box served nothing though its model was readable. The lock holds on a
-    read-only descriptor, telemetry goes to memory (and says so), and a second agent is still refused."""
+    state directory's lock file, so the box served nothing though its model was readable. The lock is on the
+    directory, telemetry goes to memory (and says so), and a second agent is still refused, by a message
+    that does not name a dead run's pid."""
     import errno
 
+    import agent.store
     from agent.serve import lock_state_dir
     from agent.store import TelemetryStore
     from agent.wire import EventRecord
@@ -971,26 +973,33 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
     state = tmp_path / "state"
     os.close(lock_state_dir(state))  # as a run before the card failed left it
     TelemetryStore(state / "telemetry.db", "dev-1").close()
-    real_open = os.open
+    (state / "agent.lock").write_text("999999999\n")  # a dead run's pid, which a read-only disk keeps
+    real_write_text = Path.write_text
 
-    def read_only_open(path, flags, *args):
-        if Path(path).parent == state and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-            raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *args)
+    def read_only(self, *args, **kwargs):
+        if self.parent == state:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_write_text(self, *args, **kwargs)
 
-    import agent.store
-
-    monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(Path, "write_text", read_only)
     monkeypatch.setattr(agent.store, "writable_dir", lambda d: Path(d) != state)
     fd = lock_state_dir(state)
     try:
-        with pytest.raises(ServeError, match="another edge-agent"):
+        assert "read-only file system" in caplog.text
+        with pytest.raises(ServeError, match=r"another edge-agent is using the state directory"):
             lock_state_dir(state)
         store = TelemetryStore(state / "telemetry.db", "dev-1")
         assert "read-only" in store.in_memory_because
         store.append(EventRecord(kind="tick"))
         assert store.count_unsent() == 1
         store.close()
+    finally:
+        os.close(fd)
+    monkeypatch.undo()  # writable again: the next agent takes the same lock, on the directory
+    fd = lock_state_dir(state)
+    try:
+        with pytest.raises(ServeError, match=f"another edge-agent \\(pid {os.getpid()}\\)"):
+            lock_state_dir(state)
     finally:
         os.close(fd)
 
