@@ -466,6 +466,7 @@ class _Outbox:
             self._refusal_logged_at = -float("inf")  # accepted: the next refusal is news
             try:
                 self.store.mark_sent(rows)
+                self._unmarked_logged_at = -float("inf")  # marked: the next failure is news
             except (sqlite3.Error, StoreFull, OSError) as e:
                 # Locked, full or read-only: they go again (the fleet drops replays), not weeks later, after a
                 # pause (found in review: on a card remounted read-only, the same batch went every second, for

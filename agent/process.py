@@ -28,18 +28,16 @@ def cgroup_values(name: str) -> list[str]:
         group = group.parent
 
 
-def memory_limit_bytes() -> int:
-    """The most memory this process can have: the machine's RAM, or less under a cgroup v2 memory.max."""
-    limits = [_meminfo_kb("MemTotal") * 1024]
-    limits += [int(v) for v in cgroup_values("memory.max") if v.isdigit()]  # "max": no limit there
-    return min(limits)
-
-
-def _meminfo_kb(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
+def memory_limit_bytes() -> int | None:
+    """The most memory this process can have, if known: the machine's RAM, or less under a cgroup v2
+    memory.max (a service's MemoryMax=)."""
+    limits = [int(v) for v in cgroup_values("memory.max") if v.isdigit()]  # "max": no limit there
+    try:
+        limits += [int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:")]
+    except (OSError, ValueError, IndexError):
+        pass  # unknown
+    return min(limits) if limits else None
 
 
 def _status_kb(key: str) -> int:

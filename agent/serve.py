@@ -426,7 +426,7 @@ def _install_sighup(backend: Backend, reload_config: Callable[[], AgentConfig] |
 
     def on_hup(signum, frame) -> None:
         try:
-            new = reload_config()
+            new = fitted_budget(reload_config())  # as at the start, or the lowered budget read as a change
         except ValidationError as e:  # a bad edit of the file must not take the service down
             log.error("SIGHUP: config not reloaded: %s", describe_errors(e).replace("\n", "; "))
             return
@@ -456,8 +456,7 @@ def serve_forever(config: AgentConfig, announce: Callable[[str], None] = log.inf
     starts; the engine loads in the background (READY after it);
     at shutdown in-flight requests drain, the engine stops, telemetry is flushed and MQTT says "stopped".
     """
-    if problem := budget_problem(config.engine):
-        raise ServeError(problem)
+    config = fitted_budget(config)
     lock = lock_state_dir(Path(config.telemetry.state_dir))
     try:
         _serve(config, announce, notifier, reload_config)
@@ -589,23 +588,31 @@ def environment_problems(config: AgentConfig) -> list[str]:
     if both := set(loaded.get("trusted_keys", {})) & set(loaded.get("job_keys", {})):
         problems.append(f"updates.job_keys: key {sorted(both)[0]} is also a manifest key (trusted_keys): the job key "
                         "lives on the fleet server, so the manifest key would no longer be offline; use two keys")
-    if problem := budget_problem(config.engine):
-        problems.append(problem)
     for key, directory in (("telemetry.state_dir", state), ("api.socket", Path(config.api.socket).parent)):
         if problem := _not_writable(directory):  # found in review: said ok, and serve then failed "Read-only
             problems.append(f"{key}: {problem}")  # file system" (the socket's without naming a path)
     return problems
 
 
-def budget_problem(engine: EngineConfig) -> str | None:
-    """Why memory_budget_mb cannot hold on this machine, if so: over the RAM, or over the service's MemoryMax=
-    (cgroup memory.max), the kernel kills the agent under load where the budget would have refused requests
-    (found in review: nothing compared them)."""
-    limit_mb = memory_limit_bytes() // MB
-    if engine.memory_budget_mb <= limit_mb:
-        return None
-    return (f"engine.memory_budget_mb = {engine.memory_budget_mb} is above the {limit_mb} MB this process may use "
-            "(the machine's memory, or its cgroup's memory.max: systemd's MemoryMax=); lower it below that")
+# Of the memory a process may have (the RAM, or its cgroup's memory.max) the budget may take at most this: the
+# rest is for the page cache of the model files and the kernel, which the cgroup counts too (the shipped unit:
+# a 1024 MB budget under MemoryMax=1280M)
+BUDGET_OF_LIMIT = 0.8
+
+
+def fitted_budget(config: AgentConfig) -> AgentConfig:
+    """config with memory_budget_mb lowered to fit what this process may use, said at ERROR. Found in review:
+    nothing compared them, and above the service's MemoryMax= (or the RAM) the kernel kills the agent under
+    load where the budget would have refused requests. Lowered rather than refused: an agent that does not
+    start is off the network too, with nobody there to edit its config."""
+    limit = memory_limit_bytes()
+    if limit is None or config.engine.memory_budget_mb * MB <= limit * BUDGET_OF_LIMIT:
+        return config
+    fitted = int(limit * BUDGET_OF_LIMIT) // MB
+    log.error("engine.memory_budget_mb = %d is above %.0f%% of the %d MB this process may use (the machine's "
+              "memory, or its cgroup's memory.max: systemd's MemoryMax=): using %d MB; set it so in the config",
+              config.engine.memory_budget_mb, BUDGET_OF_LIMIT * 100, limit // MB, fitted)
+    return config.model_copy(update={"engine": config.engine.model_copy(update={"memory_budget_mb": fitted})})
 
 
 def _not_writable(directory: Path) -> str | None:

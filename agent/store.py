@@ -556,9 +556,16 @@ class TelemetryReader:
         # what was checkpointed (all of it after a clean stop)
         read_only_fs = not writable_dir(path.parent)
         mode = "ro&immutable=1" if read_only_fs else "ro"
+        # what such a read cannot see: records still in the WAL (an agent killed, or running, when the disk
+        # failed) are read once an agent has started on it writable again
+        wal = path.with_name(path.name + "-wal")
+        self.unread_wal_bytes = wal.stat().st_size if read_only_fs and wal.exists() else 0
         self.db = Database(sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=BUSY_TIMEOUT_S))
         try:
-            self.db.table_names()
+            if "records" not in self.db.table_names():
+                raise sqlite3.DatabaseError("no records table" + (f" outside its {wal.name}, which a read-only "
+                                                                  "file system keeps from being read" if
+                                                                  self.unread_wal_bytes else ""))
         except sqlite3.DatabaseError as e:  # "file is not a database" named no file
             self.db.close()
             where = " (on a read-only file system)" if read_only_fs else ""

@@ -88,7 +88,7 @@ class Telemetry:
         self._tokens_lock = threading.Lock()
         self._steps_told = 0  # store.clock_steps already recorded as events (under _tokens_lock)
         self._pending_samples: list[tuple[SampleRecord, float]] = []  # (sample, uptime when taken): sampler thread
-        self._failure_logged_at = -float("inf")  # when records that could not be stored were last logged
+        self._failures_logged: dict[str, float] = {}  # kind of failure -> when it was last logged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._full_logged_at = -float("inf")
@@ -229,14 +229,18 @@ class Telemetry:
                 log.exception("telemetry: sampling or retention failed")
 
     def _say_failure(self, what: str, e: Exception) -> None:
-        """Log a storage failure once an hour while it lasts (found in review: on a card gone read-only, a
-        traceback for every request and every retention pass); a traceback only for what is not SQLite's
-        or the OS's own report."""
+        """Log a failure once an hour while it lasts (found in review: on a card gone read-only, a traceback
+        for every request and every retention pass), each kind of failure on its own clock, so that one does
+        not hide the first of another; a traceback only for what is not SQLite's or the OS's own report."""
+        kind = f"{what.split(' ', 1)[-1]}|{type(e).__name__}|{e}"[:200]
         now = time.monotonic()
-        if now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
-            self._failure_logged_at = now
-            log.error("telemetry: %s: %s (said again in an hour if it goes on)", what, e,
-                      exc_info=not isinstance(e, (sqlite3.OperationalError, OSError)))
+        if now - self._failures_logged.get(kind, -float("inf")) < FAILURE_LOG_EVERY_S:
+            return
+        if len(self._failures_logged) >= 64:  # bounded: the oldest kinds are forgotten
+            del self._failures_logged[min(self._failures_logged, key=self._failures_logged.get)]
+        self._failures_logged[kind] = now
+        log.error("telemetry: %s: %s (said again in an hour if it goes on)", what, e,
+                  exc_info=not isinstance(e, (sqlite3.OperationalError, OSError)))
 
     def _commit_samples(self) -> None:
         """Samples taken since the last commit, stamped by when each was taken (by the time since boot, so a
@@ -301,7 +305,8 @@ def summary(state_dir: Path, since_s: float, now: float | None = None) -> dict:
         for row in reader.request_rows(since_ts):
             groups[(row["model"], row["version"], row["hour"])].append(row)
         return {"since_s": since_s, "by_hour": [_figures(key, rows) for key, rows in groups.items()],
-                "finish_reasons": reader.finish_reasons(since_ts), "store": reader.counts()}
+                "finish_reasons": reader.finish_reasons(since_ts), "store": reader.counts(),
+                "unread_wal_bytes": reader.unread_wal_bytes}
     finally:
         reader.close()
 
@@ -327,6 +332,9 @@ def format_summary(s: dict) -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()) or "none"
     st = s["store"]
     lines.append(f"finish reasons: {reasons}")
+    if s.get("unread_wal_bytes"):
+        lines.append(f"not counted: {s['unread_wal_bytes']} bytes of records in telemetry.db-wal, which a read-only "
+                     "file system keeps from being read (they are once the agent starts on it writable)")
     lines.append(f"store: {st['records']} records, {st['unsent']} not yet delivered, "
                  f"{st['dropped_undelivered']} dropped undelivered (lifetime)")
     return "\n".join(lines)

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 WINDOW_S = 0.05  # gather messages this long before one commit: ~20 commits/s whatever the message rate
 MAX_BATCH_MESSAGES = 1000  # ...or this many messages, to bound a commit while draining a backlog
 RETRY_CAP_S = 5.0  # a failing commit (disk full, database locked) is retried with backoff up to this delay
-COMMIT_FAILURES_LOGGED = 5  # a failing commit's first attempts are logged, then one attempt an hour
+COMMIT_FAILURES_LOGGED = 5  # a failing commit's first attempts are logged, then one an hour
 LOG_EVERY_S = 600.0  # ingest-rate summary period (every 10 s was 8,640 lines a day of nothing new)
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
 REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 devices sending a schema this
@@ -274,19 +274,26 @@ class Consumer:
             self._log_rejection(device_id, e)
 
     def _commit(self, ingest: Ingest) -> Committed | None:
-        attempt = 0
+        attempt, logged_at = 0, -float("inf")
         while True:
             try:
-                return self.store.commit(ingest)
+                committed = self.store.commit(ingest)
             except sqlite3.Error as e:
                 attempt += 1
                 # the first few, then one an hour while it lasts (found in review: a database on a disk gone
                 # read-only logged a line every 5 s for good, ~17,000 a day)
-                if attempt <= COMMIT_FAILURES_LOGGED or attempt % int(3600 / RETRY_CAP_S) == 0:
+                if attempt <= COMMIT_FAILURES_LOGGED or time.monotonic() - logged_at >= 3600:
+                    logged_at = time.monotonic()
                     log.error("commit of %d records failed (attempt %d), retrying%s: %s", ingest.num_records,
                               attempt, "; said again hourly" if attempt == COMMIT_FAILURES_LOGGED else "", e)
-                if self._stopping.wait(min(RETRY_CAP_S, 0.1 * 2 ** attempt)):
+                # the exponent capped: 2 ** 1024 overflowed a float after ~85 min of failures, and the writer
+                # thread died (found in review)
+                if self._stopping.wait(min(RETRY_CAP_S, 0.1 * 2 ** min(attempt, 16))):
                     return None
+                continue
+            if attempt > COMMIT_FAILURES_LOGGED:
+                log.info("commit of %d records succeeded after %d failed attempts", ingest.num_records, attempt)
+            return committed
 
     def _log_rejection(self, device_id: str, e: Rejected) -> None:
         """One line per (device, reason) per period, at most REJECTION_LINES in all; the `rejected` table

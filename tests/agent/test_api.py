@@ -1004,20 +1004,28 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
         os.close(fd)
 
 
-def test_a_budget_above_the_services_memory_limit_is_refused_at_start(tmp_path, monkeypatch, tiny_bundle):
+def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp_path, monkeypatch, caplog):
     """Found in review: nothing compared memory_budget_mb with systemd's MemoryMax= (cgroup memory.max) or the
     RAM, so a budget above them ended with the kernel killing the agent under load, where the budget would
-    have refused requests. check-config names it too."""
+    have refused requests. It is lowered to fit, at ERROR; a tighter parent cgroup counts, "max" does not."""
     import agent.process
-    from agent.serve import environment_problems, serve_forever
+    from agent.config import AgentConfig
+    from agent.serve import fitted_budget
 
-    (tmp_path / "cg").mkdir()
-    (tmp_path / "cg" / "memory.max").write_text(f"{800 * 2**20}\n")  # MemoryMax=800M
-    monkeypatch.setattr(agent.process, "CGROUP_ROOT", tmp_path / "cg")
-    config = load_agent_config(None, model=tiny_bundle.path, socket=tmp_path / "a.sock", tcp=None, threads=1,
-                               memory_budget_mb=1024, state_dir=tmp_path / "state")
-    with pytest.raises(ServeError, match="memory_budget_mb = 1024 is above the 800 MB"):
-        serve_forever(config)
-    assert any("above the 800 MB" in p for p in environment_problems(config))
-    (tmp_path / "cg" / "memory.max").write_text("max\n")
-    assert not any("memory_budget_mb" in p for p in environment_problems(config))
+    root = tmp_path / "cg"
+    (root / "system.slice").mkdir(parents=True)
+    (root / "memory.max").write_text("max\n")
+    (root / "system.slice" / "memory.max").write_text(f"{1000 * 2**20}\n")  # a slice of 1000 MB
+    monkeypatch.setattr(agent.process, "CGROUP_ROOT", root)
+    monkeypatch.setattr(agent.process, "cgroup_values", lambda name: [
+        (root / "system.slice" / name).read_text().strip(), (root / name).read_text().strip()])
+    config = AgentConfig.model_validate({"engine": {"memory_budget_mb": 1024}})
+    fitted = fitted_budget(config)
+    assert fitted.engine.memory_budget_mb == 800 and config.engine.memory_budget_mb == 1024
+    assert "memory_budget_mb = 1024 is above 80% of the 1000 MB" in caplog.text and "using 800 MB" in caplog.text
+    small = AgentConfig.model_validate({"engine": {"memory_budget_mb": 512}})
+    assert fitted_budget(small) is small  # within the limit: as configured
+    (root / "system.slice" / "memory.max").write_text("max\n")
+    monkeypatch.setattr(agent.process, "memory_limit_bytes", lambda: None)  # unknown: as configured
+    monkeypatch.setattr("agent.serve.memory_limit_bytes", lambda: None)
+    assert fitted_budget(config) is config

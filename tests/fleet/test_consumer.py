@@ -316,3 +316,26 @@ def test_rejections_are_logged_once_per_device_and_reason_and_at_most_twenty_lin
     consumer._log_rejection("dev-0", Rejected("schema", "unknown field"))
     assert "880 more rejected messages were not logged" in caplog.records[20].getMessage()
     assert "dev-0" in caplog.records[21].getMessage() and len(consumer._rejection_logged) == 1
+
+
+def test_a_commit_failing_for_hours_keeps_its_thread(tmp_path, caplog):
+    """Found in review: the backoff's 2 ** attempt overflowed a float at attempt 1024 (~85 min of failures)
+    and the writer thread died, so nothing was ingested or acknowledged until a restart."""
+    from fleet.consumer import Consumer
+
+    class Stopping:  # waits return at once; the 1,100th ends the retries as a shutdown would
+        waits = 0
+
+        def wait(self, seconds):
+            assert 0 < seconds <= 5.0
+            Stopping.waits += 1
+            return Stopping.waits >= 1100
+
+    consumer = Consumer.__new__(Consumer)
+    consumer.store, consumer._stopping = ReadOnlyStore(tmp_path / "ro.db"), Stopping()
+
+    class Batch:
+        num_records = 3
+
+    assert consumer._commit(Batch()) is None and consumer.store.attempts == 1100
+    assert sum("commit of 3 records failed" in r.getMessage() for r in caplog.records) == 5
