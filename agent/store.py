@@ -204,6 +204,18 @@ def writable_dir(directory: Path) -> bool:
     return True
 
 
+def _open_reading(path: Path, mode: str) -> Database:
+    """A read-only connection to a telemetry database; sqlite3.DatabaseError if it is not one."""
+    db = Database(sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=BUSY_TIMEOUT_S))
+    try:
+        if "records" not in db.table_names():
+            raise sqlite3.DatabaseError("no records table")
+    except sqlite3.DatabaseError:
+        db.close()
+        raise
+    return db
+
+
 def _move_aside(path: Path) -> Path:
     """Rename the database and its WAL/SHM files to `<name>.corrupt-<unix time>[-wal|-shm]`."""
     aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
@@ -551,25 +563,24 @@ class TelemetryReader:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"no telemetry database at {path}")
-        # On a read-only file system SQLite cannot make the WAL index a reader needs ("unable to open database
-        # file", found in review: reported as not a telemetry database): read it as immutable there, which sees
-        # what was checkpointed (all of it after a clean stop)
-        read_only_fs = not writable_dir(path.parent)
-        mode = "ro&immutable=1" if read_only_fs else "ro"
-        # what such a read cannot see: records still in the WAL (an agent killed, or running, when the disk
-        # failed) are read once an agent has started on it writable again
-        wal = path.with_name(path.name + "-wal")
-        self.unread_wal_bytes = wal.stat().st_size if read_only_fs and wal.exists() else 0
-        self.db = Database(sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=BUSY_TIMEOUT_S))
+        self.unread_wal_bytes = 0
         try:
-            if "records" not in self.db.table_names():
-                raise sqlite3.DatabaseError("no records table" + (f" outside its {wal.name}, which a read-only "
-                                                                  "file system keeps from being read" if
-                                                                  self.unread_wal_bytes else ""))
+            self.db = _open_reading(path, "ro")
         except sqlite3.DatabaseError as e:  # "file is not a database" named no file
-            self.db.close()
-            where = " (on a read-only file system)" if read_only_fs else ""
-            raise ValueError(f"{path} is not a telemetry database{where} ({e})") from None
+            # On a read-only file system SQLite cannot make the WAL index a reader needs ("unable to open
+            # database file", found in review: reported as not a telemetry database): read it as immutable
+            # there, which sees what was checkpointed (all of it after a clean stop) and not what the WAL
+            # still holds (an agent killed, or running, when the disk failed), which is said.
+            if writable_dir(path.parent) or not isinstance(e, sqlite3.OperationalError):
+                raise ValueError(f"{path} is not a telemetry database ({e})") from None
+            wal = path.with_name(path.name + "-wal")
+            self.unread_wal_bytes = wal.stat().st_size if wal.exists() else 0
+            try:
+                self.db = _open_reading(path, "ro&immutable=1")
+            except sqlite3.DatabaseError as e:
+                unread = f"; its {wal.name} cannot be read there" if self.unread_wal_bytes else ""
+                raise ValueError(f"{path} is not a telemetry database (on a read-only file system: {e}{unread})"
+                                 ) from None
 
     def request_rows(self, since_ts: float) -> list[dict]:
         """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s,

@@ -232,7 +232,7 @@ class Telemetry:
         """Log a failure once an hour while it lasts (found in review: on a card gone read-only, a traceback
         for every request and every retention pass), each kind of failure on its own clock, so that one does
         not hide the first of another; a traceback only for what is not SQLite's or the OS's own report."""
-        kind = f"{what.split(' ', 1)[-1]}|{type(e).__name__}|{e}"[:200]
+        kind = f"{what.lstrip('0123456789 ')}|{type(e).__name__}|{e}"[:200]  # a count in `what` is not the kind
         now = time.monotonic()
         if now - self._failures_logged.get(kind, -float("inf")) < FAILURE_LOG_EVERY_S:
             return

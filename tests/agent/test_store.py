@@ -536,34 +536,34 @@ def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_int
 
 def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkeypatch):
     """Found in review: `edge-agent telemetry` on a card remounted read-only said "not a telemetry database
-    (unable to open database file)": SQLite cannot make the WAL index there. It reads the file as immutable."""
+    (unable to open database file)": SQLite cannot make the WAL index there. It reads the file as immutable
+    then, and says how much of the WAL it could not read; anywhere else it reads as before (a user who may
+    not write the directory still sees the WAL's rows)."""
     from agent.wire import EventRecord
 
     store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
     store.append(EventRecord(kind="tick"))
     store.close()  # a clean stop: checkpointed, no -wal or -shm left
-    (tmp_path / "junk.db").write_bytes(b"not sqlite" * 100)
-    opened = []
-    real_connect = sqlite3.connect
-    monkeypatch.setattr(store_module, "writable_dir", lambda d: Path(d) != tmp_path)
-    monkeypatch.setattr(sqlite3, "connect", lambda target, **k: (opened.append(target), real_connect(target, **k))[1])
-    reader = TelemetryReader(tmp_path / DB_NAME)
-    assert reader.counts()["records"] == 1 and opened[-1].endswith("?mode=ro&immutable=1")
-    assert reader.unread_wal_bytes == 0
-    reader.close()
-    with pytest.raises(ValueError, match="on a read-only file system"):
-        TelemetryReader(tmp_path / "junk.db")
-    # found in the review of this fix: rows still in the WAL (a crash, or an agent running) went uncounted
-    # without a word
-    monkeypatch.undo()
-    running = TelemetryStore(tmp_path / DB_NAME, "dev-1")
+    running = TelemetryStore(tmp_path / DB_NAME, "dev-1")  # an agent killed (or running) with rows in its WAL
     for _ in range(3):
         running.append(EventRecord(kind="tick"))
+    assert TelemetryReader(tmp_path / DB_NAME).counts()["records"] == 4  # writable: WAL and all
+    real_open = store_module._open_reading
+
+    def as_on_a_read_only_disk(path, mode):
+        if mode == "ro":  # what SQLite says there without the WAL index
+            raise sqlite3.OperationalError("unable to open database file")
+        return real_open(path, mode)
+
+    monkeypatch.setattr(store_module, "_open_reading", as_on_a_read_only_disk)
     monkeypatch.setattr(store_module, "writable_dir", lambda d: Path(d) != tmp_path)
     result = summary(tmp_path, 3600)
     assert result["store"]["records"] == 1 and result["unread_wal_bytes"] > 0
     assert "not counted:" in format_summary(result)
     running.close()
+    (tmp_path / "junk.db").write_bytes(b"not sqlite" * 100)
+    with pytest.raises(ValueError, match="junk.db is not a telemetry database .on a read-only file system"):
+        TelemetryReader(tmp_path / "junk.db")
 
 
 def test_a_store_whose_disk_goes_read_only_goes_on_in_memory_with_its_undelivered_rows(tmp_path, monkeypatch):
