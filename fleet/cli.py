@@ -314,7 +314,8 @@ def report(out, since, db_path):
 @user_errors
 def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, db_path, as_json):
     """Send DEVICE a command (ping, get-config, set-config KEY=VALUE..., benchmark, telemetry-flush, rollback)
-    and print its answer. Exit status 1 if a device refused it, failed or did not answer.
+    and print its answer. Exit status 1 if a device refused it or failed, else 3 if one was offline, could not be
+    sent to or did not answer in time.
 
     With --all or --group, leave out DEVICE: the command goes to many devices and the answers are tabulated.
 
@@ -337,8 +338,15 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
     outcomes = run_command(url, targets, name, args, timeout_s, auth) if targets else []
     rows = [o.row() for o in outcomes] + [Outcome(d, False, error="offline (not sent)").row() for d in skipped]
     _print_outcomes(rows, fan_out, as_json)
-    if not all(r["ok"] for r in rows):
+    # a script can tell "a device said no" (1) from "it never got there, or never answered" (3), after which
+    # the request has expired unrun unless a device got it in time (found in review: 1 for both)
+    if any(o.response is not None and not o.ok for o in outcomes):
         sys.exit(1)
+    if not all(r["ok"] for r in rows):
+        sys.exit(NOT_ANSWERED_EXIT)
+
+
+NOT_ANSWERED_EXIT = 3  # `cmd`: no device said no, but one or more never answered
 
 
 def _print_outcomes(rows: list[dict], fan_out: bool, as_json: bool) -> None:

@@ -160,6 +160,7 @@ def test_cmd_round_trips(broker, consumers, devices, fleet_db):
     assert answering.config == {"max_batch": 8, "label": "lab"}
 
     fan_out = run("cmd", "--all", "ping", "--timeout", "1", "--db", fleet_db, "--json", *mqtt, ok=False)
+    assert fan_out.exit_code == 3  # nobody said no: one did not answer, one was offline (found in review: 1)
     rows = {r["device"]: r for r in json.loads(fan_out.output)}
     assert rows["dev-a"]["ok"] and rows["dev-a"]["latency_ms"] < 1000
     assert rows["dev-mute"]["error"].startswith("no response within 1 s (a device that received it may still")
@@ -167,12 +168,13 @@ def test_cmd_round_trips(broker, consumers, devices, fleet_db):
     table = run("cmd", "--group", "dev-a*", "ping", "--db", fleet_db, *mqtt).output
     assert re.search(r"dev-a\s+yes", table) and "dev-mute" not in table
     failed = run("cmd", "dev-a", "benchmark", *mqtt, ok=False)  # the simulator does not implement it
-    assert "unknown command 'benchmark'" in failed.output
+    assert "unknown command 'benchmark'" in failed.output and failed.exit_code == 1  # the device said no
     # found in review: a mistyped id waited out the whole --timeout, and an oversized request was dropped by
     # the broker (or cut the connection) and reported as "no response"
     began = time.monotonic()
     typo = run("cmd", "dev-aa", "ping", "--timeout", "60", *mqtt, ok=False)
     assert "no device session subscribes to it" in typo.output and time.monotonic() - began < 20
+    assert typo.exit_code == 3
     assert "the limit is 262144" in run("cmd", "dev-a", "set-config", "label=" + "x" * 300_000, *mqtt, ok=False).output
 
 
