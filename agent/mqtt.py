@@ -39,8 +39,8 @@ from pydantic import ValidationError
 
 from agent.config import MqttConfig
 from agent.store import OutboxRow, StoreFull, TelemetryStore
-from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, TelemetryBatch,
-                        topic)
+from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, NO_MATCHING_SUBSCRIBERS, CommandRequest, CommandResponse,
+                        DeviceState, TelemetryBatch, topic)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
 COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
 REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
 REFUSAL_LOG_EVERY_S = 3600.0  # a refusal that goes on is logged this often
-NO_MATCHING_SUBSCRIBERS = 0x10  # PUBACK reason (MQTT v5 3.4.2.1): accepted, and delivered to no one
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
 STABLE_CONNECTION_S = 60.0  # a connection that lasted this long resets the backoff; a shorter one does not

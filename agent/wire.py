@@ -229,6 +229,8 @@ def percentile(values: list[float], q: float) -> float | None:
 #   edge/v1/{device}/jobs/update    JobStatusUpdate, device -> fleet
 TOPIC_ROOT = "edge/v1"
 MAX_PAYLOAD_BYTES = 256 * 1024  # larger messages are refused on both sides (models travel over HTTP)
+# A PUBACK reason code (MQTT v5 3.4.2.1): the broker accepted the message and delivered it to no one
+NO_MATCHING_SUBSCRIBERS = 0x10
 MAX_EXPIRY_S = 2**32 - 1  # MQTT v5's Message Expiry Interval is a four-byte integer (3.3.2.3.3)
 
 

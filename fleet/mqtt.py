@@ -24,7 +24,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.wire import MAX_EXPIRY_S
+from agent.wire import MAX_EXPIRY_S, NO_MATCHING_SUBSCRIBERS
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x
 BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
 STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
-NO_MATCHING_SUBSCRIBERS = 0x10  # a PUBACK reason code (MQTT v5 3.4.2.1): accepted, and delivered to nobody
 PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)
 
 
