@@ -741,6 +741,49 @@ def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, ke
     assert list(dev.store.queue.iterdir()) == []
 
 
+def test_a_job_queued_when_the_agent_stops_waits_for_the_restart(tmp_path, bundles, keys, server, monkeypatch):
+    """Found in review: stop() queued its marker behind the waiting jobs, so a job queued when SIGTERM came
+    began during the shutdown, was cut off by the exit, and was reported FAILED ('interrupted by an agent
+    restart'), which can halt a rollout. The running job finishes; a queued one runs after the restart."""
+    import threading
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    ran, release = [], threading.Event()
+
+    def run(self):
+        ran.append(self.doc.job_id)
+        release.wait(30)  # job a: a long health check
+        return JobState.SUCCEEDED
+
+    monkeypatch.setattr(UpdateJob, "run", run)
+    svc = UpdateService(dev.ctx)
+    svc.start()
+    svc.offer(job(v2.manifest, keys / "fleet.key", url, job_id="a", min_tokens_per_s=0).model_dump_json().encode())
+    svc.offer(job(v2.manifest, keys / "fleet.key", url, job_id="b", min_tokens_per_s=0).model_dump_json().encode())
+    deadline = time.monotonic() + 10
+    while ran != ["a"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopping = threading.Thread(target=svc.stop)
+    stopping.start()
+    time.sleep(0.2)  # SIGTERM while a runs and b waits
+    release.set()
+    stopping.join(10)
+    assert ran == ["a"]
+    assert [doc.job_id for _, doc in dev.store.queued()] == ["b"]
+
+    after = UpdateService(dev.ctx)  # the restarted agent runs it
+    after.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "b" not in ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        after.stop()
+    assert ran == ["a", "b"]
+
+
 def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_path, bundles, keys, server):
     """Found in review: the replay at each start went through report(), which the agent records as a
     model_change (or error) event: one for a months-old job at every boot. And it was stamped with the boot's
