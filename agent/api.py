@@ -117,6 +117,8 @@ class Backend:
         # sampling defaults for what a request leaves out, as the fleet last set them (set_config)
         self.sampling_defaults: Callable[[], dict] = dict
         self.switching = threading.Event()  # a model switch is under way: requests wait for it (SWITCH_WAIT_S)
+        self.reload_lock = threading.RLock()  # SIGHUP's changes against a switch's handover (serve.py); re-entrant:
+        # a second SIGHUP can run its handler inside the first's on the main thread
         self._request_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # EventBridge threads
 
     @property

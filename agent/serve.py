@@ -391,20 +391,40 @@ LIVE_ENGINE_FIELDS = ("max_queue", "max_queue_wait_s", "default_max_tokens", "sp
 
 def reload_live(backend: Backend, new: AgentConfig) -> list[str]:
     """SIGHUP: apply the settings that can change while serving; name the ones that need a restart."""
-    engine = backend.engine
-    if engine is None:
-        return []
-    changed = {f: getattr(new.engine, f) for f in LIVE_ENGINE_FIELDS if getattr(new.engine, f) != getattr(engine.config, f)}
-    if changed.get("speculative") == "draft" and engine.draft is None:  # it would quietly run prompt lookup
-        log.error("SIGHUP: speculative = 'draft' needs a draft model, which this agent has none of: not applied")
-        del changed["speculative"]
-    engine.config = engine.config.model_copy(update=changed)  # replaced, not mutated: readers see old or new
-    engine.scheduler.max_queue_wait_s = engine.config.max_queue_wait_s
-    restart = [f for f in type(new.engine).model_fields
-               if f not in LIVE_ENGINE_FIELDS and getattr(new.engine, f) != getattr(engine.config, f)]
+    with backend.reload_lock:  # a switch hands over between two SIGHUPs, never inside one
+        engine = backend.engine
+        if engine is None:
+            return []
+        changed = {f: getattr(new.engine, f) for f in LIVE_ENGINE_FIELDS
+                   if getattr(new.engine, f) != getattr(engine.config, f)}
+        if changed.get("speculative") == "draft" and engine.draft is None:  # it would quietly run prompt lookup
+            log.error("SIGHUP: speculative = 'draft' needs a draft model, which this agent has none of: not applied")
+            del changed["speculative"]
+        _apply_live(engine, changed)
+        restart = [f for f in type(new.engine).model_fields
+                   if f not in LIVE_ENGINE_FIELDS and getattr(new.engine, f) != getattr(engine.config, f)]
     log.info("SIGHUP: applied %s%s", changed or "nothing new",
              f"; needs a restart: {', '.join(restart)}" if restart else "")
     return restart
+
+
+def _apply_live(engine: Engine, changed: dict) -> None:
+    engine.config = engine.config.model_copy(update=changed)  # replaced, not mutated: readers see old or new
+    engine.scheduler.max_queue_wait_s = engine.config.max_queue_wait_s
+
+
+def _hand_over(backend: Backend, engine: Engine) -> None:
+    """Serve from engine, with the live settings the outgoing engine had by now. Found in review: a switch
+    loaded the new model with the config it read before draining the old one, so a SIGHUP during the switch
+    (applied to the outgoing engine, and logged as applied) was silently undone."""
+    with backend.reload_lock:
+        outgoing = backend.engine
+        if outgoing is not None:
+            live = {f: getattr(outgoing.config, f) for f in LIVE_ENGINE_FIELDS}
+            if live["speculative"] == "draft" and engine.draft is None:
+                del live["speculative"]
+            _apply_live(engine, live)
+        backend.swap(engine)
 
 
 def restart_keys(started: AgentConfig, new: AgentConfig) -> list[str]:
@@ -756,13 +776,13 @@ def swap_engine(backend: Backend, bundle, config: EngineConfig, notifier: Notifi
                     trim_heap()
                     if serving is not None:
                         try:
-                            backend.swap(load_engine(serving.path, config, notifier))
+                            _hand_over(backend, load_engine(serving.path, config, notifier))
                         except Exception:  # the check's reason is the news; the watchdog restarts us
                             log.exception("the model that served before the check failed to load again: "
                                           "nothing is served until the agent restarts")
                     raise
                 trim_heap()  # the check's sessions, before the next load measures its baseline
-            backend.swap(load_engine(bundle.path, config, notifier))
+            _hand_over(backend, load_engine(bundle.path, config, notifier))
     finally:
         backend.switching.clear()
 

@@ -316,6 +316,37 @@ def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memor
     assert not backend.engine.is_running
 
 
+def test_a_sighup_during_a_model_switch_reaches_the_model_served_after_it(tiny_bundle):
+    """Found in review: the switch loaded the new model with the config it read before draining the old one,
+    so a SIGHUP during the switch (applied to the outgoing engine, logged as applied) was silently undone;
+    so was one during a health check that failed and reloaded the old model."""
+    import agent.serve as serve
+    from agent.api import Backend
+    from agent.config import AgentConfig
+
+    engine = {"threads": 2, "memory_budget_mb": 16000, "min_context": 64}
+    config = EngineConfig(**engine)
+    old = serve.load_engine(tiny_bundle.path, config)
+    backend = Backend(old.bundle.manifest)
+    backend.mark_ready(old)
+    del old
+
+    def edit(**changes):
+        return lambda bundle: serve.reload_live(backend, AgentConfig.model_validate({"engine": {**engine, **changes}}))
+
+    serve.swap_engine(backend, tiny_bundle, config, None, edit(default_max_tokens=5, max_queue_wait_s=7))
+    assert (backend.engine.config.default_max_tokens, backend.engine.scheduler.max_queue_wait_s) == (5, 7)
+
+    def edit_then_fail(bundle):
+        edit(default_max_tokens=9)(bundle)
+        raise RuntimeError("golden output mismatch")
+
+    with pytest.raises(RuntimeError, match="golden"):
+        serve.swap_engine(backend, tiny_bundle, backend.engine.config, None, edit_then_fail)
+    assert backend.engine.config.default_max_tokens == 9 and backend.engine.is_running
+    backend.engine.stop()
+
+
 def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny_bundle):
     """Found in review: with the model failing on every call, the loop failed each request and went on feeding
     the watchdog, so systemd never restarted the service and /health said ready."""
