@@ -498,7 +498,7 @@ def _serve(config: AgentConfig, announce: Callable[[str], None], notifier: Notif
         manifest = Manifest.read(model_dir)  # identity for /health and /v1/models while the bundle loads
         server = ApiServer(Backend(manifest), sockets, api)
         server.uvicorn.notifier = notifier
-        telemetry, updates = _start_services(config, store, server, notifier)
+        telemetry, updates = _start_services(config, store, server, notifier, reload_config)
         _install_sighup(server.backend, reload_config, config)
         server.load_in_background(lambda: load_engine(store.bootable().path, config.engine, notifier))
         announce(f"serving {manifest.name}@{manifest.version} on unix:{api.socket}"
@@ -668,7 +668,8 @@ def boot_model(store: ModelStore, model: Path | None) -> Path:
     return store.bootable().path
 
 
-def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, notifier: Notifier | None):
+def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, notifier: Notifier | None,
+                    reload_config: Callable[[], AgentConfig] | None = None):
     """Telemetry for every finished request, and the updater when a broker is configured."""
     backend = server.backend
     updates: UpdateService | None = None
@@ -702,7 +703,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=lambda bundle, check=None: swap_engine(backend, bundle, config.engine, notifier, check),
             threads=config.engine.threads,
-            kv_dtype=lambda: (backend.engine.config if backend.engine else config.engine).kv_dtype,
+            kv_dtypes=lambda: _kv_dtypes(backend, config, reload_config),
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
             artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s,
             job_keys=load_trusted_keys(list(config.updates.job_keys)))
@@ -713,6 +714,18 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
         updates.start()
     telemetry.start()
     return telemetry, updates
+
+
+def _kv_dtypes(backend: Backend, started: AgentConfig,
+               reload_config: Callable[[], AgentConfig] | None) -> tuple[str, ...]:
+    """The KV cache types a new model would run with: the engine's, and the config file's, which the next start
+    applies."""
+    running = (backend.engine.config if backend.engine else started.engine).kv_dtype
+    try:
+        configured = reload_config().engine.kv_dtype if reload_config else running
+    except Exception:  # an edit that does not load: the next start refuses it, and says why
+        configured = running
+    return tuple(dict.fromkeys((running, configured)))
 
 
 def _report_job(telemetry: Telemetry, update) -> None:

@@ -228,7 +228,8 @@ class UpdateContext:
     artifacts_url: str | None = None  # config [updates]: downloads only from under this URL
     job_keys: dict = field(default_factory=dict)  # config [updates]: the jobs' signers; empty: jobs need no signature
     measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
-    kv_dtype: Callable[[], str] = lambda: "fp32"  # the KV cache type the engine would run the new model with
+    # the KV cache types the engine would run the new model with: now, and after a restart (the config file's)
+    kv_dtypes: Callable[[], tuple[str, ...]] = lambda: ("fp32",)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
     # publish a status again that is no news (the last job's end, at each start); default: report
     replay: Callable[[wire.JobStatusUpdate], None] | None = None
@@ -427,12 +428,16 @@ class UpdateJob:
 
     def _check_kv_graph(self, bundle: Bundle) -> None:
         """Found in review: a bundle without the int8 KV graph this device runs passed the health check (which
-        runs the fp32-KV graph), then failed to load. Checked before the serving model stops."""
-        try:
-            if self.ctx.kv_dtype() != "fp32":
-                bundle.graph(self.ctx.kv_dtype())
-        except BundleError as e:
-            raise JobFailed(JobState.FAILED, f"the device runs kv_dtype = \"{self.ctx.kv_dtype()}\": {e}") from e
+        runs the fp32-KV graph), then failed to load. Checked before the serving model stops, for the type the
+        config file asks for too: a kv_dtype edit waiting for a restart (SIGHUP cannot apply it) made a model
+        that installed fine fail at every later start."""
+        for kv_dtype in self.ctx.kv_dtypes():
+            try:
+                if kv_dtype != "fp32":
+                    bundle.graph(kv_dtype)
+            except BundleError as e:
+                raise JobFailed(JobState.FAILED, f"the device runs kv_dtype = \"{kv_dtype}\" (now, or after a "
+                                                 f"restart by its config file): {e}") from e
 
     def _health_check(self, bundle: Bundle) -> dict:
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)

@@ -320,9 +320,12 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
     assert dev.store.link("current") == fallback.resolve()
 
 
-def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tmp_path, bundles, keys, server):
+@pytest.mark.parametrize("kv_dtypes", [("int8",), ("fp32", "int8")], ids=["running", "after-a-restart"])
+def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tmp_path, bundles, keys, server,
+                                                                              kv_dtypes):
     """Found in review: the health check ran the fp32-KV graph whatever the device ran, so a bundle without
-    the int8 KV graph of a `kv_dtype = "int8"` device passed it and failed only at the engine swap."""
+    the int8 KV graph of a `kv_dtype = "int8"` device passed it and failed only at the engine swap. Then: a
+    kv_dtype edit waiting for a restart was not checked, and the model installed failed every later start."""
     v1, v2 = bundles
     assert not (v2.path / "model.int8kv.onnx").exists()
     dev = Device(tmp_path, v1, keys)
@@ -332,12 +335,29 @@ def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tm
         check(bundle)
         swapped.append(bundle)
     dev.ctx.swap = swap
-    dev.ctx.kv_dtype = lambda: "int8"
+    dev.ctx.kv_dtypes = lambda: kv_dtypes
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
     assert 'kv_dtype = "int8"' in dev.reports[-1].reason and "model.int8kv.onnx" in dev.reports[-1].reason
     assert swapped == [] and dev.store.bootable().manifest.version == v1.manifest.version
     assert dev.model_dirs() == [f"tiny@{v1.manifest.version}"] and dev.staging_empty()
+
+
+def test_the_kv_types_a_new_model_is_checked_for_include_the_config_files():
+    from agent.api import Backend
+    from agent.config import AgentConfig
+    from agent.serve import _kv_dtypes
+
+    started = AgentConfig.model_validate({"engine": {"kv_dtype": "fp32"}})
+    edited = AgentConfig.model_validate({"engine": {"kv_dtype": "int8"}})
+    backend = Backend(None)
+
+    def unreadable():
+        raise ValueError("a bad edit")
+    assert _kv_dtypes(backend, started, lambda: edited) == ("fp32", "int8")
+    assert _kv_dtypes(backend, started, lambda: started) == ("fp32",)
+    assert _kv_dtypes(backend, started, unreadable) == ("fp32",)
+    assert _kv_dtypes(backend, edited, None) == ("int8",)
 
 
 def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_path, bundles, keys, server,
