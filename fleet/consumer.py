@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
 from fleet.mqtt import Credentials, Inbound, Link, Session
-from fleet.store import TELEMETRY_TABLES, Committed, FleetStore, Ingest
+from fleet.store import EXPIRED, TELEMETRY_TABLES, Committed, FleetStore, Ingest
 
 log = logging.getLogger(__name__)
 
@@ -255,10 +255,14 @@ class Consumer:
         return batch
 
     def _handle(self, batch: list[Inbound]) -> None:
-        ingest = Ingest()
+        ingest = Ingest(kept_s=self.keep_s)
         received_at = time.time()
         for msg in batch:
             self._add(ingest, msg, received_at)
+        for (device_id, reason), n in ingest.rejected.items():
+            if reason == EXPIRED:
+                self._log_rejection(device_id, Rejected(EXPIRED, f"{n} records older than they are kept "
+                                                                 f"({describe_retention(self.keep_s)}), not stored"))
         committed = self._commit(ingest)
         if committed is None:
             return  # stopping while the database is failing: nothing acked, the broker resends it all

@@ -74,6 +74,8 @@ def _create_rejected(db: sqlite_utils.Database) -> None:
 
 WAL_SIZE_LIMIT_BYTES = 64 << 20
 TELEMETRY_TABLES = ("requests", "samples", "events")  # what retention prunes; the registry and jobs stay
+TABLE_OF_KIND = {"request": "requests", "sample": "samples", "event": "events"}  # a record's kind -> its table
+EXPIRED = "expired"  # the rejected reason of a record older than its table keeps (counted per record)
 PRUNE_BATCH_ROWS = 5000  # rows deleted per transaction (~0.1-0.7 s on a large database): the consumer runs one
 # between two of its commits, and another replica's commits wait at most that long
 
@@ -103,6 +105,7 @@ class Ingest:
     states: list[tuple[DeviceState, bool]] = field(default_factory=list)  # (state, live: sent by the device just now)
     seen: dict[str, float] = field(default_factory=dict)  # device -> latest contact, s since the epoch
     rejected: Counter = field(default_factory=Counter)  # (device_id, reason) -> messages
+    kept_s: dict[str, float] = field(default_factory=dict)  # table -> retention (the consumer's --keep)
 
     def add_records(self, device_id: str, records: list[TelemetryRecord], seen_at: float) -> None:
         # A stamp ahead of the fleet's clock is the device's clock running ahead (no RTC, NTP not yet synced):
@@ -110,8 +113,14 @@ class Ingest:
         # time axis and escaped retention. Such records, and those of a clock never set, are stamped with
         # their arrival instead.
         latest = seen_at + CLOCK_SLACK_S
-        self.records.extend((device_id, r if UNSET_CLOCK_BEFORE_TS <= r.ts <= latest
-                             else r.model_copy(update={"ts": seen_at})) for r in records)
+        for r in records:
+            r = r if UNSET_CLOCK_BEFORE_TS <= r.ts <= latest else r.model_copy(update={"ts": seen_at})
+            if r.ts < seen_at - self.kept_s.get(TABLE_OF_KIND[r.kind], float("inf")):
+                # Found in review: the backlog of a device offline for weeks was stored, then deleted by the
+                # next prune, and counted nowhere. Refused and counted per device, as Loki and Prometheus do.
+                self.reject(device_id, EXPIRED)
+                continue
+            self.records.append((device_id, r))
         self.mark_seen(device_id, seen_at)
 
     def add_state(self, state: DeviceState, seen_at: float, live: bool = False) -> None:

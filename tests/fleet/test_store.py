@@ -284,3 +284,37 @@ def test_ingest_goes_on_while_a_long_prune_runs(broker, consumers, fleet_db, dev
     wait_until(lambda: steps[-1:] == [0], 20, message="the prune finished")
     assert db["requests"].count_where("device_id = 'd1'") == 0
     db.close()
+
+
+def test_records_older_than_their_table_keeps_are_counted_not_stored(tmp_path):
+    """Found in review: the backlog of a device offline for three weeks (20% of it samples older than the
+    14 days they are kept) was stored, deleted by the next prune, and counted nowhere."""
+    day, now = 86400.0, 1_800_000_000.0
+    kept = {"requests": 90 * day, "samples": 14 * day, "events": 90 * day}
+    old = [request_record("b", 1, now - 20 * day, RNG), sample_record("b", 2, now - 20 * day, RNG),
+           sample_record("b", 3, now - day, RNG), event_record("b", 4, now - 91 * day, "start")]
+    ingest = Ingest(kept_s=kept)
+    ingest.add_records("d1", old, seen_at=now)
+    assert [r.seq for _, r in ingest.records] == [1, 3] and ingest.rejected == {("d1", "expired"): 2}
+    store = FleetStore(tmp_path / "fleet.db")
+    committed = store.commit(ingest)
+    assert (committed.inserted, committed.rejected) == (2, 2)
+    assert [(r["device_id"], r["reason"], r["count"]) for r in store.db["rejected"].rows] == [("d1", "expired", 2)]
+    assert total_rows(store) == 2
+    store.close()
+
+
+def test_the_consumer_refuses_a_backlog_older_than_it_keeps(broker, consumers, fleet_db, devices):
+    import time
+
+    from fleet.store import connect
+    from fleet_support import wait_until
+
+    consumers(keep_s={"requests": 14 * 86400.0})
+    device = devices("dev-away")
+    device.send(device.make_records(3, ts=time.time() - 20 * 86400) + device.make_records(2))
+    db = connect(fleet_db)
+    wait_until(lambda: db["rejected"].count, message="the old records counted")
+    assert db["requests"].count == 2
+    assert [(r["reason"], r["count"]) for r in db["rejected"].rows] == [("expired", 3)]
+    db.close()
