@@ -689,6 +689,8 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
         return {"queued": True, "job_id": job_id}
 
     telemetry = Telemetry.open(config, describe=lambda: describe_device(backend), rollback=rollback)
+    if store.fallback is not None:  # a damaged current at boot: the fleet hears why it runs an older model
+        telemetry.record_event("model_fallback", store.fallback)
     server.metrics.bind_telemetry(lambda: telemetry.store.dropped_total)
     backend.on_finished.append(lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures))
     backend.on_ready(telemetry.bind_engine)

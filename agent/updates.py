@@ -74,6 +74,7 @@ class ModelStore:
         self._rolled_back_from = self.root / "updates" / "rolled_back_from"
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
+        self.fallback: dict | None = None  # what bootable() did when `current` did not verify: the event's detail
 
     def link(self, name: str) -> Path | None:
         p = self.root / name
@@ -126,7 +127,7 @@ class ModelStore:
         redelivered by the broker or a replay undid the rollback it repeated. Going back to the model
         rolled back from takes a deployment of it, as with Mender's artifacts."""
         previous = self.link("previous")
-        if previous is None or not previous.exists():
+        if previous is None or not previous.exists() or previous == self.link("current"):
             raise JobFailed(JobState.FAILED, "no previous model to roll back to")
         current = self.link("current")
         if self._rolled_back_from.exists() and self._rolled_back_from.read_text().strip() == previous.name:
@@ -150,7 +151,9 @@ class ModelStore:
                 (self.root / name).unlink(missing_ok=True)
 
     def bootable(self) -> Bundle:
-        """The model to serve: `current` if it verifies, else `previous` (and current is repointed)."""
+        """The model to serve: `current` if it verifies, else `previous` (which becomes current, and the only
+        one: found in review, both links then named it, so a rollback 'succeeded' to the model serving, and
+        the fallback was said nowhere)."""
         errors = []
         for name in ("current", "previous"):
             target = self.link(name)
@@ -162,7 +165,11 @@ class ModelStore:
                 errors.append(f"{name}: {e}")
                 continue
             if name == "previous":
+                reason = "; ".join(errors) or "current is missing"
+                log.error("serving the previous model, %s: the current one does not verify (%s)", target.name, reason)
                 self._set_link("current", target)
+                (self.root / "previous").unlink(missing_ok=True)
+                self.fallback = {"to": target.name, "reason": reason}
             return bundle
         raise BundleError("no verified model to serve" + (f" ({'; '.join(errors)})" if errors else ""))
 
@@ -355,6 +362,9 @@ class UpdateJob:
         done = 0
         try:
             self.staging.mkdir(parents=True, exist_ok=True)
+            # before the first byte: the first progress report came after a MiB or a whole file, so a restart
+            # during it was reported as "before it started" (found in review)
+            self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING, percent=0.0)
             for rel, entry in sorted(m.files.items()):
                 self._fetch(rel, entry, lambda n: self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING,
                                                               percent=round(100 * (done + n) / total, 1)))

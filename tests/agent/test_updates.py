@@ -360,6 +360,20 @@ def test_the_kv_types_a_new_model_is_checked_for_include_the_config_files():
     assert _kv_dtypes(backend, edited, None) == ("int8",)
 
 
+def test_the_download_step_is_journaled_before_its_first_byte(tmp_path, bundles, keys, server):
+    """Found in review: the first downloading report came after a MiB or a whole file, so a restart during the
+    first MiB was reported as 'interrupted ... before it started'."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    journaled = []
+    write = dev.store.write_journal
+    dev.store.write_journal = lambda entry: (journaled.append(entry.get("step")), write(entry))
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    downloading = [r for r in dev.reports if r.step is wire.JobStep.DOWNLOADING]
+    assert downloading[0].percent == 0.0 and journaled[:2] == [None, "downloading"]
+
+
 def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_path, bundles, keys, server,
                                                                           monkeypatch):
     """Found in review: a failure between the two link renames (a full disk) left `current` on the new bundle
@@ -638,6 +652,11 @@ def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path
     served = boot_model(dev.store, dev.store.root / "current")
     assert open_bundle(served).manifest.version == v1.manifest.version
     assert dev.store.link("current") == served.resolve()
+    # said, and the only model left (found in review: both links named it, and nothing told the fleet)
+    assert dev.store.link("previous") is None and dev.store.fallback["to"] == served.resolve().name
+    assert "current: " in dev.store.fallback["reason"]
+    with pytest.raises(Exception, match="no previous model"):
+        dev.store.rollback()
 
 
 def test_the_devices_health_check_tokens_is_a_floor_the_job_cannot_lower(tmp_path, bundles, keys, server):
