@@ -52,6 +52,11 @@ def add_report_times(db: sqlite_utils.Database) -> None:
     db.execute("update job_devices set notified_at = updated_at where notified = 1")
 
 
+def add_notified_connection(db: sqlite_utils.Database) -> None:
+    """notified_connection: the device's connection counter when its notice went (a later one: it came back)."""
+    db["job_devices"].add_column("notified_connection", int)
+
+
 def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate) -> bool:
     """Whether a device's status report replaces the state recorded for it.
 
@@ -271,8 +276,9 @@ class RolloutDriver:
             log.warning("rollouts: %d device reports not recorded at stop: %s", len(self._reports), e)
 
     def _pass(self, db: sqlite_utils.Database) -> None:
-        """Time out silent devices, then advance every job in progress."""
+        """Time out silent devices, notify again those that came back, then advance every job in progress."""
         self._time_out_devices(db)
+        self._renotify_returned(db)
         for job in list(db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value])):
             try:
                 self._advance(db, job)
@@ -315,6 +321,32 @@ class RolloutDriver:
                        f"(job_id, device_id) in (values {', '.join(['(?, ?)'] * len(batch))})",
                        [JobState.TIMED_OUT.value, wall, *final, *(x for key in batch for x in key)])
 
+    def _renotify_returned(self, db: sqlite_utils.Database) -> None:
+        """Send the notice again to a device that connected anew since it went and has not answered it. Found in
+        review: a device away longer than its broker session lasts (7 days) lost the notice with the session,
+        and after its return the fleet waited out the whole device timeout. A device that did get it drops
+        the copy (or reports again how the job ended)."""
+        rows = list(db.query(
+            "select jd.job_id, jd.device_id, jd.notified_at, d.connection, coalesce(j.device_timeout_s, 1800.0) "
+            "as timeout_s from job_devices jd join jobs j on j.id = jd.job_id join devices d on d.id = jd.device_id "
+            "where j.state = ? and jd.notified = 1 and jd.state = ? and jd.reported_ts is null and d.status = 'online' "
+            "and d.connection > coalesce(jd.notified_connection, -1)",
+            [JobState.IN_PROGRESS.value, JobState.QUEUED.value]))
+        for r in rows:
+            since = self._notified.get((r["job_id"], r["device_id"]))
+            elapsed = time.monotonic() - since if since is not None else time.time() - (r["notified_at"] or 0.0)
+            ttl_s = r["timeout_s"] - elapsed  # the device timeout still runs from the first notice
+            if ttl_s < 1:
+                continue
+            job = db["jobs"].get(r["job_id"])
+            sent = self.publish_mqtt(topic(r["device_id"], "jobs", "notify"),
+                                     self._for(self._document(db, job), r["device_id"], ttl_s).wire_bytes(), ttl_s)
+            if sent is True:
+                log.info("job %s: notified %s again (it connected anew since the notice)", r["job_id"], r["device_id"])
+            if sent:  # sent, or refused (logged when it first was): either way not again for this connection
+                db.execute("update job_devices set notified_connection = ? where job_id = ? and device_id = ?",
+                           [r["connection"], r["job_id"], r["device_id"]])
+
     def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
                              "order by wave, rowid", [job["id"]]))
@@ -329,8 +361,9 @@ class RolloutDriver:
             sent = self.publish_mqtt(topic(device_id, "jobs", "notify"), self._for(doc, device_id, ttl_s).wire_bytes(),
                                      ttl_s)
             if sent is True:
-                db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ? "
-                           "where job_id = ? and device_id = ?", [now := time.time(), now, job["id"], device_id])
+                db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ?, notified_connection = "
+                           "(select connection from devices where id = ?) where job_id = ? and device_id = ?",
+                           [now := time.time(), now, device_id, job["id"], device_id])
                 self._notified[(job["id"], device_id)] = time.monotonic()
             elif sent:  # refused (an ACL): found in review, it was counted as notified and timed out later
                 log.error("job %s: the notice to %s was not delivered: %s", job["id"], device_id, sent)

@@ -417,3 +417,40 @@ def test_a_running_driver_times_a_silent_device_out_once_its_timeout_has_passed(
     time.sleep(0.45)
     restarted._pass(db)
     assert recorded(store, later, "dev-d") == "TIMED_OUT"
+
+
+def test_a_device_that_connects_anew_without_answering_its_notice_is_notified_again(tmp_path):
+    """Found in review: a device away longer than its broker session (7 days) lost the job notice with the
+    session, and after its return the fleet waited out the whole device timeout. A new connection of a
+    device that has not answered gets the notice again, once, with what is left of its timeout."""
+    import sqlite_utils
+
+    from agent.wire import DeviceState
+    from fleet.store import Ingest
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+
+    def connected(connection: int, status: str = "online") -> None:
+        ingest = Ingest()
+        ingest.add_state(DeviceState(device_id="dev-a", status=status, connection=connection, boot_id="b",
+                                     ts=time.time(), model="m", version="v0", precision="int4"), time.time(), live=True)
+        store.commit(ingest)
+
+    connected(3, "offline")
+    job_id = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback", device_timeout_s=600)
+    sent = []
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: sent.append(e) or True, "http://unused")
+    run = lambda: driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))  # noqa: E731
+    run()
+    run()
+    assert len(sent) == 1 and sent[0] == 600  # notified while away; its session holds it
+    connected(4)  # back, on a fresh session
+    run()
+    run()
+    assert len(sent) == 2 and 590 < sent[1] <= 600  # once, with what is left of the timeout
+    report_only(driver, job_id, JobState.SUCCEEDED, time.time())
+    driver.apply_reports()
+    connected(5)
+    run()
+    assert len(sent) == 2  # it answered: nothing more to send
