@@ -20,6 +20,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -342,19 +343,25 @@ class Artifacts:
     job_key: Ed25519PrivateKey | None = None  # signs every job document (devices with [updates] job_keys need it)
 
 
+def jobs_link(url: str, client_id: str, credentials: Credentials,
+              on_status: Callable[[str, bytes, Callable[[], object]], None]) -> Link:
+    """The rollout driver's MQTT link: device job reports in, notices out. Persistent, and each report is
+    acked once recorded, so the reports devices send while the fleet is down wait for it in the broker."""
+    link = Link(url, Session(client_id=f"{client_id}-jobs"), [("edge/v1/+/jobs/update", 1)],
+                lambda m: on_status(m.topic, m.payload, lambda: link.ack(m)), credentials)
+    return link
+
+
 def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts: Artifacts):
     """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver."""
     from fleet.artifacts import ArtifactServer
-    from fleet.mqtt import Link, Session
     from fleet.updates import RolloutDriver
 
     credentials = artifacts.credentials or credentials
     server = ArtifactServer(artifacts.directory, artifacts.host, artifacts.port,
                             public_url=artifacts.public_url).start()
     holder: dict = {}
-    link = Link(url, Session(client_id=f"{client_id}-jobs", persistent=False, manual_ack=False),
-                [("edge/v1/+/jobs/update", 1)], lambda m: holder["driver"].on_status(m.topic, m.payload),
-                credentials)
+    link = jobs_link(url, client_id, credentials, lambda *a: holder["driver"].on_status(*a))
     holder["driver"] = driver = RolloutDriver(
         db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e), server.base_url,
         job_key=artifacts.job_key)

@@ -196,7 +196,11 @@ class RolloutDriver:
         # for 10 s (a backup, a replica) lost the report (already acknowledged), and waiting for _lock
         # there stalled the PUBACKs a pass was waiting for. Bounded: one device flooding its topic at QoS 0
         # must not grow it without limit (a device's last report is retained and replayed at reconnect).
-        self._reports: collections.deque[JobStatusUpdate] = collections.deque(maxlen=STATUS_INBOX_MAX)
+        # Each with its PUBACK, sent once the report is recorded (found in review: the jobs link's session was
+        # not persistent and acked on receipt, so reports sent while the fleet was down were lost but for each
+        # device's last, retained one; a job finished before another one then timed out, and its rollout failed).
+        self._reports: collections.deque[tuple[JobStatusUpdate, Callable[[], object]]] = collections.deque(
+            maxlen=STATUS_INBOX_MAX)
         self._notified: dict[tuple[str, str], float] = {}  # (job, device) -> time.monotonic() of the notice
         self._wake = threading.Event()
 
@@ -209,20 +213,22 @@ class RolloutDriver:
         self._wake.set()
         self._thread.join(5)
 
-    def on_status(self, mqtt_topic: str, payload: bytes) -> None:
+    def on_status(self, mqtt_topic: str, payload: bytes, ack: Callable[[], object] = lambda: None) -> None:
         """A device's jobs/update message (on the MQTT thread): queued for the driver if it is valid and
-        really from that device."""
+        really from that device; ack() once it is recorded or dropped (unacked, the broker sends it again)."""
         try:
             u = JobStatusUpdate.model_validate_json(payload)
         except ValueError as e:
             log.warning("bad job status on %s: %s", mqtt_topic, str(e).splitlines()[0])
+            ack()
             return
         if u.device_id != device_of(mqtt_topic):
             log.warning("job status for %s arrived on %s: dropped", u.device_id, mqtt_topic)
+            ack()
             return
         if len(self._reports) == self._reports.maxlen:
             log.warning("job status inbox full (%d): the oldest report is dropped", STATUS_INBOX_MAX)
-        self._reports.append(u)
+        self._reports.append((u, ack))
         self._wake.set()
 
     def apply_reports(self) -> int:
@@ -230,14 +236,15 @@ class RolloutDriver:
         error leaves the rest queued for the next try)."""
         with self._lock, _open(self.db_path) as db:
             while self._reports:
-                u = self._reports.popleft()
+                u, ack = self._reports.popleft()
                 try:
                     self._record(db, u)
                 except sqlite3.OperationalError:
-                    self._reports.appendleft(u)  # locked or full: first in line again next time
+                    self._reports.appendleft((u, ack))  # locked or full: first in line again next time
                     raise
                 except Exception:  # one report that cannot be recorded must not hold up the others
                     log.exception("job status of %s for %s could not be recorded: dropped", u.device_id, u.job_id)
+                ack()
         return len(self._reports)
 
     @staticmethod

@@ -454,3 +454,42 @@ def test_a_device_that_connects_anew_without_answering_its_notice_is_notified_ag
     connected(5)
     run()
     assert len(sent) == 2  # it answered: nothing more to send
+
+
+def test_reports_sent_while_the_fleet_is_down_are_all_recorded_when_it_returns(tmp_path, broker, devices):
+    """Found in review: the driver's MQTT session was not persistent, so of the reports a device sent while
+    the fleet was down only its last (retained) one arrived: a job that finished before another one timed
+    out, and its rollout failed although the device ran it."""
+    import sqlite_utils
+
+    from agent.wire import JobStatusUpdate, topic
+    from fleet.consumer import jobs_link
+    from fleet.mqtt import Credentials
+    from fleet.updates import RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    jobs = [create_job(store.db, "m@v", ["dev-a"], 1, 0.0) for _ in range(2)]
+    store.db.execute("update job_devices set notified = 1, notified_at = ?", [time.time()])
+    store.db.conn.commit()
+
+    def fleet() -> tuple:
+        driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
+        link = jobs_link(broker.url, "fleet-test", Credentials(), driver.on_status)
+        link.start()
+        assert link.wait_ready(10)
+        return link, driver.start()
+
+    for part in fleet():  # its session exists from here on
+        part.stop()
+    device = devices("dev-a")
+    for job_id in jobs:  # both end while the fleet is down; retained, as the agent publishes them
+        done = JobStatusUpdate(job_id=job_id, device_id="dev-a", state=JobState.SUCCEEDED, ts=time.time())
+        device._publish_other(topic("dev-a", "jobs", "update"), done.model_dump_json(), retain=True).wait_for_publish(5)
+    link, driver = fleet()
+    try:
+        db = sqlite_utils.Database(tmp_path / "fleet.db")
+        wait_until(lambda: [r["state"] for r in db.query("select state from job_devices order by job_id")]
+                   == ["SUCCEEDED", "SUCCEEDED"], 10, message="both reports recorded")
+    finally:
+        link.stop()
+        driver.stop()
