@@ -355,7 +355,7 @@ def jobs_link(url: str, client_id: str, credentials: Credentials,
 def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts: Artifacts):
     """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver."""
     from fleet.artifacts import ArtifactServer
-    from fleet.updates import RolloutDriver
+    from fleet.updates import NO_JOB_SUBSCRIBER, RolloutDriver
 
     credentials = artifacts.credentials or credentials
     server = ArtifactServer(artifacts.directory, artifacts.host, artifacts.port,
@@ -363,7 +363,8 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
     holder: dict = {}
     link = jobs_link(url, client_id, credentials, lambda *a: holder["driver"].on_status(*a))
     holder["driver"] = driver = RolloutDriver(
-        db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e), server.base_url,
+        db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e, unmatched=NO_JOB_SUBSCRIBER),
+        server.base_url,
         job_key=artifacts.job_key)
     link.start()
     driver.start()

@@ -37,6 +37,8 @@ from fleet.signing import load_private_key, sign_job, sign_manifest
 
 log = logging.getLogger(__name__)
 
+# what publish_mqtt answers when the broker's PUBACK says no session subscribes to the notice's topic (0x10)
+NO_JOB_SUBSCRIBER = "no device session subscribes to its job notices"
 STATUS_INBOX_MAX = 100_000  # device reports waiting for the driver's thread
 BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another connection's lock (a backup, a replica)
 
@@ -348,6 +350,8 @@ class RolloutDriver:
             job = db["jobs"].get(r["job_id"])
             sent = self.publish_mqtt(topic(r["device_id"], "jobs", "notify"),
                                      self._for(self._document(db, job), r["device_id"], ttl_s).wire_bytes(), ttl_s)
+            if sent == NO_JOB_SUBSCRIBER:
+                sent = True  # it dropped its session again; the next connection gets another try
             if sent is True:
                 log.info("job %s: notified %s again (it connected anew since the notice)", r["job_id"], r["device_id"])
             if sent:  # sent, or refused (logged when it first was): either way not again for this connection
@@ -367,6 +371,11 @@ class RolloutDriver:
             ttl_s = job.get("device_timeout_s") or 1800.0
             sent = self.publish_mqtt(topic(device_id, "jobs", "notify"), self._for(doc, device_id, ttl_s).wire_bytes(),
                                      ttl_s)
+            if sent == NO_JOB_SUBSCRIBER:  # an offline device's session expired (notified again when it is back),
+                # or an online one does not take jobs: found in review, that one cost a whole device timeout
+                online = db.execute("select 1 from devices where id = ? and status = 'online'", [device_id]).fetchone()
+                sent = (f"the device is online but not subscribed to its job notices (does the broker's ACL let it "
+                        f"read {topic(device_id, 'jobs', 'notify')}?)" if online else True)
             if sent is True:
                 db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ?, notified_connection = "
                            "(select connection from devices where id = ?) where job_id = ? and device_id = ?",

@@ -493,3 +493,29 @@ def test_reports_sent_while_the_fleet_is_down_are_all_recorded_when_it_returns(t
     finally:
         link.stop()
         driver.stop()
+
+
+@pytest.mark.parametrize("status", ["online", "offline"])
+def test_a_notice_no_session_takes_fails_an_online_device_at_once(tmp_path, status):
+    """Found in review: the broker's PUBACK said no session subscribed to the notice, and the device was
+    counted as notified and timed out after the whole device timeout. Online, it fails at once; offline, its
+    session may have expired, and it is notified again when it connects anew."""
+    import sqlite_utils
+
+    from agent.wire import DeviceState
+    from fleet.store import Ingest
+    from fleet.updates import NO_JOB_SUBSCRIBER, RolloutDriver, create_job
+
+    store = published_store(tmp_path)
+    ingest = Ingest()
+    ingest.add_state(DeviceState(device_id="dev-a", status=status, connection=1, boot_id="b", ts=time.time(),
+                                 model="m", version="v0", precision="int4"), time.time(), live=True)
+    store.commit(ingest)
+    job_id = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback")
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: NO_JOB_SUBSCRIBER, "http://unused")
+    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    row = store.db["job_devices"].get((job_id, "dev-a"))
+    if status == "online":
+        assert row["state"] == "FAILED" and "not subscribed to its job notices" in row["reason"]
+    else:
+        assert (row["state"], row["notified"]) == ("QUEUED", 1)
