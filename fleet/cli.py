@@ -507,6 +507,28 @@ def job(job_id, db_path, as_json):
 
 
 @cli.command()
+@click.argument("job_id")
+@db_option
+@user_errors
+def cancel(job_id, db_path):
+    """Stop a rollout: devices not yet sent the job never will be. Devices already sent it may still
+    install it; the job's device timeout still applies to them.
+
+    Example: edge-fleet cancel job-20261202-101500-ab12cd
+    """
+    from fleet.updates import cancel_job
+
+    try:
+        pending = cancel_job(_db(db_path).db, job_id)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"job {job_id}: CANCELED")
+    if pending:
+        click.echo(f"{len(pending)} device(s) already sent it may still install it: {', '.join(pending[:10])}"
+                   f"{' ...' if len(pending) > 10 else ''}")
+
+
+@cli.command()
 @click.argument("device")
 @db_option
 @user_errors

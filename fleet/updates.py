@@ -155,6 +155,27 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
     return job_id
 
 
+def cancel_job(db: sqlite_utils.Database, job_id: str) -> list[str]:
+    """Stop a rollout: the job is CANCELED and no device it has not notified yet will be; returns the devices
+    it did notify that have not ended, which may still install it (a notice cannot be taken back). Found in
+    review: a job could stay IN_PROGRESS for good (no driver running, a device never notified), and only an
+    edit of the database ended it."""
+    row = next(db.query("select state from jobs where id = ?", [job_id]), None)
+    if row is None:
+        raise ValueError(f"unknown job {job_id!r} (edge-fleet jobs lists them)")
+    if row["state"] != JobState.IN_PROGRESS.value:
+        raise ValueError(f"job {job_id} has already ended: {row['state']}")
+    final = sorted(s.value for s in TERMINAL_JOB_STATES)
+    with db.conn:  # one transaction: the driver's next pass sees the job ended with its devices
+        db.execute("update jobs set state = ?, reason = 'canceled by the operator', updated_at = ? where id = ?",
+                   [JobState.CANCELED.value, time.time(), job_id])
+        db.execute("update job_devices set state = ?, updated_at = ? where job_id = ? and notified = 0",
+                   [JobState.CANCELED.value, time.time(), job_id])
+    return [r["device_id"] for r in db.query(
+        f"select device_id from job_devices where job_id = ? and notified = 1 and state not in "
+        f"({', '.join('?' * len(final))}) order by device_id", [job_id, *final])]
+
+
 def job_rows(db: sqlite_utils.Database, job_id: str) -> list[dict]:
     return list(db.query("select device_id, wave, state, step, percent, reason, figures from job_devices "
                          "where job_id = ? order by wave, device_id", [job_id]))

@@ -322,3 +322,27 @@ def test_cmd_to_an_unreachable_broker_says_why_at_once():
 
     r = CliRunner().invoke(cli, ["cmd", "dev-a", "ping", "--timeout", "2", "--mqtt", f"mqtt://127.0.0.1:{free_port()}"])
     assert r.exit_code == 1 and "cannot reach the MQTT broker" in r.output and "Connection refused" in r.output, r.output
+
+
+def test_cancel_stops_a_rollout_and_names_the_devices_it_already_reached(filled_db):
+    """Found in review: a job could stay IN_PROGRESS for good (no driver running, a wave never notified) and
+    only an edit of the database ended it."""
+    store = FleetStore(filled_db)
+    store.db["models"].insert({"name": "smollm2", "version": "int8-b2", "manifest": "{}", "signature": "",
+                               "key_id": "", "published_at": 0.0})
+    store.close()
+    out = run("deploy", "smollm2@int8-b2", "--to", "dev-3", "--to", "dev-4", "--wave-size", "1", "--db", filled_db).output
+    job_id = out.split()[1].rstrip(":")
+    store = FleetStore(filled_db)
+    store.db.execute("update job_devices set notified = 1 where device_id = 'dev-3'")  # the first wave went out
+    store.db.conn.commit()
+    out = run("cancel", job_id, "--db", filled_db).output
+    assert f"job {job_id}: CANCELED" in out and "1 device(s) already sent it may still install it: dev-3" in out
+    states = {r["device_id"]: r["state"] for r in store.db.query("select * from job_devices")}
+    assert states == {"dev-3": "QUEUED", "dev-4": "CANCELED"}
+    assert store.db["jobs"].get(job_id)["state"] == "CANCELED"
+    result = run_main("cancel", job_id, "--db", filled_db)
+    assert result.returncode != 0 and "has already ended: CANCELED" in result.stderr
+    result = run_main("cancel", "job-nope", "--db", filled_db)
+    assert result.returncode != 0 and "unknown job 'job-nope'" in result.stderr
+    store.close()
