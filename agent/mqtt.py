@@ -118,7 +118,7 @@ class MqttLink:
     def __init__(self, config: MqttConfig, device_id: str, store: TelemetryStore,
                  describe: Callable[[], dict] = dict, handler: CommandHandler | None = None,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.time,
-                 on_job: Callable[[bytes], None] | None = None):
+                 on_job: Callable[[bytes, int | None], None] | None = None):
         self.config, self.device_id, self.store = config, device_id, store
         self.describe, self.clock = describe, clock
         self.rng = rng or random.Random()
@@ -294,8 +294,8 @@ class MqttLink:
                 log.warning("mqtt: a job document of %d bytes (over %d) was dropped", len(msg.payload),
                             MAX_PAYLOAD_BYTES)
             elif self.on_job is not None:
-                try:
-                    self.on_job(msg.payload)
+                try:  # with what is left of its expiry (MQTT v5 §3.3.2.3.3): a job that outlives it must not run
+                    self.on_job(msg.payload, getattr(msg.properties, "MessageExpiryInterval", None))
                 except Exception:  # the updater validates and reports; nothing it raises may stop the link
                     log.exception("mqtt: the job document on %s was not accepted", msg.topic)
             return

@@ -47,16 +47,20 @@ from agent.wire import JobDocument, JobState, JobStep
 log = logging.getLogger(__name__)
 
 RUNTIME_OVERHEAD_BYTES = 96 * MB  # ONNX Runtime + Python beside the weights (measured ~80 MB for SmolLM2)
-DOWNLOAD_ATTEMPTS = 5  # attempts in a row that add less than CHUNK_BYTES before a download fails
+# A download that adds less than CHUNK_BYTES for this long fails (found in review: 5 attempts, ~11 s of
+# outage, failed a job that Mender's client would have carried through). What it got is kept for the next try.
+DOWNLOAD_STALL_S = 300.0
+DOWNLOAD_BACKOFF_MAX_S = 30.0
 CHUNK_BYTES = 1 << 20
 MIN_DOWNLOAD_BYTES_PER_S = 16 << 10  # an attempt slower than this on average is cut off and resumed
 MIN_ATTEMPT_S = 60.0
 
 
 class JobFailed(Exception):
-    def __init__(self, state: JobState, reason: str):
+    def __init__(self, state: JobState, reason: str, keep_download: bool = False):
         super().__init__(reason)
         self.state, self.reason = state, reason
+        self.keep_download = keep_download  # the network failed: a later job for this manifest resumes it
 
 
 # ---- the model store: symlinks and directories ------------------------------------------------------------
@@ -106,6 +110,15 @@ class ModelStore:
                 or bundle_dir in (self.link("current"), self.link("previous"))):
             return
         shutil.rmtree(bundle_dir, ignore_errors=True)
+
+    def clear_staging(self, keep: Path | None = None) -> None:
+        """Delete what .staging holds but keep, a partial download of one manifest (found in review: every
+        failure and restart deleted it, and the next job for the same model fetched it all again, as Ollama's
+        and Mender's downloads do not). At most one is kept, so the disk holds at most one bundle's worth."""
+        self.staging_root.mkdir(parents=True, exist_ok=True)
+        for p in self.staging_root.iterdir():
+            if keep is None or p.resolve() != keep.resolve():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
     def remove_orphans(self) -> list[str]:
         """At start, delete what models/ holds that neither link names: a power cut between a rollback's two
@@ -294,7 +307,8 @@ class UpdateJob:
             self.status(JobState.SUCCEEDED, figures=figures)
             return JobState.SUCCEEDED
         except JobFailed as e:
-            self._clean_staging()
+            if not (e.keep_download and self._has_download()):
+                self._clean_staging()
             log.warning("job %s %s: %s", self.doc.job_id, e.state.value, e.reason)
             self.status(e.state, reason=e.reason)
             return e.state
@@ -302,8 +316,13 @@ class UpdateJob:
     # -- before any download: REJECTED --
     def _check_job(self) -> None:
         """With [updates] job_keys, the job itself must be signed, for this device, unexpired and newer than
-        the last one run; then the fields outside the manifest's signature are the fleet's too."""
+        the last one run; then the fields outside the manifest's signature are the fleet's too. Unsigned, it must
+        not have outlived its notice (found in review: one that expired while it waited behind another job
+        ran after the fleet had counted it TIMED_OUT and halted its rollout)."""
         if not self.ctx.job_keys:
+            if self.doc.expires_at is not None and time.time() > self.doc.expires_at:
+                raise JobFailed(JobState.REJECTED, f"the job's notice expired {time.time() - self.doc.expires_at:.0f} s "
+                                                   f"before it could run: the fleet has timed it out")
             return
         store = self.ctx.store
         try:
@@ -361,6 +380,7 @@ class UpdateJob:
         total = sum(f.size_bytes for f in m.files.values()) or 1
         done = 0
         try:
+            self.ctx.store.clear_staging(keep=self.staging)  # another manifest's partial download: not resumed
             self.staging.mkdir(parents=True, exist_ok=True)
             # before the first byte: the first progress report came after a MiB or a whole file, so a restart
             # during it was reported as "before it started" (found in review)
@@ -381,7 +401,8 @@ class UpdateJob:
         # a '#', '?' or '%' in a name would change what the URL points at.
         url = f"{self.doc.base_url.rstrip('/')}/{urllib.parse.quote(rel)}"
         stalled = 0  # attempts in a row that got (nearly) nowhere: one that progresses resets the count
-        while stalled < DOWNLOAD_ATTEMPTS:
+        progressed = time.monotonic()
+        while time.monotonic() - progressed < DOWNLOAD_STALL_S:
             have = path.stat().st_size if path.exists() else 0
             if path.exists() and have == entry.size_bytes:  # exists: a 0-byte file must still be created
                 return
@@ -391,7 +412,11 @@ class UpdateJob:
             try:
                 self._get(url, path, have, entry.size_bytes, progress)
             except urllib.error.HTTPError as e:
-                if e.code != 416 and 400 <= e.code < 500:  # not there or not ours: retrying will not help
+                if e.code == 416:  # the server's file ends before what we have: not the signed one
+                    raise JobFailed(JobState.FAILED, f"download of {rel}: the server's file is shorter than the "
+                                                     f"{have} bytes already fetched (the manifest lists "
+                                                     f"{entry.size_bytes})") from e
+                if 400 <= e.code < 500:  # not there or not ours: retrying will not help
                     raise JobFailed(JobState.FAILED, f"download of {rel} refused: HTTP {e.code} {e.reason}") from e
                 log.info("download of %s: HTTP %s, retrying", rel, e.code)
             except (OSError, urllib.error.URLError, http.client.HTTPException) as e:
@@ -403,9 +428,12 @@ class UpdateJob:
                 log.info("download of %s interrupted (%s), resuming", rel, e)
             now = path.stat().st_size if path.exists() else -1
             stalled = 0 if now >= 0 and now - have >= min(CHUNK_BYTES, entry.size_bytes - have) else stalled + 1
-            if stalled:
-                time.sleep(min(0.2 * 2 ** stalled, 5))
-        raise JobFailed(JobState.FAILED, f"download of {rel} incomplete: no progress in {DOWNLOAD_ATTEMPTS} attempts")
+            if not stalled:
+                progressed = time.monotonic()
+            else:
+                time.sleep(min(0.2 * 2 ** min(stalled, 16), DOWNLOAD_BACKOFF_MAX_S))
+        raise JobFailed(JobState.FAILED, f"download of {rel} incomplete: no progress for {DOWNLOAD_STALL_S:.0f} s",
+                        keep_download=True)
 
     @staticmethod
     def _get(url: str, path: Path, have: int, size: int, progress: Callable[[int], None]) -> None:
@@ -416,6 +444,7 @@ class UpdateJob:
         with urllib.request.urlopen(req, timeout=30) as resp:
             mode = "ab" if have and resp.status == 206 else "wb"  # a 200 means the server ignored Range
             written = reported = have if mode == "ab" else 0
+            declared_end = written + resp.length if resp.length is not None else None  # Content-Length
             with open(path, mode) as f:
                 while chunk := resp.read1(CHUNK_BYTES):  # what has arrived: read() waits for a whole chunk
                     if written + len(chunk) > size:  # a wrong or endless body must not fill the disk
@@ -427,6 +456,11 @@ class UpdateJob:
                         progress(reported := written)
                     if time.monotonic() > deadline:  # what arrived is kept: the next attempt resumes after it
                         raise TimeoutError(f"slower than {MIN_DOWNLOAD_BYTES_PER_S >> 10} kB/s")
+            if written < size and declared_end is not None and written < declared_end:  # read1 does not raise
+                raise ConnectionError(f"the connection closed after {written} of {declared_end} bytes")  # a cut
+            if written < size:  # the body ended where the server said it would: its file is shorter than the
+                # signed one, and asking again gets the same (it was retried, then for minutes)
+                raise JobFailed(JobState.FAILED, f"{url} ended after {written} bytes; the signed manifest lists {size}")
 
     # -- verify, load, check --
     def _verify(self) -> Bundle:
@@ -559,6 +593,9 @@ class UpdateJob:
         self.status(JobState.SUCCEEDED, figures={"rolled_back_to": target.name})
         return JobState.SUCCEEDED
 
+    def _has_download(self) -> bool:
+        return bool(self.staging) and any(p.is_file() and p.stat().st_size for p in self.staging.rglob("*"))
+
     def _clean_staging(self) -> None:
         if self.staging and self.staging.parent == self.ctx.store.staging_root:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -572,8 +609,8 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     of and the fleet timed it out. The fleet ignores a repeated final status.
     """
     entry = ctx.store.read_journal()
-    shutil.rmtree(ctx.store.staging_root, ignore_errors=True)
-    ctx.store.staging_root.mkdir(parents=True, exist_ok=True)
+    target = Path(entry["target"]) if entry and isinstance(entry.get("target"), str) else None
+    ctx.store.clear_staging(keep=target)  # what the last job downloaded: a job for the same manifest resumes it
     if orphans := ctx.store.remove_orphans():
         log.warning("removed model directories no link names (left by an interrupted update): %s", orphans)
     if not entry or not entry.get("job_id") or entry.get("state") not in {s.value for s in JobState}:
@@ -583,7 +620,6 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
         if update is not None:
             (ctx.replay or ctx.report)(update)  # not news: not a model_change event at every boot
         return update
-    target = Path(entry["target"]) if entry.get("target") else None
     current = ctx.store.link("current")
     if entry.get("step") == JobStep.ACTIVATING.value and target and current == target.resolve():
         state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
@@ -594,7 +630,8 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id, state=state, reason=reason,
                                   ts=time.time())
     try:
-        ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None, "target": None})
+        ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None,  # the download
+                                 "target": str(target) if target else None})  # it names stays for the next start
     except OSError as e:  # a full disk: the agent must still start and serve; it settles again next start
         log.error("cannot write the update journal: %s", e)
     ctx.report(update)
@@ -651,7 +688,7 @@ class UpdateService:
             pass
         self._thread.join(timeout=5)
 
-    def offer(self, payload: bytes) -> None:
+    def offer(self, payload: bytes, expiry_s: int | None = None) -> None:
         """A raw job document: validated here; a malformed one is logged and dropped (or REJECTED if it
         names a job id), a repeated one (QoS 1 redelivery) has its final state re-reported.
 
@@ -661,6 +698,8 @@ class UpdateService:
         Except a job the fleet did sign for this device that this device's clock refuses: REJECTED with the
         reason, once, or the fleet saw only a device timeout (a device clock ahead by more than the job's
         timeout refused every job silently; found in review).
+        expiry_s: what was left of the notice's MQTT expiry as it arrived; an unsigned job keeps it as expires_at
+        (a signed one has its own), and one that outlives it while it waits is refused when its turn comes.
         """
         try:
             doc = JobDocument.model_validate_json(payload)
@@ -672,6 +711,8 @@ class UpdateService:
                                                      state=JobState.REJECTED, reason="malformed job document",
                                                      ts=time.time()))
             return
+        if expiry_s is not None and doc.expires_at is None and not doc.job_signature:
+            doc = doc.model_copy(update={"expires_at": time.time() + expiry_s})
         if self.ctx.job_keys:
             try:  # checked again when it runs: it may expire, or be overtaken, while it waits
                 verify_job(doc, self.ctx.job_keys, self.ctx.device_id, time.time(), self.ctx.store.last_run())

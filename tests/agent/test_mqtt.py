@@ -596,14 +596,19 @@ def test_an_oversized_job_document_is_dropped_with_a_log_line(broker, tmp_path, 
 
     got = []
     store = TelemetryStore(tmp_path / "dev-j.db", "dev-j")
-    link = MqttLink(fast_config(broker.url), "dev-j", store, on_job=got.append)
+    link = MqttLink(fast_config(broker.url), "dev-j", store,
+                    on_job=lambda payload, expiry_s: got.append((payload, expiry_s)))
     link.start()
     fleet = Fleet(broker, subscribe=["edge/v1/dev-j/state"], client_id="fleet-jobs-test")
     try:
         assert wait_until(lambda: link.is_connected) and fleet.wait(lambda f: f.last_state("dev-j") is not None)
         fleet.publish(topic("dev-j", "jobs", "notify"), b"x" * (MAX_PAYLOAD_BYTES + 1))
         fleet.publish(topic("dev-j", "jobs", "notify"), b"{}")
-        assert wait_until(lambda: got == [b"{}"])
+        expiring = Properties(PacketTypes.PUBLISH)
+        expiring.MessageExpiryInterval = 600
+        fleet.publish(topic("dev-j", "jobs", "notify"), b"[]", properties=expiring)  # the updater gets what is left
+        assert wait_until(lambda: len(got) == 2) and got[0] == (b"{}", None)
+        assert got[1][0] == b"[]" and 595 <= got[1][1] <= 600
         assert f"a job document of {MAX_PAYLOAD_BYTES + 1} bytes" in caplog.text
     finally:
         fleet.close()
