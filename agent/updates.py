@@ -222,10 +222,13 @@ class ModelStore:
         durable.write_text(self._last_issued, json.dumps({"issued_at": issued_at, "job_id": job_id}))
 
     def read_journal(self) -> dict | None:
+        """The journal's entry; None if there is none or it is damaged (found in review: a journal holding
+        JSON that is not an object, or a target that is not a string, stopped recover() and so every start)."""
         try:
-            return json.loads(self.journal.read_text())
+            entry = json.loads(self.journal.read_text())
         except (OSError, ValueError):
             return None
+        return entry if isinstance(entry, dict) else None
 
 
 # ---- what the updater needs from the running agent -------------------------------------------------------

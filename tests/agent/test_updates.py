@@ -813,6 +813,15 @@ def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_p
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.staging_empty()
 
 
+@pytest.mark.parametrize("damaged", ["[1, 2]", '"text"', "7", '{"job_id": "j", "state": "QUEUED", "target": 5}'])
+def test_a_damaged_journal_does_not_stop_the_agent_from_starting(damaged, tmp_path, bundles, keys):
+    v1, _ = bundles
+    dev = Device(tmp_path, v1, keys)
+    dev.store.journal.write_text(damaged)
+    recover(dev.ctx)  # no exception: the agent starts
+    assert dev.store.bootable().manifest.version == v1.manifest.version
+
+
 def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, keys):
     """Found in review: a power cut between a rollback's two link swaps (both links then name one bundle), or
     during a deletion, left a bundle in models/ for good, ~90 MB of an SD card each time."""
