@@ -180,8 +180,10 @@ class ModelStore:
             if name == "previous":
                 reason = "; ".join(errors) or "current is missing"
                 log.error("serving the previous model, %s: the current one does not verify (%s)", target.name, reason)
+                damaged = self.link("current")
                 self._set_link("current", target)
                 (self.root / "previous").unlink(missing_ok=True)
+                self.remove_unlinked(damaged)  # with or without an updater (whose recover() would as well)
                 self.fallback = {"to": target.name, "reason": reason}
             return bundle
         raise BundleError("no verified model to serve" + (f" ({'; '.join(errors)})" if errors else ""))
@@ -228,7 +230,11 @@ class ModelStore:
             entry = json.loads(self.journal.read_text())
         except (OSError, ValueError):
             return None
-        return entry if isinstance(entry, dict) else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("job_id"), str)
+                and isinstance(entry.get("state"), str) and entry["state"] in {s.value for s in JobState}
+                and all(isinstance(entry.get(k), (str, type(None))) for k in ("step", "target", "reason"))):
+            return None
+        return entry
 
 
 # ---- what the updater needs from the running agent -------------------------------------------------------
@@ -274,9 +280,16 @@ def default_measure(bundle: Bundle, threads: int | None, n_tokens: int) -> tuple
 
 
 # ---- one job ---------------------------------------------------------------------------------------------
+class JobPaused(Exception):
+    """The agent is stopping during the job's download: it ends unreported and runs again after the restart."""
+
+
 class UpdateJob:
-    def __init__(self, ctx: UpdateContext, doc: JobDocument):
+    def __init__(self, ctx: UpdateContext, doc: JobDocument, deadline: float | None = None,
+                 stopping: threading.Event | None = None):
         self.ctx, self.doc = ctx, doc
+        self.deadline = deadline  # time.monotonic() after which its notice had expired, if it had an expiry
+        self.stopping = stopping  # set when the agent stops; None: the job cannot be taken up again after a restart
         self.staging: Path | None = None
 
     def status(self, state: JobState, step: JobStep | None = None, **kw) -> None:
@@ -309,6 +322,9 @@ class UpdateJob:
             figures = self._activate(self._verify())
             self.status(JobState.SUCCEEDED, figures=figures)
             return JobState.SUCCEEDED
+        except JobPaused:
+            self._pause()
+            return JobState.QUEUED
         except JobFailed as e:
             if not (e.keep_download and self._has_download()):
                 self._clean_staging()
@@ -322,10 +338,10 @@ class UpdateJob:
         the last one run; then the fields outside the manifest's signature are the fleet's too. Unsigned, it must
         not have outlived its notice (found in review: one that expired while it waited behind another job
         ran after the fleet had counted it TIMED_OUT and halted its rollout)."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise JobFailed(JobState.REJECTED, f"its notice expired {time.monotonic() - self.deadline:.0f} s before it "
+                                               f"could run (it waited behind another job): the fleet has timed it out")
         if not self.ctx.job_keys:
-            if self.doc.expires_at is not None and time.time() > self.doc.expires_at:
-                raise JobFailed(JobState.REJECTED, f"the job's notice expired {time.time() - self.doc.expires_at:.0f} s "
-                                                   f"before it could run: the fleet has timed it out")
             return
         store = self.ctx.store
         try:
@@ -406,6 +422,7 @@ class UpdateJob:
         stalled = 0  # attempts in a row that got (nearly) nowhere: one that progresses resets the count
         progressed = time.monotonic()
         while time.monotonic() - progressed < DOWNLOAD_STALL_S:
+            self._stopped()
             have = path.stat().st_size if path.exists() else 0
             if path.exists() and have == entry.size_bytes:  # exists: a 0-byte file must still be created
                 return
@@ -413,10 +430,10 @@ class UpdateJob:
                 path.unlink()
                 have = 0
             try:
-                self._get(url, path, have, entry.size_bytes, progress)
+                self._get(url, path, have, entry.size_bytes, progress, self._stopped)
             except urllib.error.HTTPError as e:
                 if e.code == 416:  # the server's file ends before what we have: not the signed one
-                    raise JobFailed(JobState.FAILED, f"download of {rel}: the server's file is shorter than the "
+                    raise JobFailed(JobState.FAILED, f"download of {rel}: the server's file ends at or before the "
                                                      f"{have} bytes already fetched (the manifest lists "
                                                      f"{entry.size_bytes})") from e
                 if 400 <= e.code < 500:  # not there or not ours: retrying will not help
@@ -434,12 +451,17 @@ class UpdateJob:
             if not stalled:
                 progressed = time.monotonic()
             else:
-                time.sleep(min(0.2 * 2 ** min(stalled, 16), DOWNLOAD_BACKOFF_MAX_S))
+                delay = min(0.2 * 2 ** min(stalled, 16), DOWNLOAD_BACKOFF_MAX_S)
+                if self.stopping is None:
+                    time.sleep(delay)
+                elif self.stopping.wait(delay):  # a stop cuts the wait short
+                    raise JobPaused()
         raise JobFailed(JobState.FAILED, f"download of {rel} incomplete: no progress for {DOWNLOAD_STALL_S:.0f} s",
                         keep_download=True)
 
     @staticmethod
-    def _get(url: str, path: Path, have: int, size: int, progress: Callable[[int], None]) -> None:
+    def _get(url: str, path: Path, have: int, size: int, progress: Callable[[int], None],
+             stopped: Callable[[], None] = lambda: None) -> None:
         # the socket timeout bounds one read; the deadline bounds the attempt (a server trickling a byte every
         # few seconds held the update thread, and every job queued behind it, for days)
         deadline = time.monotonic() + max(MIN_ATTEMPT_S, (size - have) / MIN_DOWNLOAD_BYTES_PER_S)
@@ -455,6 +477,7 @@ class UpdateJob:
                                                          f"manifest lists")
                     f.write(chunk)
                     written += len(chunk)
+                    stopped()  # raises JobPaused: what arrived is kept
                     if written - reported >= CHUNK_BYTES or written == size:  # a status a MiB, not a read
                         progress(reported := written)
                     if time.monotonic() > deadline:  # what arrived is kept: the next attempt resumes after it
@@ -587,14 +610,34 @@ class UpdateJob:
                                                      "already": True})
             return JobState.SUCCEEDED
         try:
-            self.ctx.swap(open_bundle(target))  # verified in full: it may be the model whose activation failed
+            bundle = open_bundle(target)  # verified in full: it may be the model whose activation failed
+            self._check_kv_graph(bundle)  # found in review: a rollback skipped it, and the next start failed
+            self.ctx.swap(bundle)
         except Exception as e:  # the links must name what the engine serves, or the next start boots `target`
             store.restore(serving, kept)
+            if isinstance(e, JobFailed):
+                raise JobFailed(JobState.FAILED, f"rollback to {target.name} refused: {e.reason}") from e
             first_line = (str(e).splitlines() or [""])[0][:300]
             raise JobFailed(JobState.FAILED, f"rollback to {target.name} failed, still serving "
                                              f"{serving.name if serving else 'the current model'}: {first_line}") from e
         self.status(JobState.SUCCEEDED, figures={"rolled_back_to": target.name})
         return JobState.SUCCEEDED
+
+    def _pause(self) -> None:
+        """Found in review: a stop during a download (which may retry for minutes) was cut off by the exit and
+        reported FAILED at the restart. The journal says it is paused: recover() keeps its download and does
+        not settle it, and the document still queued on disk runs again, resuming the download."""
+        log.info("job %s paused by the agent stopping: it resumes after the restart", self.doc.job_id)
+        try:
+            self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.QUEUED.value,
+                                          "step": JobStep.DOWNLOADING.value, "target": str(self.staging),
+                                          "paused": True})
+        except OSError as e:  # the restart then reports it FAILED, as before
+            log.error("job %s: cannot write the update journal: %s", self.doc.job_id, e)
+
+    def _stopped(self) -> None:
+        if self.stopping is not None and self.stopping.is_set():
+            raise JobPaused()
 
     def _has_download(self) -> bool:
         return bool(self.staging) and any(p.is_file() and p.stat().st_size for p in self.staging.rglob("*"))
@@ -616,7 +659,7 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     ctx.store.clear_staging(keep=target)  # what the last job downloaded: a job for the same manifest resumes it
     if orphans := ctx.store.remove_orphans():
         log.warning("removed model directories no link names (left by an interrupted update): %s", orphans)
-    if not entry or not entry.get("job_id") or entry.get("state") not in {s.value for s in JobState}:
+    if not entry or entry.get("paused"):  # nothing, or a job the last stop paused: its document runs again
         return None
     if JobState(entry["state"]) in wire.TERMINAL_JOB_STATES:
         update = _last_end(entry, ctx.device_id)
@@ -664,6 +707,7 @@ class UpdateService:
         self._pending: dict[str, Path | None] = {}  # queued or running -> its saved document (None: not saved)
         self._lock = threading.Lock()  # offer() runs on the MQTT thread, _run() on the updater's
         self._stopping = threading.Event()
+        self._deadlines: dict[str, float] = {}  # job id -> time.monotonic() when its notice expires
 
     def start(self) -> None:
         recover(self.ctx)
@@ -681,9 +725,10 @@ class UpdateService:
         self._thread.start()
 
     def stop(self) -> None:
-        """The job running finishes; none queued begins (found in review: the marker went behind them, so a
-        job queued when SIGTERM came began during the shutdown, was cut off by the exit and was reported
-        FAILED). Their saved documents stay on disk, and start() runs them after the restart."""
+        """None queued begins (found in review: the marker went behind them, so a job queued when SIGTERM came
+        began during the shutdown, was cut off by the exit and was reported FAILED), and a job downloading
+        pauses; their saved documents stay on disk, and start() runs them after the restart, the download
+        resumed. A job past its download goes on until it ends or the process exits (waited for 5 s)."""
         self._stopping.set()
         try:
             self._queue.put_nowait(None)  # wakes a thread waiting for a job; with jobs queued it sees _stopping
@@ -701,8 +746,9 @@ class UpdateService:
         Except a job the fleet did sign for this device that this device's clock refuses: REJECTED with the
         reason, once, or the fleet saw only a device timeout (a device clock ahead by more than the job's
         timeout refused every job silently; found in review).
-        expiry_s: what was left of the notice's MQTT expiry as it arrived; an unsigned job keeps it as expires_at
-        (a signed one has its own), and one that outlives it while it waits is refused when its turn comes.
+        expiry_s: what was left of the notice's MQTT expiry as it arrived; an unsigned job keeps it
+        (on the monotonic clock, in memory: a restart forgets it), and one that outlives it while it waits is
+        refused when its turn comes. A signed job is held to its own expires_at instead.
         """
         try:
             doc = JobDocument.model_validate_json(payload)
@@ -714,8 +760,6 @@ class UpdateService:
                                                      state=JobState.REJECTED, reason="malformed job document",
                                                      ts=time.time()))
             return
-        if expiry_s is not None and doc.expires_at is None and not doc.job_signature:
-            doc = doc.model_copy(update={"expires_at": time.time() + expiry_s})
         if self.ctx.job_keys:
             try:  # checked again when it runs: it may expire, or be overtaken, while it waits
                 verify_job(doc, self.ctx.job_keys, self.ctx.device_id, time.time(), self.ctx.store.last_run())
@@ -729,6 +773,8 @@ class UpdateService:
             running = doc.job_id in self._pending  # QoS 1 may deliver it again while it runs
             final = self.done.get(doc.job_id)
             queued = not running and final is None and self._enqueue(doc)
+            if queued and expiry_s is not None:
+                self._deadlines[doc.job_id] = time.monotonic() + expiry_s
             if not running and final is None and not queued:
                 self.done[doc.job_id] = JobState.REJECTED  # a replay of it later must not run it
         if running:
@@ -768,7 +814,10 @@ class UpdateService:
     def _run(self) -> None:
         while (doc := self._queue.get()) is not None and not self._stopping.is_set():
             try:
-                final = UpdateJob(self.ctx, doc).run()
+                final = UpdateJob(self.ctx, doc, self._deadlines.pop(doc.job_id, None),
+                                  self._stopping if self._pending.get(doc.job_id) else None).run()
+                if final is JobState.QUEUED:  # paused by stop(): its document stays queued for the restart
+                    break
             except Exception as e:  # a bug must not end updates for good; the old model keeps serving
                 final = JobState.FAILED
                 if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:  # the card, not a bug (found in review:

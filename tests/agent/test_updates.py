@@ -267,6 +267,39 @@ def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_
     assert dev.serving.manifest.version == v2.manifest.version and dev.staging_empty()
 
 
+def test_a_stop_during_a_download_pauses_the_job_and_the_restart_resumes_it(tmp_path, bundles, keys, monkeypatch):
+    """Found in review: a stop during a download (which may retry for minutes) was cut off by the exit, and
+    the restart reported the job FAILED ('interrupted by an agent restart'), a failure for its rollout."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    OutageHandler.down, OutageHandler.ranges = True, []
+    server = ArtifactServer(tmp_path / "artifacts", handler=OutageHandler).start()
+    try:
+        url = server.publish_dir(v2.path, "tiny-v2")
+        svc = UpdateService(dev.ctx)
+        svc.start()
+        svc.offer(job(v2.manifest, keys / "fleet.key", url, job_id="j", min_tokens_per_s=0).wire_bytes())
+        deadline = time.monotonic() + 20
+        while len(OutageHandler.ranges) < 3 and time.monotonic() < deadline:  # cut, then 503s
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        svc.stop()
+        assert time.monotonic() - t0 < 3 and not svc._thread.is_alive()
+        assert not [r for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES]
+        assert dev.store.read_journal()["paused"]
+        OutageHandler.down, OutageHandler.ranges = False, []
+        restarted = UpdateService(dev.ctx)
+        restarted.start()
+        try:
+            final = dev.wait_report(lambda r: r.state in wire.TERMINAL_JOB_STATES, 30)
+        finally:
+            restarted.stop()
+    finally:
+        server.stop()
+    assert final.state is JobState.SUCCEEDED and OutageHandler.ranges[0].startswith("bytes=")  # resumed
+    assert [r.state for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES] == [JobState.SUCCEEDED]
+
+
 def test_another_models_download_replaces_a_kept_one(tmp_path, bundles, keys, server):
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -325,7 +358,7 @@ def test_sigkill_at_each_step_recovers_on_a_verified_model(step, tmp_path, bundl
     assert bundle.manifest.version == v1.manifest.version
     assert dev.model_dirs() == [f"tiny@{v1.manifest.version}"]
     # what it had downloaded stays for the next job for that manifest to resume, and nothing else
-    assert len(list(dev.store.staging_root.iterdir())) <= (step != "activating")
+    assert len(list(dev.store.staging_root.iterdir())) == (step in ("downloading", "verifying"))
 
 
 def test_sigkill_just_after_the_bundle_moved_into_models_leaves_no_orphan(tmp_path, bundles, keys, server):
@@ -588,10 +621,10 @@ def test_a_body_cut_off_mid_chunk_is_resumed(tmp_path, bundles, keys, server, mo
     dev = Device(tmp_path, v1, keys)
     get, failures = UpdateJob._get, [http.client.IncompleteRead(b"x" * 10), http.client.BadStatusLine("garbage")]
 
-    def flaky(url, path, have, size, progress):
+    def flaky(url, path, have, size, progress, stopped):
         if failures:
             raise failures.pop()
-        return get(url, path, have, size, progress)
+        return get(url, path, have, size, progress, stopped)
 
     monkeypatch.setattr(UpdateJob, "_get", staticmethod(flaky))
     url = server.publish_dir(v2.path, "tiny-v2")
@@ -724,8 +757,10 @@ def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path
     dev = Device(tmp_path, v1, keys)
     up = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "v2"), min_tokens_per_s=0)
     assert UpdateJob(dev.ctx, up).run() is JobState.SUCCEEDED
-    (dev.store.link("current") / wire.GRAPH).write_bytes(b"damaged")
+    damaged = dev.store.link("current")
+    (damaged / wire.GRAPH).write_bytes(b"damaged")
     served = boot_model(dev.store, dev.store.root / "current")
+    assert not damaged.exists()  # deleted, also on an agent without an updater
     assert open_bundle(served).manifest.version == v1.manifest.version
     assert dev.store.link("current") == served.resolve()
     # said, and the only model left (found in review: both links named it, and nothing told the fleet)
@@ -813,13 +848,17 @@ def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_p
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.staging_empty()
 
 
-@pytest.mark.parametrize("damaged", ["[1, 2]", '"text"', "7", '{"job_id": "j", "state": "QUEUED", "target": 5}'])
+@pytest.mark.parametrize("damaged", ["[1, 2]", '"text"', "7", '{"job_id": "j", "state": "QUEUED", "target": 5}',
+                                     '{"job_id": "j", "state": []}', '{"job_id": 5, "state": "QUEUED"}',
+                                     '{"job_id": ["x"], "state": "SUCCEEDED"}'])
 def test_a_damaged_journal_does_not_stop_the_agent_from_starting(damaged, tmp_path, bundles, keys):
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
     dev.store.journal.write_text(damaged)
-    recover(dev.ctx)  # no exception: the agent starts
-    assert dev.store.bootable().manifest.version == v1.manifest.version
+    svc = UpdateService(dev.ctx)
+    svc.start()  # recover() and the queue: no exception, so the agent starts
+    svc.stop()
+    assert dev.store.bootable().manifest.version == v1.manifest.version and dev.reports == []
 
 
 def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, keys):
@@ -924,6 +963,32 @@ def test_an_unsigned_job_that_outlived_its_notice_while_queued_is_refused(tmp_pa
         svc.stop()
     assert final.state is JobState.REJECTED and "expired" in final.reason
     assert dev.serving.manifest.version == v1.manifest.version
+
+
+def test_a_fleet_signed_job_on_a_device_without_job_keys_is_not_held_to_its_expires_at(tmp_path, bundles, keys,
+                                                                                       server):
+    """Found in review: the expiry check for unsigned jobs read the document's expires_at, which a fleet with
+    --job-key sets by its own clock: a device without job keys whose clock ran ahead refused every job."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
+    doc = doc.model_copy(update={"expires_at": time.time() - 3600})
+    assert UpdateJob(dev.ctx, doc).run() is JobState.SUCCEEDED
+
+
+def test_a_rollback_to_a_model_without_the_kv_graph_the_device_will_run_is_refused(tmp_path, bundles, keys, server):
+    """Found in review: installs were checked for the int8 KV graph the config file asks for, rollbacks not:
+    one moved to such a model, and the next start failed."""
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    links = dev.store.link("current"), dev.store.link("previous")
+    dev.ctx.kv_dtypes = lambda: ("fp32", "int8")  # kv_dtype = "int8" edited in, waiting for a restart
+    assert UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run() is JobState.FAILED
+    assert "refused" in dev.reports[-1].reason and "model.int8kv.onnx" in dev.reports[-1].reason
+    assert (dev.store.link("current"), dev.store.link("previous")) == links
+    assert dev.serving.manifest.version == v2.manifest.version
 
 
 def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_path, bundles, keys, server):
