@@ -55,8 +55,12 @@ def add_report_times(db: sqlite_utils.Database) -> None:
 
 
 def add_notified_connection(db: sqlite_utils.Database) -> None:
-    """notified_connection: the device's connection counter when its notice went (a later one: it came back)."""
+    """notified_connection: the device's connection counter when its notice went (a later one: it came back).
+    Notices sent before this column count from the device's connection now, or every device that had not
+    answered yet would be sent its notice again at the upgrade."""
     db["job_devices"].add_column("notified_connection", int)
+    db.execute("update job_devices set notified_connection = (select connection from devices where id = "
+               "job_devices.device_id) where notified = 1")
 
 
 def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate) -> bool:
@@ -160,15 +164,15 @@ def cancel_job(db: sqlite_utils.Database, job_id: str) -> list[str]:
     it did notify that have not ended, which may still install it (a notice cannot be taken back). Found in
     review: a job could stay IN_PROGRESS for good (no driver running, a device never notified), and only an
     edit of the database ended it."""
-    row = next(db.query("select state from jobs where id = ?", [job_id]), None)
-    if row is None:
-        raise ValueError(f"unknown job {job_id!r} (edge-fleet jobs lists them)")
-    if row["state"] != JobState.IN_PROGRESS.value:
-        raise ValueError(f"job {job_id} has already ended: {row['state']}")
     final = sorted(s.value for s in TERMINAL_JOB_STATES)
     with db.conn:  # one transaction: the driver's next pass sees the job ended with its devices
-        db.execute("update jobs set state = ?, reason = 'canceled by the operator', updated_at = ? where id = ?",
-                   [JobState.CANCELED.value, time.time(), job_id])
+        ended = db.execute("update jobs set state = ?, reason = 'canceled by the operator', updated_at = ? "
+                           "where id = ? and state = ?",
+                           [JobState.CANCELED.value, time.time(), job_id, JobState.IN_PROGRESS.value]).rowcount
+        if not ended:  # unknown, or it ended first (checked in the statement: the driver may be ending it)
+            row = next(db.query("select state from jobs where id = ?", [job_id]), None)
+            raise ValueError(f"unknown job {job_id!r} (edge-fleet jobs lists them)" if row is None
+                             else f"job {job_id} has already ended: {row['state']}")
         db.execute("update job_devices set state = ?, updated_at = ? where job_id = ? and notified = 0",
                    [JobState.CANCELED.value, time.time(), job_id])
     return [r["device_id"] for r in db.query(
@@ -387,6 +391,8 @@ class RolloutDriver:
         d = decide(devices, notified, job["max_failure_rate"])
         doc = self._document(db, job) if d.notify else None
         for device_id in d.notify:
+            if db.execute("select state from jobs where id = ?", [job["id"]]).fetchone()[0] != JobState.IN_PROGRESS.value:
+                return  # canceled meanwhile (edge-fleet cancel): no notice more
             # expires with the device's timeout: a device offline past it would otherwise install, on its
             # return, a rollout the fleet had already counted as TIMED_OUT and perhaps halted
             ttl_s = job.get("device_timeout_s") or 1800.0
@@ -397,10 +403,13 @@ class RolloutDriver:
                 online = db.execute("select 1 from devices where id = ? and status = 'online'", [device_id]).fetchone()
                 sent = (f"the device is online but not subscribed to its job notices (does the broker's ACL let it "
                         f"read {topic(device_id, 'jobs', 'notify')}?)" if online else True)
-            if sent is True:
+            if sent is True:  # a cancel that got in between the check above and here: it did go out, so its
+                # reports must count and its timeout run (found in review: left CANCELED, it installed unseen)
                 db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ?, notified_connection = "
-                           "(select connection from devices where id = ?) where job_id = ? and device_id = ?",
-                           [now := time.time(), now, device_id, job["id"], device_id])
+                           "(select connection from devices where id = ?), state = case state when ? then ? else state "
+                           "end where job_id = ? and device_id = ?",
+                           [now := time.time(), now, device_id, JobState.CANCELED.value, JobState.QUEUED.value,
+                            job["id"], device_id])
                 self._notified[(job["id"], device_id)] = time.monotonic()
             elif sent:  # refused (an ACL): found in review, it was counted as notified and timed out later
                 log.error("job %s: the notice to %s was not delivered: %s", job["id"], device_id, sent)

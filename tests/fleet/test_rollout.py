@@ -519,3 +519,57 @@ def test_a_notice_no_session_takes_fails_an_online_device_at_once(tmp_path, stat
         assert row["state"] == "FAILED" and "not subscribed to its job notices" in row["reason"]
     else:
         assert (row["state"], row["notified"]) == ("QUEUED", 1)
+
+
+def test_a_cancel_during_a_notice_keeps_tracking_the_device_it_reached_and_sends_no_more(tmp_path):
+    """Found in review: a cancel committed while the driver waited for a notice's PUBACK left that device
+    CANCELED though it had the job, so its reports were ignored while it installed it; and the driver went on
+    notifying the rest of the wave."""
+    import sqlite_utils
+
+    from fleet.updates import RolloutDriver, cancel_job, create_job
+
+    store = published_store(tmp_path)
+    job_id = create_job(store.db, None, ["dev-a", "dev-b"], 2, 0.0, operation="rollback")
+    sent = []
+
+    def publish(t, p, e):
+        sent.append(t)
+        cancel_job(sqlite_utils.Database(tmp_path / "fleet.db"), job_id)  # the operator, meanwhile
+        return True
+    driver = RolloutDriver(tmp_path / "fleet.db", publish, "http://unused")
+    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    rows = {r["device_id"]: (r["state"], r["notified"]) for r in store.db.query("select * from job_devices")}
+    assert len(sent) == 1 and rows == {"dev-a": ("QUEUED", 1), "dev-b": ("CANCELED", 0)}
+    assert store.db["jobs"].get(job_id)["state"] == "CANCELED"
+    report_only(driver, job_id, JobState.SUCCEEDED, time.time())
+    driver.apply_reports()
+    assert store.db["job_devices"].get((job_id, "dev-a"))["state"] == "SUCCEEDED"
+
+
+def test_the_upgrade_to_renotifying_does_not_send_every_pending_notice_again(tmp_path, monkeypatch):
+    """Notices sent before migration 0008 count from the device's connection at the upgrade (found in review:
+    each device that had not answered was sent its notice again at the first pass)."""
+    import sqlite_utils
+
+    import fleet.store as store_module
+    from agent.wire import DeviceState
+    from fleet.store import FleetStore, Ingest
+    from fleet.updates import RolloutDriver, create_job
+
+    monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:-1])  # the fleet before it
+    store = published_store(tmp_path)
+    ingest = Ingest()
+    ingest.add_state(DeviceState(device_id="dev-a", status="online", connection=4, boot_id="b", ts=time.time(),
+                                 model="m", version="v0", precision="int4"), time.time(), live=True)
+    store.commit(ingest)
+    create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback")
+    store.db.execute("update job_devices set notified = 1, notified_at = ?", [time.time()])
+    store.db.conn.commit()
+    store.close()
+    monkeypatch.undo()
+    FleetStore(tmp_path / "fleet.db").close()  # the upgrade
+    sent = []
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: sent.append(t) or True, "http://unused")
+    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    assert sent == []
