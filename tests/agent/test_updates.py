@@ -239,8 +239,19 @@ class OutageHandler(RangeHandler):
         super().copyfile(source, outputfile)
 
 
+@pytest.fixture
+def outage(tmp_path, bundles):
+    """v2 published by a server in an outage (OutageHandler: half a file, then 503s): its URL."""
+    OutageHandler.down, OutageHandler.ranges = True, []
+    server = ArtifactServer(tmp_path / "artifacts", handler=OutageHandler).start()
+    try:
+        yield server.publish_dir(bundles[1].path, "tiny-v2")
+    finally:
+        server.stop()
+
+
 def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_a_restart(tmp_path, bundles, keys,
-                                                                                           monkeypatch):
+                                                                                           outage, monkeypatch):
     """Found in review: a job that failed on the network, or was cut off by a restart, deleted what it had
     downloaded, and the next job for the same model fetched it all again (Ollama and Mender resume)."""
     import agent.updates as updates
@@ -248,54 +259,42 @@ def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_
     monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
-    OutageHandler.down, OutageHandler.ranges = True, []
-    server = ArtifactServer(tmp_path / "artifacts", handler=OutageHandler).start()
-    try:
-        url = server.publish_dir(v2.path, "tiny-v2")
-        first = job(v2.manifest, keys / "fleet.key", url, job_id="first", min_tokens_per_s=0)
-        assert UpdateJob(dev.ctx, first).run() is JobState.FAILED and "no progress" in dev.reports[-1].reason
-        assert not dev.staging_empty()
-        recover(dev.ctx)  # a restart keeps it too
-        recover(dev.ctx)
-        assert not dev.staging_empty()
-        OutageHandler.down, OutageHandler.ranges = False, []
-        again = job(v2.manifest, keys / "fleet.key", url, job_id="again", min_tokens_per_s=0)
-        assert UpdateJob(dev.ctx, again).run() is JobState.SUCCEEDED
-    finally:
-        server.stop()
+    first = job(v2.manifest, keys / "fleet.key", outage, job_id="first", min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, first).run() is JobState.FAILED and "no progress" in dev.reports[-1].reason
+    assert not dev.staging_empty()
+    recover(dev.ctx)  # a restart keeps it too
+    recover(dev.ctx)
+    assert not dev.staging_empty()
+    OutageHandler.down, OutageHandler.ranges = False, []
+    again = job(v2.manifest, keys / "fleet.key", outage, job_id="again", min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, again).run() is JobState.SUCCEEDED
     assert OutageHandler.ranges[0] is not None and OutageHandler.ranges[0].startswith("bytes=")  # resumed
     assert dev.serving.manifest.version == v2.manifest.version and dev.staging_empty()
 
 
-def test_a_stop_during_a_download_pauses_the_job_and_the_restart_resumes_it(tmp_path, bundles, keys, monkeypatch):
+def test_a_stop_during_a_download_pauses_the_job_and_the_restart_resumes_it(tmp_path, bundles, keys, outage):
     """Found in review: a stop during a download (which may retry for minutes) was cut off by the exit, and
     the restart reported the job FAILED ('interrupted by an agent restart'), a failure for its rollout."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
-    OutageHandler.down, OutageHandler.ranges = True, []
-    server = ArtifactServer(tmp_path / "artifacts", handler=OutageHandler).start()
+    svc = UpdateService(dev.ctx)
+    svc.start()
+    svc.offer(job(v2.manifest, keys / "fleet.key", outage, job_id="j", min_tokens_per_s=0).wire_bytes())
+    deadline = time.monotonic() + 20
+    while len(OutageHandler.ranges) < 3 and time.monotonic() < deadline:  # cut, then 503s
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    svc.stop()
+    assert time.monotonic() - t0 < 3 and not svc._thread.is_alive()
+    assert not [r for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES]
+    assert dev.store.read_journal()["paused"]
+    OutageHandler.down, OutageHandler.ranges = False, []
+    restarted = UpdateService(dev.ctx)
+    restarted.start()
     try:
-        url = server.publish_dir(v2.path, "tiny-v2")
-        svc = UpdateService(dev.ctx)
-        svc.start()
-        svc.offer(job(v2.manifest, keys / "fleet.key", url, job_id="j", min_tokens_per_s=0).wire_bytes())
-        deadline = time.monotonic() + 20
-        while len(OutageHandler.ranges) < 3 and time.monotonic() < deadline:  # cut, then 503s
-            time.sleep(0.05)
-        t0 = time.monotonic()
-        svc.stop()
-        assert time.monotonic() - t0 < 3 and not svc._thread.is_alive()
-        assert not [r for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES]
-        assert dev.store.read_journal()["paused"]
-        OutageHandler.down, OutageHandler.ranges = False, []
-        restarted = UpdateService(dev.ctx)
-        restarted.start()
-        try:
-            final = dev.wait_report(lambda r: r.state in wire.TERMINAL_JOB_STATES, 30)
-        finally:
-            restarted.stop()
+        final = dev.wait_report(lambda r: r.state in wire.TERMINAL_JOB_STATES, 30)
     finally:
-        server.stop()
+        restarted.stop()
     assert final.state is JobState.SUCCEEDED and OutageHandler.ranges[0].startswith("bytes=")  # resumed
     assert [r.state for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES] == [JobState.SUCCEEDED]
 
