@@ -117,8 +117,12 @@ class ModelStore:
         and Mender's downloads do not). At most one is kept, so the disk holds at most one bundle's worth."""
         self.staging_root.mkdir(parents=True, exist_ok=True)
         for p in self.staging_root.iterdir():
-            if keep is None or p.resolve() != keep.resolve():
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+            if keep is not None and p.resolve() == keep.resolve():
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
     def remove_orphans(self) -> list[str]:
         """At start, delete what models/ holds that neither link names: a power cut between a rollback's two
@@ -335,9 +339,9 @@ class UpdateJob:
     # -- before any download: REJECTED --
     def _check_job(self) -> None:
         """With [updates] job_keys, the job itself must be signed, for this device, unexpired and newer than
-        the last one run; then the fields outside the manifest's signature are the fleet's too. Unsigned, it must
-        not have outlived its notice (found in review: one that expired while it waited behind another job
-        ran after the fleet had counted it TIMED_OUT and halted its rollout)."""
+        the last one run; then the fields outside the manifest's signature are the fleet's too. Signed or not, it
+        must not have outlived its notice (found in review: an unsigned one that expired while it waited behind
+        another job ran after the fleet had counted it TIMED_OUT and halted its rollout)."""
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise JobFailed(JobState.REJECTED, f"its notice expired {time.monotonic() - self.deadline:.0f} s before it "
                                                f"could run (it waited behind another job): the fleet has timed it out")
@@ -501,10 +505,9 @@ class UpdateJob:
         runs the fp32-KV graph), then failed to load. Checked before the serving model stops, for the type the
         config file asks for too: a kv_dtype edit waiting for a restart (SIGHUP cannot apply it) made a model
         that installed fine fail at every later start."""
-        for kv_dtype in self.ctx.kv_dtypes():
+        for kv_dtype in set(self.ctx.kv_dtypes()) - {"fp32"}:  # every bundle has the fp32-KV graph
             try:
-                if kv_dtype != "fp32":
-                    bundle.graph(kv_dtype)
+                bundle.graph(kv_dtype)
             except BundleError as e:
                 raise JobFailed(JobState.FAILED, f"the device runs kv_dtype = \"{kv_dtype}\" (now, or after a "
                                                  f"restart by its config file): {e}") from e
@@ -655,7 +658,7 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     of and the fleet timed it out. The fleet ignores a repeated final status.
     """
     entry = ctx.store.read_journal()
-    target = Path(entry["target"]) if entry and isinstance(entry.get("target"), str) else None
+    target = Path(entry["target"]) if entry and entry.get("target") else None  # read_journal checked its type
     ctx.store.clear_staging(keep=target)  # what the last job downloaded: a job for the same manifest resumes it
     if orphans := ctx.store.remove_orphans():
         log.warning("removed model directories no link names (left by an interrupted update): %s", orphans)
@@ -746,9 +749,9 @@ class UpdateService:
         Except a job the fleet did sign for this device that this device's clock refuses: REJECTED with the
         reason, once, or the fleet saw only a device timeout (a device clock ahead by more than the job's
         timeout refused every job silently; found in review).
-        expiry_s: what was left of the notice's MQTT expiry as it arrived; an unsigned job keeps it
-        (on the monotonic clock, in memory: a restart forgets it), and one that outlives it while it waits is
-        refused when its turn comes. A signed job is held to its own expires_at instead.
+        expiry_s: what was left of the notice's MQTT expiry as it arrived; the job keeps it (on the monotonic
+        clock, in memory: a restart forgets it), and one that outlives it while it waits is refused when its
+        turn comes. A signed job is held to its own expires_at as well.
         """
         try:
             doc = JobDocument.model_validate_json(payload)

@@ -372,9 +372,7 @@ class RolloutDriver:
             ttl_s = r["timeout_s"] - elapsed  # the device timeout still runs from the first notice
             if ttl_s < 1:
                 continue
-            job = db["jobs"].get(r["job_id"])
-            sent = self.publish_mqtt(topic(r["device_id"], "jobs", "notify"),
-                                     self._for(self._document(db, job), r["device_id"], ttl_s).wire_bytes(), ttl_s)
+            sent = self._notify(self._document(db, db["jobs"].get(r["job_id"])), r["device_id"], ttl_s)
             if sent == NO_JOB_SUBSCRIBER:
                 sent = True  # it dropped its session again; the next connection gets another try
             if sent is True:
@@ -396,8 +394,7 @@ class RolloutDriver:
             # expires with the device's timeout: a device offline past it would otherwise install, on its
             # return, a rollout the fleet had already counted as TIMED_OUT and perhaps halted
             ttl_s = job.get("device_timeout_s") or 1800.0
-            sent = self.publish_mqtt(topic(device_id, "jobs", "notify"), self._for(doc, device_id, ttl_s).wire_bytes(),
-                                     ttl_s)
+            sent = self._notify(doc, device_id, ttl_s)
             if sent == NO_JOB_SUBSCRIBER:  # an offline device's session expired (notified again when it is back),
                 # or an online one does not take jobs: found in review, that one cost a whole device timeout
                 online = db.execute("select 1 from devices where id = ? and status = 'online'", [device_id]).fetchone()
@@ -424,6 +421,11 @@ class RolloutDriver:
             db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
                        [d.job_state.value, d.reason, time.time(), job["id"]])
             log.info("job %s %s%s", job["id"], d.job_state.value, f": {d.reason}" if d.reason else "")
+
+    def _notify(self, doc: JobDocument, device_id: str, ttl_s: float) -> bool | str:
+        """Publish the device's notice, expiring in ttl_s; publish_mqtt's answer."""
+        return self.publish_mqtt(topic(device_id, "jobs", "notify"), self._for(doc, device_id, ttl_s).wire_bytes(),
+                                 ttl_s)
 
     def _for(self, doc: JobDocument, device_id: str, ttl_s: float) -> JobDocument:
         """The document one device gets: signed for it alone, until the message itself expires, with a job key."""
