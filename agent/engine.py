@@ -62,7 +62,7 @@ class Finished:
     error: str | None = None  # set when figures.finish_reason == "error"
     # "overloaded" (no capacity within the queue's wait), "unavailable" (the engine stopped first) or "internal"
     error_code: str | None = None
-    token_times: list[float] = field(default_factory=list)  # perf_counter() of each generated token
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each generated token (Sequence's)
 
 
 class RequestHandle:
@@ -366,7 +366,7 @@ class Engine:
                 self.prefix.store(seq.seq_id, seq.prompt_ids)
             seq.start_decoding()
             try:
-                self._accept(seq, self._sample(seq, logits[0, 0]))
+                self._accept(seq, self._sample(seq, logits[0, 0]), time.perf_counter())
             except Exception:
                 self._fail_one(seq)
 
@@ -446,17 +446,18 @@ class Engine:
         if self.draft is not None:
             self.draft.accepted(seq.seq_id, seq.num_computed)
         pool.lengths[seq.seq_id] = seq.num_computed
+        now = time.perf_counter()  # the step's tokens reach the client together
         for t in tokens:
-            self._accept(seq, t)
+            self._accept(seq, t, now)
             if seq.is_finished:
                 return
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
         return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, now: float) -> None:
         """Append a sampled token, stream its text, and finish the request if it is done."""
-        seq.append_token(token)
+        seq.append_token(token, now)
         handle, detok = self.streams[seq.seq_id]
         is_eos = token in self.eos_ids and not seq.params.ignore_eos
         delta = "" if is_eos else detok.add(token)

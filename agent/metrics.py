@@ -19,6 +19,7 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from agent.sequence import delivery_gaps_s
 from agent.wire import RequestFigures
 
 # vLLM's bucket edges (seconds), so that histograms from both can be compared bucket for bucket.
@@ -61,7 +62,7 @@ class Metrics:
                                          registry=r)
         self.ttft = Histogram("edge:time_to_first_token_seconds", "Submission to first token (queue included).",
                               buckets=TTFT_BUCKETS_S, registry=r)
-        self.itl = Histogram("edge:inter_token_latency_seconds", "Time between consecutive generated tokens.",
+        self.itl = Histogram("edge:inter_token_latency_seconds", "Time between consecutive deliveries of generated tokens (a speculative step's tokens arrive at once).",
                              buckets=ITL_BUCKETS_S, registry=r)
         self.e2e = Histogram("edge:e2e_request_latency_seconds", "Submission to last token.",
                              buckets=REQUEST_BUCKETS_S, registry=r)
@@ -117,8 +118,8 @@ class Metrics:
             self.e2e.observe(f.e2e_ms / 1000)
         if f.decode_tokens_per_s > 0:
             self.decode_tokens_per_s.observe(f.decode_tokens_per_s)
-        for a, b in zip(token_times_s, token_times_s[1:]):
-            self.itl.observe(b - a)
+        for gap in delivery_gaps_s(list(token_times_s)):
+            self.itl.observe(float(gap))
 
     def observe_error(self, code: str) -> None:
         self.request_errors.labels(code=code).inc()

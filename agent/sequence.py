@@ -19,6 +19,14 @@ from agent.wire import RequestFigures
 _ids = itertools.count()
 
 
+def delivery_gaps_s(token_times: list[float]) -> np.ndarray:
+    """Inter-token latency as a client feels it: the gaps between the steps that delivered tokens. Tokens
+    accepted together by speculative verification arrive at once, so they make one gap, not several of ~0
+    (found in review: an ITL p50 of 0.01 ms while the client waited 16-20 ms between bursts). Token times
+    are non-decreasing, and a step's tokens share its time."""
+    return np.diff(np.unique(np.asarray(token_times, dtype=np.float64)))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -53,6 +61,7 @@ class Sequence:
     t_admit: float | None = None
     t_prefill_start: float | None = None
     t_first: float | None = None
+    # perf_counter() of each generated token; the tokens of one step (accepted drafts) share that step's time
     token_times: list[float] = field(default_factory=list)
     kv_bytes: int = 0
     draft_length: DraftLength = field(default_factory=DraftLength)
@@ -96,8 +105,8 @@ class Sequence:
         self.status, self.num_computed = Status.WAITING, 0
         self.preemptions += 1
 
-    def append_token(self, token: int) -> None:
-        now = time.perf_counter()
+    def append_token(self, token: int, now: float) -> None:
+        """now: when the step that produced it ended (one time for every token a step accepted)."""
         if self.t_first is None:
             self.t_first = now
         self.token_times.append(now)
@@ -110,7 +119,8 @@ class Sequence:
     def figures(self) -> RequestFigures:
         end = self.token_times[-1] if self.token_times else time.perf_counter()
         ms = lambda a, b: 1000.0 * (b - a) if a is not None and b is not None else 0.0  # noqa: E731
-        itl = np.diff(self.token_times) * 1000.0 if len(self.token_times) > 1 else np.zeros(1)
+        gaps = delivery_gaps_s(self.token_times)
+        itl = gaps * 1000.0 if len(gaps) else np.zeros(1)
         n_out = len(self.output_ids)
         decode_s = (self.token_times[-1] - self.t_first) if n_out > 1 else 0.0
         computed_prompt = len(self.prompt_ids) - self.cached_prompt_tokens

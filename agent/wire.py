@@ -173,18 +173,23 @@ class RequestFigures(_Frozen):
     cached_prompt_tokens: Count = 0  # prompt tokens whose KV came from the prefix cache
     queue_ms: Amount  # submission -> first admitted into the batch (a preempted request's later wait is not in it;
     # one never admitted: submission -> shed, cancelled or refused)
-    ttft_ms: Amount  # submission -> first token (includes queue_ms)
+    # submission -> first token generated (includes queue_ms). Text that might begin a stop string is held back
+    # from the stream until it is known not to be one, so a client may see its first text later
+    ttft_ms: Amount
     prefill_tokens_per_s: Amount  # prompt tokens computed / prefill time
     decode_tokens_per_s: Amount  # (completion_tokens - 1) / (last token - first token); 0 if < 2 tokens
-    # inter-token latency percentiles over the decode; like decode_tokens_per_s they include any time the
-    # request spent preempted, since its client waited through it too
+    # inter-token latency percentiles over the decode: the gaps between the steps that delivered tokens (a
+    # speculative step's accepted tokens arrive at once: one gap). Like decode_tokens_per_s they include any
+    # time the request spent preempted, since its client waited through it too
     itl_p50_ms: Amount
     itl_p95_ms: Amount
     e2e_ms: Amount  # submission -> finished
     kv_bytes: Count  # KV-cache bytes of the largest slot the request held
     finish_reason: str  # stop | length | cancelled | error
     preemptions: Count = 0
-    drafted_tokens: Count = 0  # speculative decoding: tokens proposed, and those the model accepted
+    # speculative decoding: tokens proposed, and those verification accepted (the drafter's acceptance, so
+    # including any a stop string then cut off)
+    drafted_tokens: Count = 0
     accepted_tokens: Count = 0
 
 

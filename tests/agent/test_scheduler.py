@@ -345,7 +345,7 @@ def fill_slot(sched: Scheduler, seq: Sequence) -> None:
     """Decode until the slot is full: position p of every layer holds p + seq_id / 10."""
     pool = sched.pool_of(seq)
     while seq.num_tokens <= pool.capacity:
-        seq.append_token(1)
+        seq.append_token(1, 0.0)
     seq.num_computed = pool.capacity
     pool.lengths[seq.seq_id] = pool.capacity
     for buf in pool.keys + pool.values:
