@@ -3,8 +3,9 @@
 Pure numpy, no I/O. Each request owns a `np.random.Generator` made by `make_rng(params.seed)` and every
 non-greedy step draws exactly one uniform number from it, so the same seed and the same logits give the
 same tokens, whatever else is in the batch. Filters run in the order HF transformers applies its warpers
-(temperature, top-k, top-p, min-p; llama.cpp's order too, while vLLM applies min-p before top-k/top-p, so
-with both set it keeps fewer tokens), and only on the surviving candidates: top-k uses argpartition, top-p
+(temperature, top-k, top-p, min-p; vLLM applies min-p before top-k/top-p, so with both set it keeps fewer
+tokens, and llama.cpp applies temperature last, so its top-p and min-p see the distribution at
+temperature 1), and only on the surviving candidates: top-k uses argpartition, top-p
 sorts just the few tokens that hold its probability mass, so a step over a 49k vocabulary stays well
 under a millisecond in the common settings.
 
@@ -138,8 +139,14 @@ def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int]
            rng: np.random.Generator) -> int:
     """The next token id from logits [V] float32."""
     x = apply_penalties(logits, params, prompt_ids, output_ids)
+    top = np.max(x)  # NaN if any entry is NaN
+    if np.isnan(top):  # a broken model or graph: fail this request rather than answer with token 0
+        raise ValueError("the model produced NaN logits")
     if params.is_greedy:
         return int(np.argmax(x))  # ties go to the lowest id
+    if np.isposinf(top):  # softmax would be NaN (inf - inf): the first +inf token, drawing as a step does
+        rng.random()
+        return int(np.argmax(x))
     ids = top_k_candidates(x, params.top_k)
     probs = softmax(x if len(ids) == len(x) else x[ids], params.temperature)
     ids, probs = top_p_filter(ids, probs, params.top_p)

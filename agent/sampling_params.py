@@ -7,6 +7,7 @@ reported with its field name and the range it must lie in, so an API client can 
 from __future__ import annotations
 
 import math
+import re
 from functools import cached_property
 from typing import Annotated, Literal
 
@@ -65,17 +66,24 @@ def _check_seed(seed: int | None) -> int | None:
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 MAX_LOGIT_BIAS_TOKENS = 1024  # a bound on the work one request adds to every step
+_TOKEN_ID = re.compile(r"-?[0-9]+", re.ASCII)  # negative ids get their own error below
 
 
 def _token_id_keys(value: object) -> object:
     # OpenAI's logit_bias maps token ids written as JSON object keys (strings) to biases
     if not isinstance(value, dict):
         return value
-    try:
-        return {int(k): v for k, v in value.items()}
-    except (TypeError, ValueError):
-        bad = next(k for k in value if not str(k).lstrip("-").isdigit())
-        raise ValueError(f"logit_bias keys must be token ids, got {bad!r}") from None
+    ids = {}
+    for k in value:
+        # ASCII digits only: int() also takes "1_0", " 7", "٣" and 5,000-digit strings, and a key that
+        # isdigit() passed but int() refused ("²") ended in a 500 (found in review)
+        text = k if isinstance(k, str) else str(k)
+        if not (_TOKEN_ID.fullmatch(text) and len(text) <= 12):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        if int(text) in ids:  # "5" and "05": which bias was meant?
+            raise ValueError(f"logit_bias names token {int(text)} twice")
+        ids[int(text)] = value[k]
+    return ids
 
 
 def _check_logit_bias(bias: dict[int, float]) -> dict[int, float]:

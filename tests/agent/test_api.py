@@ -383,7 +383,7 @@ def test_openai_parameters_we_do_not_implement_are_accepted_when_off_and_refused
     assert err["message"] == "logprobs: true is not supported by this server (only null or false)"
     assert http.post("/v1/completions", json=body | {"logit_bias": {"5": 100}}).status_code == 200  # implemented
     for bias, needle in (({"999999": 1}, "outside this model's vocabulary"), ({"abc": 1}, "must be token ids"),
-                         ({"5": 101}, "in [-100, 100]")):
+                         ({"5": 101}, "in [-100, 100]"), ({"\u00b2": 1}, "must be token ids")):  # "²": was a 500
         r = http.post("/v1/completions", json=body | {"logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
         assert needle in r.json()["error"]["message"]

@@ -120,10 +120,33 @@ def test_logit_bias_is_added_before_the_penalties_and_steers_greedy_and_sampled_
 
 @pytest.mark.parametrize("bias, message", [({"a": 1.0}, "keys must be token ids, got 'a'"),
                                            ({-1: 1.0}, "(>= 0), got -1"), ({5: 100.5}, "in [-100, 100]"),
-                                           ({5: float("nan")}, "in [-100, 100]")])
+                                           ({5: float("nan")}, "in [-100, 100]"),
+                                           # int() refused these after isdigit() passed them: a 500
+                                           ({"--5": 1.0}, "got '--5'"), ({"\u00b2": 1.0}, "got '\u00b2'"),
+                                           ({"9" * 5000: 1.0}, "keys must be token ids"),
+                                           # int() took these without a word
+                                           ({"1_0": 1.0}, "got '1_0'"), ({" 7": 1.0}, "got ' 7'"),
+                                           ({"\u0663": 1.0}, "keys must be token ids"),
+                                           ({"5": 1.0, "05": -1.0}, "names token 5 twice")])
 def test_a_bad_logit_bias_names_what_is_wrong(bias, message):
     with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingParams(logit_bias=bias)
+
+
+def test_non_finite_logits_fail_the_request_or_pick_the_infinite_token():
+    """A +inf logit made softmax NaN for the whole row and the draw fell back to token 0 (found in review);
+    a NaN row means the model broke, so the request fails rather than answering with token 0."""
+    x = np.array([1.0, 2.0, np.inf, 0.5, 3.0], np.float32)
+    for params in (SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0.9), SamplingParams(temperature=0)):
+        rng, twin = make_rng(7), make_rng(7)
+        assert sample(x, params, [], [], rng) == 2
+        if not params.is_greedy:  # one uniform per step, as every sampled step draws
+            twin.random()
+            assert rng.random() == twin.random()
+    x[1] = np.nan
+    for params in (SamplingParams(), SamplingParams(temperature=0)):
+        with pytest.raises(ValueError, match="NaN logits"):
+            sample(x, params, [], [], make_rng(0))
 
 
 # ---- filters on a handcrafted distribution ----------------------------------------------------------
