@@ -188,7 +188,9 @@ def telemetry(state_dir, since, as_json):
               help="Only validate the file (on another machine than the device: skip the model, group and key checks).")
 def check_config(config_path, syntax_only):
     """Validate a config file, and check what `serve` needs on this machine (the model bundle, the socket
-    group, the trusted keys) without starting anything; exit 0 when serve would start.
+    group, the trusted keys, writable directories) without starting anything; exit 0 when none of that would
+    stop serve. The model's exact memory need is measured only when serve loads it: a budget below the
+    weights' size is caught here, one a little short of the runtime's need is refused at start.
 
     Example: edge-agent check-config --config /etc/edge-agent/agent.toml
     """

@@ -43,7 +43,7 @@ from agent.process import memory_limit_bytes, trim_heap
 from agent.telemetry import Telemetry
 from agent.trust import load_trusted_keys
 from agent.updates import ModelStore, UpdateContext, UpdateService
-from agent.wire import JobDocument, Manifest
+from agent.wire import JobDocument, Manifest, ModelConfig
 
 AGENT_VERSION = "0.1.0"
 
@@ -577,10 +577,10 @@ def environment_problems(config: AgentConfig) -> list[str]:
         candidates = [Path(config.model)]
         if names_store_current(config.model, state):  # serve falls back to previous
             candidates.append(state / "previous")
-        errors, readable = [], None
+        errors, readable, manifest = [], None, None
         for path in candidates:
             try:
-                Manifest.read(path)
+                manifest = Manifest.read(path)
                 readable = path
                 break
             except (OSError, ValueError) as e:
@@ -592,8 +592,13 @@ def environment_problems(config: AgentConfig) -> list[str]:
                 open_bundle(readable, verify_files=False).graph("int8")
             except (OSError, ValueError) as e:
                 problems.append(f"engine.kv_dtype: \"int8\" needs the bundle's int8 KV cache graph: {e}")
+        if readable and (problem := _budget_below_weights(config, readable, manifest)):
+            problems.append(problem)
     elif not ((state / "current").exists() or (state / "previous").exists()):
         problems.append(f"model: none set and no installed model in {state}")
+    if config.engine.speculative == "draft":  # found in review: check-config said ok, and serve refused it
+        problems.append('engine.speculative: "draft" needs a draft model, which only `edge-agent generate '
+                        '--draft-model` loads; serve offers "ngram" (prompt lookup) or "off"')
     if config.api.socket_group is not None:
         try:
             _group_id(config.api.socket_group)
@@ -612,6 +617,27 @@ def environment_problems(config: AgentConfig) -> list[str]:
         if problem := _not_writable(directory):  # found in review: said ok, and serve then failed "Read-only
             problems.append(f"{key}: {problem}")  # file system" (the socket's without naming a path)
     return problems
+
+
+def _budget_below_weights(config: AgentConfig, bundle: Path, manifest: Manifest) -> str | None:
+    """A budget that cannot hold even the weights' file and one min_context sequence of KV. Serve measures
+    the exact need when it loads the model (the weights as ONNX Runtime holds them plus the runtime, ~200 MB
+    more for SmolLM2); this is only a floor that needs no loading (found in review: check-config said ok to
+    a 64 MB budget)."""
+    from agent.memory import kv_bytes_per_token
+    try:
+        model = ModelConfig.read(bundle)
+    except (OSError, ValueError):  # serve's own load names what is wrong with the bundle
+        return None
+    weights = sum(f.size_bytes for name, f in manifest.files.items() if name.endswith(".data"))
+    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                   1 if config.engine.kv_dtype == "int8" else 4)
+    floor = weights + config.engine.min_context * per_token
+    if config.engine.memory_budget_mb * MB >= floor:
+        return None
+    return (f"engine.memory_budget_mb: {config.engine.memory_budget_mb} MB cannot hold the model's weights "
+            f"({weights / MB:.0f} MB) and one {config.engine.min_context}-token sequence, let alone the runtime; "
+            "serve names the exact need when it starts")
 
 
 # Of the memory a process may have (the RAM, or its cgroup's memory.max) the budget may take at most this: the

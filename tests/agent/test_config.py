@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SAMPLE = Path(__file__).parent.parent.parent / "systemd" / "agent.toml"
 
 
@@ -61,6 +63,30 @@ def test_check_config_finds_what_serve_would_refuse_here(tmp_path, tiny_fp32_bun
     good.write_text(good.read_text().replace("[telemetry]", '[engine]\nkv_dtype = "int8"\n[telemetry]'))
     r = check(good)
     assert r.returncode == 1 and 'engine.kv_dtype: "int8" needs the bundle\'s int8 KV cache graph' in r.stderr, r.stderr
+
+
+def test_check_config_refuses_a_draft_model_serve_cannot_load(tmp_path, tiny_fp32_bundle):
+    """Found in review: the sample's comment offered speculative = "draft", check-config said ok, and serve
+    refused to start (it has no draft model to load)."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f'model = "{tiny_fp32_bundle.path}"\n[engine]\nspeculative = "draft"\n'
+                      f'[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
+    r = check(config)
+    assert r.returncode == 1 and 'engine.speculative: "draft" needs a draft model' in r.stderr, r.stderr
+
+
+@pytest.mark.real_model
+def test_check_config_refuses_a_budget_below_the_weights(tmp_path, real_q4_bundle):
+    """Found in review: check-config said ok to memory_budget_mb = 64 for SmolLM2 INT4 (~100 MB of weights),
+    and serve then refused to start."""
+    config = tmp_path / "agent.toml"
+    body = (f'model = "{real_q4_bundle.path}"\n[engine]\nmemory_budget_mb = {{}}\n'
+            f'[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
+    config.write_text(body.format(64))
+    r = check(config)
+    assert r.returncode == 1 and "engine.memory_budget_mb: 64 MB cannot hold the model's weights" in r.stderr, r.stderr
+    config.write_text(body.format(1024))
+    assert check(config).returncode == 0
 
 
 def test_a_config_file_that_is_not_utf8_is_named_not_an_internal_error(tmp_path):
