@@ -128,7 +128,7 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
               help="Unix socket to listen on (default: the config's api.socket).")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Agent TOML config ([engine], [api] sections); flags override it.")
+              help="Agent TOML config (model, [engine], [api], [telemetry], [updates]); flags override it.")
 @click.option("--threads", type=int, default=None)
 @click.option("--memory-budget-mb", type=int, default=None)
 @click.option("--tcp", default=None, help="Also listen on HOST:PORT (loopback unless the config sets tcp_any_host).")
@@ -161,7 +161,8 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state
 
 @cli.command()
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory holding telemetry.db (default: telemetry.state_dir's, /var/lib/edge-agent).")
+              help="Directory holding telemetry.db (default: $STATE_DIRECTORY, else /var/lib/edge-agent as root, "
+                   "else ~/.local/share/edge-agent; a state_dir set in agent.toml is not read: pass it here).")
 @click.option("--since", default="1h", show_default=True, help="Window: a number and s, m, h or d.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def telemetry(state_dir, since, as_json):

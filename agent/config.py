@@ -68,7 +68,7 @@ class ApiConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    socket: Path = Field(Path("/run/edge-agent/api.sock"), description="Unix socket the API listens on")
+    socket: Path = Field(Path("/run/edge-agent/agent.sock"), description="Unix socket the API listens on")
     socket_mode: Annotated[int, BeforeValidator(_octal)] = Field(0o660, ge=0, le=0o777,
                                                                  description="permission bits of the socket file")
     socket_group: str | None = Field(None, description="group owning the socket: its members may connect")

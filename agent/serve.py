@@ -6,7 +6,7 @@ socket file left by a crash is replaced only if it is a socket and nothing answe
 at that path is an error. SIGTERM or Ctrl-C drains: /health turns 503, the listeners close, in-flight
 requests get `drain_timeout_s` to finish, then the engine stops and the socket file is removed.
 
-Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/api.sock [--config agent.toml] [--tcp 127.0.0.1:8080]
+Run: edge-agent serve --model BUNDLE --socket /run/edge-agent/agent.sock [--config agent.toml] [--tcp 127.0.0.1:8080]
 """
 from __future__ import annotations
 
