@@ -139,14 +139,14 @@ def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int]
            rng: np.random.Generator) -> int:
     """The next token id from logits [V] float32."""
     x = apply_penalties(logits, params, prompt_ids, output_ids)
-    top = np.max(x)  # NaN if any entry is NaN
-    if np.isnan(top):  # a broken model or graph: fail this request rather than answer with token 0
+    best = int(np.argmax(x))  # ties go to the lowest id; a NaN anywhere is found first, +inf before finite
+    if np.isnan(x[best]):  # a broken model or graph: fail this request rather than answer with token 0
         raise ValueError("the model produced NaN logits")
     if params.is_greedy:
-        return int(np.argmax(x))  # ties go to the lowest id
-    if np.isposinf(top):  # softmax would be NaN (inf - inf): the first +inf token, drawing as a step does
+        return best
+    if np.isposinf(x[best]):  # softmax would be NaN (inf - inf): the first +inf token, drawing as a step does
         rng.random()
-        return int(np.argmax(x))
+        return best
     ids = top_k_candidates(x, params.top_k)
     probs = softmax(x if len(ids) == len(x) else x[ids], params.temperature)
     ids, probs = top_p_filter(ids, probs, params.top_p)
