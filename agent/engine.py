@@ -133,7 +133,8 @@ class Engine:
         """Measure what the model costs with its largest step, then give the rest of the budget to KV."""
         c = self.bundle.config
         dtype = self.runner.kv_dtype
-        per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype.itemsize)
+        # the prefix store holds the target's KV only; a slot's token costs the draft's mirror too
+        store_per_token = per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype.itemsize)
         if self.draft is not None:  # the draft's cache mirrors every slot, so a token costs both
             d = self.draft.bundle.config
             per_token += kv_bytes_per_token(d.num_layers, d.num_kv_heads, d.head_dim,
@@ -153,9 +154,11 @@ class Engine:
                                     f"{self.config.prefix_cache_fraction:g} of it for the prefix cache)")
         capacities = class_capacities(self.max_context, min(self.config.kv_smallest_class, self.max_context))
         kv_bytes = budget - self.baseline_bytes
-        prefix_blocks = int(kv_bytes * self.config.prefix_cache_fraction) // (per_token * self.config.prefix_block_tokens)
-        classes = plan_slots(kv_bytes - prefix_blocks * per_token * self.config.prefix_block_tokens, per_token,
-                             capacities, min_tokens)
+        # found in review: the store was sized at the slots' cost per token, so with a draft model it got a
+        # fraction of its share (0.04 of the KV budget instead of 0.2) and the rest was never allocated
+        block_bytes = store_per_token * self.config.prefix_block_tokens
+        prefix_blocks = int(kv_bytes * self.config.prefix_cache_fraction) // block_bytes
+        classes = plan_slots(kv_bytes - prefix_blocks * block_bytes, per_token, capacities, min_tokens)
         try:
             pool = KVPool(classes, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         except (MemoryError, OSError) as e:  # address space is reserved up front, though pages come on use

@@ -225,6 +225,18 @@ def test_draft_model_greedy_equals_plain_greedy_real(real_fp32_bundle, real_q4_b
     assert accepted > 0
 
 
+def test_with_a_draft_model_the_prefix_store_gets_its_share_of_the_kv_budget(tiny_bundle, tiny_int8_bundle):
+    """Found in review: the store, which holds the target's KV only, was sized at a slot's cost per token
+    (target + draft), so it got half its share here and the rest of that share was never allocated."""
+    e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=2000, min_context=64, speculative="draft"),
+               draft=tiny_int8_bundle)
+    kv_bytes = e.config.memory_budget_mb * 2**20 - e.baseline_bytes
+    block = e.prefix.nbytes // e.prefix.num_blocks
+    assert kv_bytes * e.config.prefix_cache_fraction - block < e.prefix.nbytes <= kv_bytes * e.config.prefix_cache_fraction
+    slots = e.kv.nbytes * 2  # the draft mirrors every slot at the same geometry
+    assert e.prefix.nbytes + slots <= kv_bytes
+
+
 def test_the_draft_catches_up_on_a_long_prompt_in_prefill_chunks(tiny_bundle, tiny_int8_bundle):
     """Found in review: the draft caught up on a whole prompt in one call (a 4,000-token prompt took ~20 MB
     past the measured budget, kept by ONNX Runtime's arena). Output stays the plain greedy one."""
