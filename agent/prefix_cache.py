@@ -9,8 +9,11 @@ prefix. A block lives in one of two places:
   in the memory budget: when that sequence leaves, its blocks move there (copied, then the slot's pages go
   back to the OS layer by layer, so a prompt is never held twice).
 A hit copies the blocks into the new sequence's slot (a memcpy, a few MB, instead of a prefill). Store
-blocks are evicted least recently used. Because blocks are copied, never shared, a running sequence never
-pins one.
+blocks are evicted least recently used, and a chain is always touched from its last block to its first, so
+within a chain the tail goes first: a block matches only after all its parents, and evicting a chain's head
+left the rest unreachable yet holding the store (found in review: three chats taking turns evicted each
+other's heads and got no hits at all), as vLLM frees a sequence's blocks in reverse. Because blocks are
+copied, never shared, a running sequence never pins one.
 """
 from __future__ import annotations
 
@@ -69,16 +72,22 @@ class PrefixCache:
         """
         usable = max(0, len(prompt_ids) - 2) // self.block_tokens
         self.queried_tokens += len(prompt_ids) if count else 0
-        n = 0
+        n, matched = 0, []
         for key, tokens in self._chain(prompt_ids, usable):
             hit = self.index.get(key)
             if hit is None or hit[1] != tokens:
                 break
-            self.index.move_to_end(key)
+            matched.append(key)
             self._copy_in(hit[0], pool, slot, n)
             n += self.block_tokens
+        self._touch(matched)
         self.hit_tokens += n if count else 0
         return n
+
+    def _touch(self, chain: list[bytes]) -> None:
+        """Make a chain's blocks the most recently used, its head most of all (evicted last)."""
+        for key in reversed(chain):
+            self.index.move_to_end(key)
 
     def _copy_in(self, where: int | Live, pool: SlotPool, slot: int, start: int) -> None:
         end = start + self.block_tokens
@@ -99,10 +108,9 @@ class PrefixCache:
         self.chains[seq_id] = []
         for b, (key, tokens) in enumerate(self._chain(prompt_ids, n_blocks)):
             self.chains[seq_id].append(key)
-            if key in self.index:
-                self.index.move_to_end(key)
-                continue
-            self.index[key] = ((seq_id, b * self.block_tokens), tokens)
+            if key not in self.index:
+                self.index[key] = ((seq_id, b * self.block_tokens), tokens)
+        self._touch(self.chains[seq_id])
 
     def retire(self, seq_id: int, pool: SlotPool) -> None:
         """Before seq_id's slot is freed: move the blocks living in it to the store (as many as fit).
@@ -111,8 +119,7 @@ class PrefixCache:
         it is evicted to make room for its own later blocks (that would orphan them): the tail is dropped.
         """
         chain = [k for k in self.chains.pop(seq_id, []) if k in self.index]
-        for key in chain:
-            self.index.move_to_end(key)
+        self._touch(chain)
         where = [self.index[k][0] for k in chain]
         living = [k for k, w in zip(chain, where) if not isinstance(w, int) and w[0] == seq_id]  # in this slot
         moves = []  # (key, first token position in the slot, store block)

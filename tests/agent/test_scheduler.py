@@ -329,6 +329,33 @@ def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
     assert np.array_equal(pool.keys[0][pool.slot_of(3), 0, :80, 0], np.array(b[:80], np.float32))
 
 
+def test_eviction_takes_a_chains_tail_before_its_head():
+    """Found in review: a chain's blocks were touched head to tail, so the least recently used block of a
+    stored chat was its first, and evicting it left the rest unreachable (a block matches only after its
+    parents) while they held the store: chats taking turns got no hits at all. The tail goes first now."""
+    kv = KVPool([SizeClass(128, 2)], num_layers=1, kv_heads=1, head_dim=4)
+    cache = PrefixCache(8, 4, kv, num_layers=1, kv_heads=1, head_dim=4)
+
+    def run(seq_id: int, prompt: list[int]) -> int:
+        pool = kv.allocate(seq_id, 128)
+        slot = pool.slot_of(seq_id)
+        hit = cache.load(prompt, pool, slot)
+        for buf in pool.keys + pool.values:  # "prefill" the rest: position p holds the token at p
+            buf[slot, 0, hit:len(prompt)] = np.array(prompt[hit:], np.float32)[:, None]
+        cache.store(seq_id, prompt)
+        cache.retire(seq_id, pool)
+        kv.free(seq_id)
+        return hit
+
+    chat_a, chat_b = list(range(100, 132)), list(range(500, 508))  # 8 blocks (the whole store), 2 blocks
+    assert run(1, chat_a) == 0
+    assert run(2, chat_b) == 0  # takes 2 store blocks: chat A's last two go
+    assert run(3, chat_a + [1, 2, 3]) == 24  # A's first 6 blocks still hit
+    pool = kv.allocate(4, 128)
+    assert cache.load(chat_a + [9, 9], pool, pool.slot_of(4)) == 32  # and A's next turn stored its own again
+    assert np.array_equal(pool.keys[0][pool.slot_of(4), 0, :32, 0], np.array(chat_a, np.float32))
+
+
 def decoding(sched: Scheduler, prompt: int, total: int, t_submit: float) -> Sequence:
     """Admit a sequence and mark its prompt computed, as the engine does before its first decode. t_submit:
     seconds from now (the queue order)."""
