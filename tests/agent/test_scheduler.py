@@ -304,6 +304,20 @@ def test_block_keys_are_sha256_chained_over_the_tokens():
     assert keys == [first, hashlib.sha256(first + np.arange(16, 32, dtype=np.int64).tobytes()).digest()]
 
 
+def serve_through_cache(kv: KVPool, cache: PrefixCache, seq_id: int, prompt: list[int]) -> int:
+    """One request as the engine runs it, as far as the prefix cache sees: load its cached prefix, "prefill"
+    the rest (position p holds the token at p), index and retire its blocks, free its slot. Returns the hit."""
+    pool = kv.allocate(seq_id, 128)
+    slot = pool.slot_of(seq_id)
+    hit = cache.load(prompt, pool, slot)
+    for buf in pool.keys + pool.values:  # "prefill" the rest: position p holds the token at p
+        buf[slot, 0, hit:len(prompt)] = np.array(prompt[hit:], np.float32)[:, None]
+    cache.store(seq_id, prompt)
+    cache.retire(seq_id, pool)
+    kv.free(seq_id)
+    return hit
+
+
 def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
     """A full store drops a prompt's last blocks rather than evicting its first ones (which would orphan all)."""
     kv = KVPool([SizeClass(128, 3)], num_layers=1, kv_heads=1, head_dim=4)
@@ -312,15 +326,7 @@ def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
     b = system + list(range(200, 232)) + [2]  # 6 blocks and one token
 
     def run(seq_id: int, prompt: list[int]) -> int:
-        pool = kv.allocate(seq_id, 128)
-        slot = pool.slot_of(seq_id)
-        hit = cache.load(prompt, pool, slot)
-        for buf in pool.keys + pool.values:  # "prefill" the rest: position p holds the token at p
-            buf[slot, 0, hit:len(prompt)] = np.array(prompt[hit:], np.float32)[:, None]
-        cache.store(seq_id, prompt)
-        cache.retire(seq_id, pool)
-        kv.free(seq_id)
-        return hit
+        return serve_through_cache(kv, cache, seq_id, prompt)
 
     assert run(1, system + [1]) == 0
     assert run(2, b) == 64  # the 4 system blocks; its 2 own blocks fit 1 free store block: the last is dropped
@@ -337,15 +343,7 @@ def test_eviction_takes_a_chains_tail_before_its_head():
     cache = PrefixCache(8, 4, kv, num_layers=1, kv_heads=1, head_dim=4)
 
     def run(seq_id: int, prompt: list[int]) -> int:
-        pool = kv.allocate(seq_id, 128)
-        slot = pool.slot_of(seq_id)
-        hit = cache.load(prompt, pool, slot)
-        for buf in pool.keys + pool.values:  # "prefill" the rest: position p holds the token at p
-            buf[slot, 0, hit:len(prompt)] = np.array(prompt[hit:], np.float32)[:, None]
-        cache.store(seq_id, prompt)
-        cache.retire(seq_id, pool)
-        kv.free(seq_id)
-        return hit
+        return serve_through_cache(kv, cache, seq_id, prompt)
 
     chat_a, chat_b = list(range(100, 132)), list(range(500, 508))  # 8 blocks (the whole store), 2 blocks
     assert run(1, chat_a) == 0
