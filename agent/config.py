@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
     prefix_block_tokens: int = Field(16, ge=1, le=1024, description="prefix-cache granularity, in tokens")
     kv_dtype: Literal["fp32", "int8"] = Field("fp32", description="KV cache type: int8 holds 4x the tokens in a "
                                               "budget (static per-channel scales calibrated by edge-quantize; mean KL "
-                                              "0.010-0.016 against fp32 on SmolLM2 up to 8k tokens, in bundles built "
+                                              "~0.01-0.02 against fp32 on SmolLM2 up to 8k tokens, in bundles built "
                                               "since 2026-12-05; quantize/kv_int8.py)")
     spin_wait: bool | Literal["auto"] = Field(
         "auto", description="ONNX Runtime threads spin between kernels and steps: ~1.3-1.5x faster decode on an "

@@ -118,7 +118,15 @@ class PrefixCache:
         The prompt was in use until now, so its whole chain becomes the most recently used, and no block of
         it is evicted to make room for its own later blocks (that would orphan them): the tail is dropped.
         """
-        chain = [k for k in self.chains.pop(seq_id, []) if k in self.index]
+        chain = self.chains.pop(seq_id, [])
+        reachable = 0  # a parent evicted while this sequence ran cuts the chain: what follows cannot match
+        while reachable < len(chain) and chain[reachable] in self.index:
+            reachable += 1
+        for key in chain[reachable:]:  # found in review: stored anyway, evicting others' reachable blocks
+            where = self.index.get(key)
+            if where is not None and not isinstance(where[0], int) and where[0][0] == seq_id:
+                del self.index[key]  # in the slot about to be freed
+        chain = chain[:reachable]
         self._touch(chain)
         where = [self.index[k][0] for k in chain]
         living = [k for k, w in zip(chain, where) if not isinstance(w, int) and w[0] == seq_id]  # in this slot

@@ -144,9 +144,9 @@ def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int]
         raise ValueError("the model produced NaN logits")
     if params.is_greedy:
         return best
-    if np.isposinf(x[best]):  # softmax would be NaN (inf - inf): the first +inf token, drawing as a step does
-        rng.random()
-        return best
+    if np.isposinf(x[best]):  # softmax would be NaN (inf - inf); its limit: the +inf tokens alike, one uniform
+        infinite = np.flatnonzero(np.isposinf(x))  # as when penalties clip them to float32's largest
+        return int(infinite[min(int(rng.random() * len(infinite)), len(infinite) - 1)])
     ids = top_k_candidates(x, params.top_k)
     probs = softmax(x if len(ids) == len(x) else x[ids], params.temperature)
     ids, probs = top_p_filter(ids, probs, params.top_p)

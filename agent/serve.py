@@ -632,11 +632,13 @@ def _budget_below_weights(config: AgentConfig, bundle: Path, manifest: Manifest)
     weights = sum(f.size_bytes for name, f in manifest.files.items() if name.endswith(".data"))
     per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
                                    1 if config.engine.kv_dtype == "int8" else 4)
-    floor = weights + config.engine.min_context * per_token
+    # as the engine does: a context shorter than min_context is the need
+    tokens = min(config.engine.min_context, config.engine.max_context or model.context_length, model.context_length)
+    floor = weights + tokens * per_token
     if config.engine.memory_budget_mb * MB >= floor:
         return None
     return (f"engine.memory_budget_mb: {config.engine.memory_budget_mb} MB cannot hold the model's weights "
-            f"({weights / MB:.0f} MB) and one {config.engine.min_context}-token sequence, let alone the runtime; "
+            f"({weights / MB:.0f} MB) and one {tokens}-token sequence, let alone the runtime; "
             "serve names the exact need when it starts")
 
 

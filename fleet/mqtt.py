@@ -29,7 +29,7 @@ from agent.wire import MAX_EXPIRY_S, NO_MATCHING_SUBSCRIBERS
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x this without traffic
-BACKOFF_BASE_S = 0.5  # first retry after 0.5-1 s: a broker restart is usually over within a second...
+BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
 STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
 PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)

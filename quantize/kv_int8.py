@@ -7,7 +7,8 @@ bundle's own graph writes over a calibration text, times a margin: a value beyon
 Measured on SmolLM2 INT4 (2026-12-05), mean KL against the same graph with an fp32 cache, scales from
 quantize/data/calib_en.txt (937 tokens), over eval_en.txt (1,817 tokens, one sequence) / over 8,191 tokens
 of licence texts: margin 1.25 0.0095 / 0.0164, 1.5 0.0103 / 0.0156, 2.0 0.0121 / 0.0172, flat along the
-positions (8,191 tokens, by 1k-2k bins: 0.013-0.020 at 1.5). Keys scaled by their largest |key| instead
+positions (8,191 tokens, by 1k-2k bins: 0.013-0.020 at 1.5). The margin applies to keys and values alike
+(values do not turn; this measurement covers both). Keys scaled by their largest |key| instead
 (before: margin 2.0): 0.0102 over eval_en.txt, but 0.014 at 1k-2k tokens, 0.135 at 2k-4k and 0.427 past 6k.
 
 The variant is a second small graph file beside the first, reading the same external weight data, so
@@ -29,7 +30,8 @@ K_SCALE_INPUT, V_SCALE_INPUT = 12, 13  # GroupQueryAttention's input slots for k
 
 
 def kv_absmax(runner: ModelRunner, ids: list[int], context_length: int, bos: int | None = None) -> np.ndarray:
-    """Largest |key| and |value| per layer and channel over ids: [layers, 2, kv_heads * head_dim]."""
+    """Per layer and channel over ids, [layers, 2, kv_heads * head_dim]: what |key| can reach at any position
+    (rotary_bound) and the largest |value|."""
     out = np.zeros((runner.num_layers, 2, runner.kv_heads * runner.head_dim), np.float32)
     for window in windows(ids, context_length, bos):
         cache = runner.new_cache(1, len(window))

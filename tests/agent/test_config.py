@@ -75,6 +75,16 @@ def test_check_config_refuses_a_draft_model_serve_cannot_load(tmp_path, tiny_fp3
     assert r.returncode == 1 and 'engine.speculative: "draft" needs a draft model' in r.stderr, r.stderr
 
 
+def test_check_config_counts_min_context_only_up_to_the_models_context(tmp_path, tiny_fp32_bundle):
+    """Found in review: the budget floor took min_context as it was written, while the engine needs at most
+    the model's context (or max_context), so check-config refused configs that serve starts with."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f'model = "{tiny_fp32_bundle.path}"\n[engine]\nmemory_budget_mb = 64\nmin_context = 10000000\n'
+                      f'[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
+    r = check(config)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.real_model
 def test_check_config_refuses_a_budget_below_the_weights(tmp_path, real_q4_bundle):
     """Found in review: check-config said ok to memory_budget_mb = 64 for SmolLM2 INT4 (~100 MB of weights),

@@ -143,6 +143,10 @@ def test_non_finite_logits_fail_the_request_or_pick_the_infinite_token():
         if not params.is_greedy:  # one uniform per step, as every sampled step draws
             twin.random()
             assert rng.random() == twin.random()
+    x[4] = np.inf  # two: drawn alike, with penalties (which clip them to float32's largest) or without
+    for params in (SamplingParams(), SamplingParams(repetition_penalty=1.1)):
+        drawn = [sample(x, params, [0], [], make_rng(seed)) for seed in range(400)]
+        assert set(drawn) == {2, 4} and 150 < drawn.count(2) < 250
     x[1] = np.nan
     for params in (SamplingParams(), SamplingParams(temperature=0)):
         with pytest.raises(ValueError, match="NaN logits"):

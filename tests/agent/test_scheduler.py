@@ -354,6 +354,30 @@ def test_eviction_takes_a_chains_tail_before_its_head():
     assert np.array_equal(pool.keys[0][pool.slot_of(4), 0, :32, 0], np.array(chat_a, np.float32))
 
 
+def test_a_chain_cut_while_it_ran_stores_nothing_past_the_cut():
+    """Found in review: a request that hit a stored prefix kept running while other chats evicted that
+    prefix; when it retired, its own blocks after the gap (which nothing can reach) were stored anyway,
+    evicting reachable blocks of another chat."""
+    kv = KVPool([SizeClass(128, 4)], num_layers=1, kv_heads=1, head_dim=4)
+    cache = PrefixCache(6, 4, kv, num_layers=1, kv_heads=1, head_dim=4)
+    prefix = list(range(100, 108))  # 2 blocks
+    assert serve_through_cache(kv, cache, 1, prefix + [1]) == 0
+    running = prefix + list(range(300, 308)) + [2]  # hits the prefix, then 2 blocks of its own
+    pool = kv.allocate(2, 128)
+    slot = pool.slot_of(2)
+    assert cache.load(running, pool, slot) == 8
+    for buf in pool.keys + pool.values:
+        buf[slot, 0, 8:len(running)] = np.array(running[8:], np.float32)[:, None]
+    cache.store(2, running)
+    chat_b, chat_c = list(range(500, 512)), list(range(600, 612))  # 3 blocks each: the prefix is evicted
+    assert serve_through_cache(kv, cache, 3, chat_b + [3]) == 0
+    assert serve_through_cache(kv, cache, 4, chat_c + [4]) == 0
+    cache.retire(2, pool)
+    kv.free(2)
+    assert serve_through_cache(kv, cache, 5, chat_b + [5, 5]) == 12  # still whole
+    assert serve_through_cache(kv, cache, 6, chat_c + [6, 6]) == 12
+
+
 def decoding(sched: Scheduler, prompt: int, total: int, t_submit: float) -> Sequence:
     """Admit a sequence and mark its prompt computed, as the engine does before its first decode. t_submit:
     seconds from now (the queue order)."""

@@ -292,6 +292,10 @@ def test_rope_scaling_and_transformers_5_rope_parameters_are_read(tiny_checkpoin
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"head_dim": 8}, "head_dim 8 is not supported"),  # found in review: failed inside ONNX Runtime
+    # found in review: transformers turns only this part of each head, the graph all of it
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor 0.25"),
 ])
 def test_unsupported_config_is_named(overrides, needle, tiny_checkpoint, tmp_path):
     write_hf_folder(tmp_path / "m", "llama", tiny_checkpoint.tokenizer.tokenizer_json, **overrides)
