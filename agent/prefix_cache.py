@@ -115,29 +115,34 @@ class PrefixCache:
     def retire(self, seq_id: int, pool: SlotPool) -> None:
         """Before seq_id's slot is freed: move the blocks living in it to the store (as many as fit).
 
-        The prompt was in use until now, so its whole chain becomes the most recently used, and no block of
-        it is evicted to make room for its own later blocks (that would orphan them): the tail is dropped.
+        The prompt was in use until now, so its whole chain becomes the most recently used. A block is placed
+        only while all its parents are cached: a room for it may evict a later block of its own chain (tail
+        first), never an earlier one. Where the chain is cut (a parent evicted while this sequence ran, or no
+        room), nothing after the cut can match any prompt again, so its blocks are let go, stored ones too
+        (found in review: they were moved or kept, holding the store and evicting other chats' blocks).
         """
         chain = self.chains.pop(seq_id, [])
-        reachable = 0  # a parent evicted while this sequence ran cuts the chain: what follows cannot match
-        while reachable < len(chain) and chain[reachable] in self.index:
-            reachable += 1
-        for key in chain[reachable:]:  # found in review: stored anyway, evicting others' reachable blocks
-            where = self.index.get(key)
-            if where is not None and not isinstance(where[0], int) and where[0][0] == seq_id:
-                del self.index[key]  # in the slot about to be freed
-        chain = chain[:reachable]
-        self._touch(chain)
-        where = [self.index[k][0] for k in chain]
-        living = [k for k, w in zip(chain, where) if not isinstance(w, int) and w[0] == seq_id]  # in this slot
-        moves = []  # (key, first token position in the slot, store block)
-        protect = set(chain)
-        for key in living:
-            block = self._take_block(protect)
-            if block is None:
-                del self.index[key]
+        self._touch([k for k in chain if k in self.index])
+        moves, cut = [], len(chain)  # moves: (key, first token position in the slot, store block)
+        for i, key in enumerate(chain):
+            where = self.index.get(key, (None,))[0]
+            if where is None:
+                cut = i
+                break
+            if isinstance(where, int) or where[0] != seq_id:  # stored already, or in another running slot
                 continue
-            moves.append((key, self.index[key][0][1], block))
+            block = self._take_block(set(chain[:i]))
+            if block is None:
+                cut = i
+                break
+            moves.append((key, where[1], block))
+        for key in chain[cut:]:
+            where = self.index.get(key, (None,))[0]
+            if isinstance(where, int):
+                del self.index[key]
+                self.free.append(where)
+            elif where is not None and where[0] == seq_id:
+                del self.index[key]  # in the slot about to be freed
         slot = pool.slot_of(seq_id)
         for store, buf in zip(self.keys + self.values, pool.keys + pool.values):
             for _, start, block in moves:

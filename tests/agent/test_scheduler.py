@@ -378,6 +378,36 @@ def test_a_chain_cut_while_it_ran_stores_nothing_past_the_cut():
     assert serve_through_cache(kv, cache, 6, chat_c + [6, 6]) == 12
 
 
+def test_retiring_lets_go_of_its_chains_stored_blocks_past_a_cut():
+    """Found in review: a chain's later block already stored (by another request sharing the prefix) was
+    protected while its head found no room, so the store kept a block nothing could reach."""
+    kv = KVPool([SizeClass(64, 4)], num_layers=1, kv_heads=1, head_dim=2)
+    cache = PrefixCache(1, 4, kv, num_layers=1, kv_heads=1, head_dim=2)  # a one-block store
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+
+    def start(seq_id: int, prompt: list[int]) -> int:
+        pool = kv.allocate(seq_id, 64)
+        hit = cache.load(prompt, pool, pool.slot_of(seq_id))
+        pool.lengths[seq_id] = len(prompt)
+        cache.store(seq_id, prompt)
+        return hit
+
+    def end(seq_id: int) -> None:
+        cache.retire(seq_id, kv.where[seq_id])
+        kv.free(seq_id)
+
+    start(1, a + b + [9, 9])
+    assert start(2, a + b + c + [9, 9]) == 8  # a and b from 1's slot; c in its own
+    end(1)  # a to the store, b dropped: 2's chain is cut at b
+    start(3, [5] * 4 + [9, 9])
+    end(3)  # evicts a
+    assert start(4, a + b + c + [9, 9]) == 0  # a and b computed again, c still in 2's slot
+    end(2)  # c stored: its parents are in 4's slot
+    end(4)  # a needs the block c holds: c goes (tail first), a is stored
+    pool = kv.allocate(5, 64)
+    assert cache.load(a + b + c + [9, 9], pool, pool.slot_of(5)) == 4
+
+
 def decoding(sched: Scheduler, prompt: int, total: int, t_submit: float) -> Sequence:
     """Admit a sequence and mark its prompt computed, as the engine does before its first decode. t_submit:
     seconds from now (the queue order)."""
