@@ -50,6 +50,14 @@ class EngineConfig(BaseModel):
     speculative: Literal["off", "ngram", "draft"] = Field("off", description="default speculative decoding mode")
     speculative_max_batch: int = Field(2, ge=1, description="no drafts when more sequences than this decode at once")
 
+    def sequence_limit(self, model_context: int) -> int:
+        """Tokens a sequence may hold: max_context, at most the model's context."""
+        return min(self.max_context or model_context, model_context)
+
+    def min_kv_tokens(self, model_context: int) -> int:
+        """The KV the budget must hold for one sequence: min_context, or less when a sequence may not be that long."""
+        return min(self.min_context, self.sequence_limit(model_context))
+
 
 def _octal(value: object) -> object:
     # TOML writes modes as 0o660; a string "0660" or "660" is read as octal too, as chmod reads it.

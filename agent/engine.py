@@ -104,7 +104,7 @@ class Engine:
         if config.speculative == "draft" and self.draft is None:  # found in review: it quietly ran prompt lookup
             raise ValueError("speculative = 'draft' needs a draft model (generate --draft-model); without one use "
                              "'ngram' or 'off'")
-        self.max_context = min(config.max_context or c.context_length, c.context_length)
+        self.max_context = config.sequence_limit(c.context_length)
         self.kv = self._plan_kv()
         self.max_prompt_tokens = self.kv.max_capacity - 1  # the largest slot, with one generated token
         self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s,
@@ -144,7 +144,7 @@ class Engine:
             self.draft.runner.warm_up(self.config.prefill_chunk_tokens, self.max_context)
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         budget = self.config.memory_budget_mb * MB
-        min_tokens = min(self.config.min_context, self.max_context)  # a max_context below min_context is the need
+        min_tokens = self.config.min_kv_tokens(self.bundle.config.context_length)
         need = required_budget_bytes(self.baseline_bytes, per_token, min_tokens, self.config.prefix_cache_fraction)
         if budget < need:
             raise MemoryBudgetError(f"memory_budget_mb={self.config.memory_budget_mb} is too small for "

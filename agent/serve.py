@@ -37,7 +37,7 @@ from agent.commands import CommandError
 from agent.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig, describe_errors
 from agent.engine import Engine
-from agent.memory import MB
+from agent.memory import MB, kv_bytes_per_token
 from agent.metrics import Metrics
 from agent.process import memory_limit_bytes, trim_heap
 from agent.telemetry import Telemetry
@@ -624,7 +624,6 @@ def _budget_below_weights(config: AgentConfig, bundle: Path, manifest: Manifest)
     the exact need when it loads the model (the weights as ONNX Runtime holds them plus the runtime, ~200 MB
     more for SmolLM2); this is only a floor that needs no loading (found in review: check-config said ok to
     a 64 MB budget)."""
-    from agent.memory import kv_bytes_per_token
     try:
         model = ModelConfig.read(bundle)
     except (OSError, ValueError):  # serve's own load names what is wrong with the bundle
@@ -632,8 +631,7 @@ def _budget_below_weights(config: AgentConfig, bundle: Path, manifest: Manifest)
     weights = sum(f.size_bytes for name, f in manifest.files.items() if name.endswith(".data"))
     per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
                                    1 if config.engine.kv_dtype == "int8" else 4)
-    # as the engine does: a context shorter than min_context is the need
-    tokens = min(config.engine.min_context, config.engine.max_context or model.context_length, model.context_length)
+    tokens = config.engine.min_kv_tokens(model.context_length)
     floor = weights + tokens * per_token
     if config.engine.memory_budget_mb * MB >= floor:
         return None
