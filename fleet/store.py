@@ -21,7 +21,8 @@ from typing import Callable, Iterator
 
 import sqlite_utils
 
-from fleet.updates import add_device_timeout, add_notified_connection, add_report_times, create_tables as create_update_tables
+from fleet.updates import (add_device_timeout, add_notified_connection, add_report_times, create_tables as create_update_tables,
+                           index_job_device_state)
 
 from agent.wire import DeviceState, TelemetryRecord
 
@@ -94,6 +95,7 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0006_job_device_report_times", add_report_times),
     ("0007_telemetry_ts_index", _index_telemetry_ts),
     ("0008_job_device_notified_connection", add_notified_connection),
+    ("0009_job_device_state_index", index_job_device_state),
 )
 
 

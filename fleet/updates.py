@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # what publish_mqtt answers when the broker's PUBACK says no session subscribes to the notice's topic (0x10)
 NO_JOB_SUBSCRIBER = "no device session subscribes to its job notices"
+OPEN_JOB_STATES = sorted(s.value for s in JobState if s not in TERMINAL_JOB_STATES)  # QUEUED, IN_PROGRESS
 STATUS_INBOX_MAX = 100_000  # device reports waiting for the driver's thread
 BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another connection's lock (a backup, a replica)
 
@@ -61,6 +62,13 @@ def add_notified_connection(db: sqlite_utils.Database) -> None:
     db["job_devices"].add_column("notified_connection", int)
     db.execute("update job_devices set notified_connection = (select connection from devices where id = "
                "job_devices.device_id) where notified = 1")
+
+
+def index_job_device_state(db: sqlite_utils.Database) -> None:
+    """The driver asks every 0.5 s for the devices still QUEUED or IN_PROGRESS. Without an index that scanned
+    every device of every rollout ever run: 23 ms a pass at 100,000 rows, ~5% of a core doing nothing after a
+    year of weekly rollouts to 2,000 devices (found in review)."""
+    db["job_devices"].create_index(["state"], if_not_exists=True)
 
 
 def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate) -> bool:
@@ -335,8 +343,9 @@ class RolloutDriver:
         pending, expired = {}, []
         rows = list(db.query("select job_id, device_id, notified_at, coalesce(device_timeout_s, 1800.0) as timeout_s "
                              "from job_devices join jobs on jobs.id = job_devices.job_id where notified = 1 and "
-                             f"job_devices.state not in ({', '.join('?' * len(TERMINAL_JOB_STATES))})",
-                             sorted(s.value for s in TERMINAL_JOB_STATES)))  # read before any row changes
+                             f"job_devices.state in ({', '.join('?' * len(OPEN_JOB_STATES))})",
+                             OPEN_JOB_STATES))  # read before any row changes; "in" the open states, which the
+        # index on state serves, where "not in" the final ones scanned the table
         for r in rows:
             key = (r["job_id"], r["device_id"])
             since = self._notified.get(key)

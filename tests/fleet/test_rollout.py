@@ -557,7 +557,8 @@ def test_the_upgrade_to_renotifying_does_not_send_every_pending_notice_again(tmp
     from fleet.store import FleetStore, Ingest
     from fleet.updates import RolloutDriver, create_job
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:-1])  # the fleet before it
+    before = tuple(m for m in store_module.MIGRATIONS if m[0] < "0008")
+    monkeypatch.setattr(store_module, "MIGRATIONS", before)  # the fleet before it
     store = published_store(tmp_path)
     ingest = Ingest()
     ingest.add_state(DeviceState(device_id="dev-a", status="online", connection=4, boot_id="b", ts=time.time(),
@@ -573,3 +574,29 @@ def test_the_upgrade_to_renotifying_does_not_send_every_pending_notice_again(tmp
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: sent.append(t) or True, "http://unused")
     driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
     assert sent == []
+
+
+def test_a_pass_reads_job_devices_through_indexes_not_the_whole_table(tmp_path):
+    """Found in review: the driver's pass (every 0.5 s) scanned every device of every rollout ever run, 23 ms
+    at 100,000 rows and growing. Every query of a pass that touches job_devices must search an index."""
+    import sqlite_utils
+
+    from fleet.store import FleetStore
+    from fleet.updates import RolloutDriver, create_job
+
+    store = FleetStore(tmp_path / "fleet.db")
+    store.db["models"].insert({"name": "m", "version": "v", "manifest": "{}", "signature": "", "key_id": "",
+                               "published_at": 0.0})
+    job_id = create_job(store.db, "m@v", ["a", "b"], 1, 0.0, device_timeout_s=1000.0)
+    store.db.execute("update job_devices set notified = 1, notified_at = ? where job_id = ?", [time.time(), job_id])
+    store.db.conn.commit()
+    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    statements = []
+    db.conn.set_trace_callback(statements.append)
+    RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")._pass(db)
+    db.conn.set_trace_callback(None)
+    reads = [s for s in statements if s.lstrip().lower().startswith("select") and "job_devices" in s]
+    assert len(reads) >= 2  # the time-outs and the returned devices, at least
+    for sql in reads:
+        plan = " / ".join(row[3] for row in db.conn.execute("explain query plan " + sql))
+        assert "SCAN job_devices" not in plan and "SCAN jd" not in plan, (sql, plan)
