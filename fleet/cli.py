@@ -454,7 +454,8 @@ def _needing(db, chosen: list[str], target: str, offline_too: bool) -> list[str]
     for what, ids in (("already on " + target, current), ("offline (--include-offline to add them)", offline)):
         if ids:
             click.echo(f"skipped {len(ids)} device(s) {what}: {', '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}")
-    left = [d for d in chosen if d not in current and d not in offline]
+    skipped = set(current) | set(offline)  # sets: list membership made 10,000 devices take 0.4 s
+    left = [d for d in chosen if d not in skipped]
     if not left:
         raise click.ClickException("no device needs this deployment")
     return left
@@ -468,7 +469,8 @@ def _devices(db, devices, group, to_all) -> list[str]:
         return known
     if group:
         return [d for d in known if fnmatch.fnmatch(d, group)]
-    unknown = [d for d in devices if d not in known]
+    registered = set(known)
+    unknown = [d for d in devices if d not in registered]
     if unknown:  # it would never report: the job would wait out its device timeout and fail
         raise click.ClickException(f"unknown device {unknown[0]!r}: not in the fleet's registry (edge-fleet devices)")
     return list(devices)

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import sqlite3
+import statistics
 import time
 from array import array
 from collections import defaultdict
@@ -226,8 +227,15 @@ def timeseries(db: sqlite_utils.Database, since_s: float, buckets: int = 60, now
 
 
 def _series_point(f: Figures) -> dict:
-    s = summarize(f)
-    return {"requests": s["requests"], "decode_tps_p50": s["decode_tps_p50"], "ttft_p50_ms": s["ttft_p50_ms"]}
+    return {"requests": f.requests, "decode_tps_p50": _round(_median(f.speeds)), "ttft_p50_ms": _round(_median(f.ttfts))}
+
+
+def _median(values: array) -> float | None:
+    """The p50 of _p50_p95, cheaper for the report's many small groups: numpy's percentile costs ~100 us a
+    call, which made `report --since 7d` take 5.5 s of CPU on 500 devices (found in review)."""
+    if len(values) > 1000:
+        return _p50_p95(values)[0]
+    return statistics.median(values) if values else None
 
 
 def rejected(db: sqlite_utils.Database) -> list[dict]:

@@ -188,6 +188,16 @@ def test_timeseries_buckets(db):
     assert sum(r["requests"] for r in rows) == 25
 
 
+@given(st.lists(st.floats(0, 1e4, allow_nan=False), max_size=1100))
+def test_the_series_median_is_the_percentile_of_every_other_query(values):
+    """The report's cheaper median (found in review: numpy per group cost 5.5 s of CPU on 500 devices) must give
+    what wire.percentile gives everywhere else, on both sides of its size switch."""
+    got = queries._median(array("d", values))
+    assert got is None if not values else got == pytest.approx(percentile(sorted(values), 50), rel=1e-12, abs=1e-9)
+    large = np.random.default_rng(len(values)).uniform(0, 1e4, 1001 + len(values))  # the numpy side
+    assert queries._median(array("d", large)) == pytest.approx(percentile(large.tolist(), 50), rel=1e-12)
+
+
 def test_rejected(db):
     assert [(r["device"], r["reason"], r["count"]) for r in queries.rejected(db)] == [("dev-9", "schema", 1)]
 
