@@ -117,10 +117,28 @@ def _m0003_requests_view(db: Database) -> None:
         FROM records WHERE kind = 'request'""")
 
 
+def _m0004_stored_bytes(db: Database) -> None:
+    # The byte cap's measure, kept up to date by triggers in the same transactions as the rows: summed over
+    # the whole table at every retention pass it cost ~60 ms at 100,000 rows, under the lock every finishing
+    # request's append waits for (found in review). ROW_OVERHEAD_BYTES is written into the triggers: a new
+    # value needs a migration that makes them again.
+    size = "(length(CAST({}.body AS BLOB)) + " + str(ROW_OVERHEAD_BYTES) + ")"
+    db.execute("INSERT INTO meta (key, value) SELECT 'stored_bytes', "
+               f"COALESCE(SUM({size.format('records')}), 0) FROM records")
+    add = "UPDATE meta SET value = value + {} WHERE key = 'stored_bytes';"
+    sub = "UPDATE meta SET value = value - {} WHERE key = 'stored_bytes';"
+    new, old = size.format("NEW"), size.format("OLD")
+    db.execute(f"CREATE TRIGGER records_bytes_insert AFTER INSERT ON records BEGIN {add.format(new)} END")
+    db.execute(f"CREATE TRIGGER records_bytes_delete AFTER DELETE ON records BEGIN {sub.format(old)} END")
+    db.execute("CREATE TRIGGER records_bytes_update AFTER UPDATE OF body ON records BEGIN "
+               f"{sub.format(old)} {add.format(new)} END")
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [
     ("0001_records", _m0001_records),
     ("0002_meta", _m0002_meta),
     ("0003_requests_view", _m0003_requests_view),
+    ("0004_stored_bytes", _m0004_stored_bytes),
 ]
 
 
@@ -481,9 +499,9 @@ class TelemetryStore:
             return self._meta("connections")
 
     def stored_bytes(self) -> int:
+        """Every row's body plus ROW_OVERHEAD_BYTES, as the triggers of migration 0004 keep it."""
         with self._lock:
-            return self.db.execute(f"SELECT COALESCE(SUM(length(CAST(body AS BLOB)) + {ROW_OVERHEAD_BYTES}), 0) "
-                                   "FROM records").fetchone()[0]
+            return self._meta("stored_bytes")
 
     # ---- retention ----
     def enforce(self, max_age_s: float, max_bytes: int) -> RetentionReport:
@@ -526,17 +544,20 @@ class TelemetryStore:
             return RetentionReport(aged + delivered, lost, self.stored_bytes())
 
     def _delete_oldest(self, sent: int, excess_bytes: int) -> tuple[int, int]:
-        """Delete the fewest oldest rows (of this delivery state) that free excess_bytes: (rows, bytes)."""
-        if excess_bytes <= 0:
-            return 0, 0
-        size = f"length(CAST(body AS BLOB)) + {ROW_OVERHEAD_BYTES}"
-        last_id, count, freed = self.db.execute(f"""
-            WITH c AS (SELECT id, {size} AS size, SUM({size}) OVER (ORDER BY id) AS cum
-                       FROM records WHERE sent = ?)
-            SELECT MAX(id), COUNT(*), COALESCE(MAX(cum), 0) FROM c WHERE cum - size < ?""",
-                                                [sent, excess_bytes]).fetchone()
+        """Delete the fewest oldest rows (of this delivery state) that free excess_bytes: (rows, bytes). Reads
+        only the rows it deletes, a page at a time: a running sum over the whole table took ~0.2 s at the cap."""
+        count = freed = after = 0
+        while freed < excess_bytes:
+            page = self.db.execute("SELECT id, length(CAST(body AS BLOB)) FROM records WHERE sent = ? AND id > ? "
+                                   "ORDER BY id LIMIT 512", [sent, after]).fetchall()
+            for after, size in page:
+                count, freed = count + 1, freed + size + ROW_OVERHEAD_BYTES
+                if freed >= excess_bytes:
+                    break
+            if len(page) < 512:
+                break
         if count:
-            self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, last_id])
+            self.db.execute("DELETE FROM records WHERE sent = ? AND id <= ?", [sent, after])
         return count, freed
 
     def drop_undeliverable(self, row_ids: list[int], why: str) -> None:

@@ -227,7 +227,8 @@ def timeseries(db: sqlite_utils.Database, since_s: float, buckets: int = 60, now
 
 
 def _series_point(f: Figures) -> dict:
-    return {"requests": f.requests, "decode_tps_p50": _round(_median(f.speeds)), "ttft_p50_ms": _round(_median(f.ttfts))}
+    return {"requests": f.requests, "decode_tps_p50": _round(_median(f.speeds)),
+            "ttft_p50_ms": _round(_median(f.ttfts))}
 
 
 def _median(values: array) -> float | None:

@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 
 import sqlite_utils
 
-from fleet.updates import (add_device_timeout, add_notified_connection, add_report_times, create_tables as create_update_tables,
-                           index_job_device_state)
+from fleet.updates import (add_device_timeout, add_notified_connection, add_report_times,
+                           create_tables as create_update_tables, index_job_device_state)
 
 from agent.wire import DeviceState, TelemetryRecord
 

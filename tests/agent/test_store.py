@@ -376,6 +376,54 @@ def test_stored_bytes_counts_body_plus_overhead(db_path):
     assert store.stored_bytes() == len(record.model_dump_json().encode()) + ROW_OVERHEAD_BYTES
 
 
+def summed_bytes(store: TelemetryStore) -> int:
+    return store.db.execute(f"SELECT COALESCE(SUM(length(CAST(body AS BLOB)) + {ROW_OVERHEAD_BYTES}), 0) "
+                            "FROM records").fetchone()[0]
+
+
+def test_stored_bytes_stays_the_sum_of_the_rows_through_every_change(db_path, monkeypatch):
+    """Kept by triggers since it cost a table scan per retention pass (found in review): appends, deliveries,
+    a clock step that rewrites bodies, rows dropped as undeliverable, retention, and an upgrade of a
+    database that older agents filled."""
+    monkeypatch.setattr(store_module, "MIGRATIONS", [m for m in store_module.MIGRATIONS if m[0] < "0004"])
+    old = TelemetryStore(db_path, "dev-1")
+    for i in range(50):
+        old.append(EventRecord(kind="tick", detail={"i": "x" * (i % 7)}))
+    old.close()
+    monkeypatch.undo()
+    store = TelemetryStore(db_path, "dev-1")  # the upgrade
+    assert store.stored_bytes() == summed_bytes(store) > 0
+    for i in range(200):
+        store.append(request(tokens=i + 1) if i % 3 else EventRecord(kind="tick", detail={"n": "y" * i}))
+    store.mark_sent([r.row_id for r in store.unsent(120)])
+    store._restamp(123456.789)  # json_set changes the bodies' lengths
+    store.drop_undeliverable([r.row_id for r in store.unsent(5)], "invalid")
+    assert store.stored_bytes() == summed_bytes(store)
+    report = store.enforce(max_age_s=1e9, max_bytes=summed_bytes(store) // 3)
+    assert report.deleted_delivered and report.dropped_undelivered
+    assert report.stored_bytes == store.stored_bytes() == summed_bytes(store) <= summed_bytes(store) * 3
+
+
+def test_retention_reads_only_the_rows_it_deletes(db_path):
+    """Found in review: each pass summed every row's size, twice, and ran a window over the whole table, under
+    the lock appends wait for (0.4-0.6 s at the cap, with requests' replies held meanwhile). No statement of
+    a pass may scan the records table."""
+    store = TelemetryStore(db_path, "dev-1")
+    for i in range(300):
+        store.append(request(tokens=i + 1))
+    store.mark_sent([r.row_id for r in store.unsent(200)])
+    statements = []
+    store.db.conn.set_trace_callback(statements.append)
+    report = store.enforce(max_age_s=1e9, max_bytes=store.stored_bytes() - 1)
+    store.db.conn.set_trace_callback(None)
+    assert report.deleted_delivered == 1
+    reads = [s for s in statements if re.match(r"\s*(SELECT|WITH|DELETE)", s, re.I) and "records" in s]
+    assert reads
+    for sql in reads:
+        plan = " / ".join(row[3] for row in store.db.execute("EXPLAIN QUERY PLAN " + sql))
+        assert not re.search(r"SCAN (records|c)\b", plan), (sql, plan)
+
+
 # ---- the read side ---------------------------------------------------------------------------------------
 def fill_requests(db_path: Path, now: float) -> TelemetryStore:
     store = TelemetryStore(db_path, "dev-1")
