@@ -27,7 +27,7 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
 from agent import wire
-from agent.process import cgroup_values, trim_heap
+from agent.process import cgroup_dirs, cgroup_values, trim_heap
 
 log = logging.getLogger(__name__)
 SpinWait = bool | Literal["auto"]
@@ -61,7 +61,8 @@ PROC_STAT = Path("/proc/stat")
 
 
 def cpu_quota_cores() -> float | None:
-    """The tightest cgroup v2 CPU quota (cpu.max) on this process's cgroup and its parents, in cores."""
+    """The tightest cgroup CPU quota on this process's cgroup and its parents, in cores: v2's cpu.max, or
+    v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1: none)."""
     quotas = []
     for value in cgroup_values("cpu.max"):
         try:
@@ -70,11 +71,18 @@ def cpu_quota_cores() -> float | None:
                 quotas.append(int(quota) / int(period))
         except ValueError:
             pass
+    for group in cgroup_dirs("cpu"):
+        try:
+            quota, period = (int((group / f"cpu.cfs_{x}_us").read_text()) for x in ("quota", "period"))
+        except (OSError, ValueError):
+            continue
+        if quota > 0 and period > 0:
+            quotas.append(quota / period)
     return min(quotas) if quotas else None
 
 
 def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota if one is set."""
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota if one is set."""
     cores, quota = len(os.sched_getaffinity(0)), cpu_quota_cores()
     return max(1, min(cores, int(quota)) if quota is not None else cores)
 

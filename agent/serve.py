@@ -656,7 +656,7 @@ def fitted_budget(config: AgentConfig) -> AgentConfig:
         return config
     fitted = int(limit * BUDGET_OF_LIMIT) // MB
     log.error("engine.memory_budget_mb = %d is above %.0f%% of the %d MB this process may use (the machine's "
-              "memory, or its cgroup's memory.max: systemd's MemoryMax=): using %d MB; set it so in the config",
+              "memory, or its cgroup's memory limit: systemd's MemoryMax=): using %d MB; set it so in the config",
               config.engine.memory_budget_mb, BUDGET_OF_LIMIT * 100, limit // MB, fitted)
     return config.model_copy(update={"engine": config.engine.model_copy(update={"memory_budget_mb": fitted})})
 

@@ -1016,9 +1016,9 @@ def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp
     (root / "system.slice").mkdir(parents=True)
     (root / "memory.max").write_text("max\n")
     (root / "system.slice" / "memory.max").write_text(f"{1000 * 2**20}\n")  # a slice of 1000 MB
-    monkeypatch.setattr(agent.process, "CGROUP_ROOT", root)
-    monkeypatch.setattr(agent.process, "cgroup_values", lambda name: [
-        (root / "system.slice" / name).read_text().strip(), (root / name).read_text().strip()])
+    monkeypatch.setattr(agent.process, "cgroup_values", lambda name: [  # a v2 system: no v1 files
+        (root / "system.slice" / name).read_text().strip(), (root / name).read_text().strip()]
+        if name == "memory.max" else [])
     config = AgentConfig.model_validate({"engine": {"memory_budget_mb": 1024}})
     fitted = fitted_budget(config)
     assert fitted.engine.memory_budget_mb == 800 and config.engine.memory_budget_mb == 1024

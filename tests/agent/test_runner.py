@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,15 +142,57 @@ def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch):
     assert not choose_spinning("auto", 1)
 
 
-def test_a_cgroup_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
+def fake_cgroups(tmp_path, monkeypatch, mounts: list[str], memberships: list[str]) -> Path:
+    """A /proc/self with these mountinfo mounts ("fstype root options", mounted under tmp_path/mnt/<n>) and
+    cgroup lines; returns the mounts' parent. Files are then written under it as the kernel shows them."""
     import agent.process
+
+    proc, mnt = tmp_path / "proc", tmp_path / "mnt"
+    proc.mkdir()
+    lines = [f"{30 + i} 23 0:{40 + i} {m.split()[1]} {mnt / str(i)} rw,relatime - {m.split()[0]} {m.split()[0]} "
+             f"{m.split()[2]}" for i, m in enumerate(mounts)]
+    (proc / "mountinfo").write_text("\n".join(["22 1 8:1 / / rw - ext4 /dev/sda1 rw", *lines]) + "\n")
+    (proc / "cgroup").write_text("\n".join(memberships) + "\n")
+    monkeypatch.setattr(agent.process, "PROC_SELF", proc)
+    return mnt
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def test_a_cgroup_v2_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
     import agent.runner as runner_module
 
-    (tmp_path / "cpu.max").write_text("150000 100000\n")  # CPUQuota=150%
-    monkeypatch.setattr(agent.process, "CGROUP_ROOT", tmp_path)
+    mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup2 / rw,nsdelegate"], ["0::/system.slice/edge-agent.service"])
+    write(mnt / "0/system.slice/edge-agent.service/cpu.max", "150000 100000")  # CPUQuota=150%
+    write(mnt / "0/system.slice/cpu.max", "max 100000")
     assert runner_module.cpu_quota_cores() == 1.5
     assert usable_cores() == 1
     assert not choose_spinning("auto", 2) and not choose_spinning(True, 2)
+
+
+def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
+    """Found in review: only cgroup v2 was read, so on a v1 box (older distributions, Docker on them) a CPU
+    quota and a memory limit went unseen: two spinning threads on half a core, a budget above the limit.
+    Here cpu and cpuacct share a hierarchy that a container sees from its own cgroup down (root /docker/c1),
+    memory's is mounted whole, and a hybrid system's unified hierarchy carries no controller."""
+    import agent.process
+    import agent.runner as runner_module
+
+    mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup /docker/c1 rw,cpu,cpuacct", "cgroup / rw,memory",
+                                               "cgroup2 / rw"],
+                       ["5:memory:/docker/c1", "4:cpu,cpuacct:/docker/c1", "0::/docker/c1"])
+    write(mnt / "0/cpu.cfs_quota_us", "50000")  # --cpus=0.5
+    write(mnt / "0/cpu.cfs_period_us", "100000")
+    write(mnt / "1/docker/c1/memory.limit_in_bytes", str(512 << 20))
+    write(mnt / "1/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit"
+    assert runner_module.cpu_quota_cores() == 0.5 and usable_cores() == 1
+    assert not choose_spinning("auto", 1)
+    assert agent.process.memory_limit_bytes() == 512 << 20
+    write(mnt / "0/cpu.cfs_quota_us", "-1")  # no quota
+    assert runner_module.cpu_quota_cores() is None
 
 
 def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_fp32_bundle, tmp_path):
