@@ -52,8 +52,13 @@ RUNTIME_OVERHEAD_BYTES = 96 * MB  # ONNX Runtime + Python beside the weights (me
 DOWNLOAD_STALL_S = 300.0
 DOWNLOAD_BACKOFF_MAX_S = 30.0
 CHUNK_BYTES = 1 << 20
-MIN_DOWNLOAD_BYTES_PER_S = 16 << 10  # an attempt slower than this on average is cut off and resumed
-MIN_ATTEMPT_S = 60.0
+# An attempt slower than MIN_DOWNLOAD_BYTES_PER_S over any LOW_SPEED_WINDOW_S is cut off and resumed (curl's
+# --speed-limit / --speed-time); a download whose attempts stay that slow for DOWNLOAD_STALL_S fails. Found in
+# review: the limit was an average over the whole file, so a link crawling at 200 B/s held a 51 MB download
+# (and every job behind it) for ~52 minutes and a 100 MB one, which got 1 MiB an attempt, for ~19 hours.
+MIN_DOWNLOAD_BYTES_PER_S = 16 << 10
+LOW_SPEED_WINDOW_S = 60.0
+PROGRESS_EVERY_S = 30.0  # a status at least this often while bytes arrive, besides one a MiB
 
 
 class JobFailed(Exception):
@@ -433,6 +438,7 @@ class UpdateJob:
             if have > entry.size_bytes:
                 path.unlink()
                 have = 0
+            started = time.monotonic()
             try:
                 self._get(url, path, have, entry.size_bytes, progress, self._stopped)
             except urllib.error.HTTPError as e:
@@ -450,8 +456,12 @@ class UpdateJob:
                 if getattr(e, "errno", None) in STORAGE_ERRNOS:  # found in review: retried as a network fault
                     raise JobFailed(JobState.FAILED, f"cannot write {rel} on the device: {e}") from e
                 log.info("download of %s interrupted (%s), resuming", rel, e)
-            now = path.stat().st_size if path.exists() else -1
-            stalled = 0 if now >= 0 and now - have >= min(CHUNK_BYTES, entry.size_bytes - have) else stalled + 1
+            gained = (path.stat().st_size if path.exists() else 0) - have  # < 0: a server that ignored Range
+            # progress: a MiB (or the rest), or the minimum rate over the attempt (a link that drops every
+            # 40 s at 20 kB/s never got a MiB in one attempt, yet carries the download)
+            enough = gained >= min(CHUNK_BYTES, entry.size_bytes - have)
+            fast = gained >= MIN_DOWNLOAD_BYTES_PER_S * (time.monotonic() - started)
+            stalled = 0 if gained > 0 and (enough or fast) else stalled + 1
             if not stalled:
                 progressed = time.monotonic()
             else:
@@ -466,14 +476,14 @@ class UpdateJob:
     @staticmethod
     def _get(url: str, path: Path, have: int, size: int, progress: Callable[[int], None],
              stopped: Callable[[], None] = lambda: None) -> None:
-        # the socket timeout bounds one read; the deadline bounds the attempt (a server trickling a byte every
+        # the socket timeout bounds one read; the low-speed check bounds a crawl (a server trickling a byte every
         # few seconds held the update thread, and every job queued behind it, for days)
-        deadline = time.monotonic() + max(MIN_ATTEMPT_S, (size - have) / MIN_DOWNLOAD_BYTES_PER_S)
         req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         with urllib.request.urlopen(req, timeout=30) as resp:
             mode = "ab" if have and resp.status == 206 else "wb"  # a 200 means the server ignored Range
-            written = reported = have if mode == "ab" else 0
+            written = reported = window_bytes = have if mode == "ab" else 0
             declared_end = written + resp.length if resp.length is not None else None  # Content-Length
+            reported_at = window_start = time.monotonic()
             with open(path, mode) as f:
                 while chunk := resp.read1(CHUNK_BYTES):  # what has arrived: read() waits for a whole chunk
                     if written + len(chunk) > size:  # a wrong or endless body must not fill the disk
@@ -482,10 +492,16 @@ class UpdateJob:
                     f.write(chunk)
                     written += len(chunk)
                     stopped()  # raises JobPaused: what arrived is kept
-                    if written - reported >= CHUNK_BYTES or written == size:  # a status a MiB, not a read
+                    now = time.monotonic()
+                    # a status a MiB or every PROGRESS_EVERY_S, not a read: at 200 B/s the fleet saw 0% for an hour
+                    if written - reported >= CHUNK_BYTES or written == size or now - reported_at >= PROGRESS_EVERY_S:
                         progress(reported := written)
-                    if time.monotonic() > deadline:  # what arrived is kept: the next attempt resumes after it
-                        raise TimeoutError(f"slower than {MIN_DOWNLOAD_BYTES_PER_S >> 10} kB/s")
+                        reported_at = now
+                    if now - window_start >= LOW_SPEED_WINDOW_S:  # what arrived is kept: the next attempt resumes
+                        if written - window_bytes < MIN_DOWNLOAD_BYTES_PER_S * (now - window_start):
+                            raise TimeoutError(f"slower than {MIN_DOWNLOAD_BYTES_PER_S >> 10} kB/s over "
+                                               f"{now - window_start:.0f} s")
+                        window_start, window_bytes = now, written
             if written < size and declared_end is not None and written < declared_end:  # read1 does not raise
                 raise ConnectionError(f"the connection closed after {written} of {declared_end} bytes")  # a cut
             if written < size:  # the body ended where the server said it would: its file is shorter than the

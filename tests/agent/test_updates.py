@@ -592,8 +592,8 @@ def test_a_trickling_server_is_cut_off_and_resumed_or_given_up_on(forever, tmp_p
     """A server sending a byte every few seconds held the update thread (and every job behind it) for days."""
     import agent.updates as updates
 
-    monkeypatch.setattr(updates, "MIN_ATTEMPT_S", 1.0)
-    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt gets MIN_ATTEMPT_S
+    monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
+    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt is cut after its window
     monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 5.0)
     TricklingHandler.forever, TricklingHandler.requests = forever, 0
     v1, v2 = bundles
@@ -610,6 +610,45 @@ def test_a_trickling_server_is_cut_off_and_resumed_or_given_up_on(forever, tmp_p
         assert time.monotonic() - t0 < 30 and dev.serving.manifest.version == v1.manifest.version
     else:
         assert state is JobState.SUCCEEDED and TricklingHandler.requests >= 2
+
+
+class CrawlingHandler(RangeHandler):
+    """Sends 8 kB every 0.1 s (80 kB/s), whatever the file's size."""
+
+    def copyfile(self, source, outputfile):
+        try:
+            while block := source.read(8192):
+                outputfile.write(block)
+                outputfile.flush()
+                time.sleep(0.1)
+        except OSError:
+            pass  # the device gave up on us
+
+
+def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tmp_path, monkeypatch):
+    """Found in review: an attempt was cut only once slower than the minimum rate on average over the whole
+    file, so a 51 MB download crawling at 200 B/s held the updater (and every job behind it) for ~52 minutes,
+    reporting 0% all along. Scaled down here: a 1 MB/s floor over 1 s windows, a 40 MB file at 80 kB/s. The
+    old rule allowed this attempt 40 s; now it ends within its first window, with progress reported by time."""
+    import agent.updates as updates
+
+    monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
+    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 20)
+    monkeypatch.setattr(updates, "PROGRESS_EVERY_S", 0.3)
+    size = 40 << 20
+    (tmp_path / "files").mkdir()
+    with open(tmp_path / "files" / "big.bin", "wb") as f:
+        f.truncate(size)
+    server = ArtifactServer(tmp_path / "files", handler=CrawlingHandler).start()
+    reports = []
+    try:
+        with pytest.raises(TimeoutError, match="slower than 1024 kB/s"):
+            UpdateJob._get(f"{server.base_url}/big.bin", tmp_path / "big.part", 0, size, reports.append)
+    finally:
+        server.stop()
+    got = (tmp_path / "big.part").stat().st_size
+    assert 0 < got < 1 << 20  # cut in its first window: ~80 kB of the 40 MB arrived
+    assert len(reports) >= 2 and reports == sorted(reports) and reports[-1] <= got
 
 
 def test_a_body_cut_off_mid_chunk_is_resumed(tmp_path, bundles, keys, server, monkeypatch):
