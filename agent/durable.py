@@ -46,21 +46,29 @@ def replace_tree(tmp: Path, dest: Path, aside: Path) -> None:
     """Put the finished directory tmp at dest, durably; an existing dest (rename cannot replace a full
     directory) is renamed to `aside` and deleted after. tmp is synced first, so dest is missing only
     between two renames: synced after the move aside, a build interrupted while hundreds of MB were
-    written out left no bundle at all. If the second rename fails, the old dest is put back."""
+    written out left no bundle at all. If the second rename fails, the old dest is put back.
+
+    Interrupted anywhere (Ctrl-C), dest holds the old tree or the new one, never neither: the first rename
+    was outside the recovery, so a signal right after it left no dest, and a signal right after the second
+    one had the old tree put back onto the new one, which failed (found in review)."""
     tmp, dest = Path(tmp), Path(dest)
     sync_tree(tmp)
     moved = dest.exists() or dest.is_symlink()
-    if moved:
-        os.replace(dest, aside)
     try:
+        if moved:
+            os.replace(dest, aside)
         os.replace(tmp, dest)
     except BaseException:
-        if moved:
+        if moved and not _exists(dest) and _exists(aside):  # the new tree never arrived: the old one goes back
             os.replace(aside, dest)
         raise
     fsync_path(dest.parent)
     if moved:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
 
 
 def write_text(path: Path, text: str) -> None:

@@ -41,6 +41,26 @@ def test_a_failed_final_rename_puts_the_old_tree_back(tmp_path, monkeypatch):
     assert (dest / "weights").read_text() == "old" and not (tmp_path / ".b.old").exists()
 
 
+@pytest.mark.parametrize("after", ["aside", "into place"])
+def test_an_interrupt_at_either_rename_leaves_a_whole_tree_at_dest(after, tmp_path, monkeypatch):
+    """Found in review: Ctrl-C right after the old bundle moved aside left no bundle at all (that rename was
+    outside the recovery), and right after the new one moved in, putting the old one back failed with
+    "Directory not empty". Now dest holds the old tree in the first case and the new one in the second."""
+    dest, new = tree(tmp_path / "b", "old"), tree(tmp_path / ".b.tmp", "new")
+    replace = os.replace
+
+    def interrupted(src, dst):
+        replace(src, dst)
+        if (after == "aside") == str(dst).endswith(".b.old"):
+            monkeypatch.setattr(os, "replace", replace)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        durable.replace_tree(new, dest, tmp_path / ".b.old")
+    assert (dest / "weights").read_text() == ("old" if after == "aside" else "new")
+
+
 def test_create_new_works_where_there_are_no_hard_links_and_never_replaces(tmp_path, monkeypatch):
     """A signing key often lives on a vfat USB stick, which has no hard links (link(2) fails with EPERM)."""
     def no_links(src, dst):
