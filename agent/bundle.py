@@ -23,19 +23,23 @@ class BundleError(ValueError):
 @dataclass(frozen=True)
 class Bundle:
     path: Path
-    manifest: wire.Manifest
+    manifest: wire.Manifest | None  # None while edge-quantize builds it
     config: wire.ModelConfig
 
     def graph(self, kv_dtype: str = "fp32") -> Path:
-        """The graph that runs with this KV cache type; BundleError if the bundle has none."""
-        graph = self.path / (wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH)
-        if not graph.is_file() and kv_dtype != "int8":
-            raise BundleError(f"{self.manifest.name}@{self.manifest.version} has no {wire.GRAPH}")
-        if not graph.is_file():
-            raise BundleError(f"{self.manifest.name}@{self.manifest.version} has no int8 KV cache graph "
-                              f"({wire.GRAPH_INT8_KV}): rebuild it with edge-quantize build (which calibrates one), "
-                              f"or set kv_dtype = \"fp32\"")
-        return graph
+        """The graph that runs with this KV cache type; BundleError if the bundle has none. Only a graph its
+        manifest lists (and so verified): an unlisted model.int8kv.onnx dropped into a bundle was loaded
+        unchecked (found in review)."""
+        name = wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH
+        graph = self.path / name
+        if (self.manifest is None or name in self.manifest.files) and graph.is_file():  # None: being built
+            return graph
+        label = str(self.path) if self.manifest is None else f"{self.manifest.name}@{self.manifest.version}"
+        if kv_dtype != "int8":
+            raise BundleError(f"{label} has no {wire.GRAPH}")
+        raise BundleError(f"{label} has no int8 KV cache graph "
+                          f"({wire.GRAPH_INT8_KV}): rebuild it with edge-quantize build (which calibrates one), "
+                          f"or set kv_dtype = \"fp32\"")
 
     def runner(self, threads: int | None = None, spin_wait: SpinWait = False, kv_dtype: str = "fp32") -> ModelRunner:
         c = self.config

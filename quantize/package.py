@@ -72,17 +72,21 @@ def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
 MIN_TEXT_TOKENS = 2  # what a calibration or evaluation text needs at least (a next-token prediction)
 
 
+STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)(?:-ref)?")  # what builds leave beside out
+
+
 def _remove_stale(out: Path) -> None:
-    """Delete the temporary folders of earlier builds of out whose process is gone (SIGKILLed, the power
-    cut): each holds up to a whole bundle, and nothing else would ever remove them."""
-    for p in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 2:].partition("-")
-        pid = pid.removesuffix("-ref")
-        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
+    """Delete the temporary folders of earlier builds in out's folder whose process is gone (SIGKILLed, the
+    power cut): each holds up to a whole bundle (514 MB for SmolLM2 during GPTQ), and nothing else would ever
+    remove them. Any output's, not only out's: builds killed with other --out names piled up (found in review)."""
+    for p in out.parent.glob(".*.*-*"):
+        m = STALE.fullmatch(p.name)
+        if m is None or not p.is_dir() or _alive(int(m["pid"])):
             continue
-        if kind == "old" and not out.exists():
+        their_out = p.with_name(m["name"])
+        if m["kind"] == "old" and not their_out.exists():
             continue  # a build stopped between its two renames: this is the only copy of the bundle
-        if _held(out.with_name(f".{out.name}.partial-{pid}")):
+        if _held(p.with_name(f".{m['name']}.partial-{m['pid']}")):
             continue  # a build that runs in another PID namespace (a container sharing the folder)
         shutil.rmtree(p, ignore_errors=True)
 
@@ -123,6 +127,8 @@ def _check_replaceable(out: Path, force: bool) -> None:
     `--out bundles --force` (the sub-folder forgotten) deleted every bundle and file in bundles/."""
     if not force:
         raise PackageError(f"{out} already exists (use --force to replace it)")
+    if os.path.ismount(out):  # found in review: the whole build ran, then renaming it aside failed (EBUSY)
+        raise PackageError(f"{out} is a mount point, which cannot be replaced: use a folder inside it as --out")
     if out.is_symlink() or not out.is_dir() or not ((out / wire.MANIFEST).is_file() or not any(out.iterdir())):
         raise PackageError(f"{out} exists and is not a model bundle: --force replaces only a bundle (or an empty "
                            f"folder); choose another --out")

@@ -41,6 +41,22 @@ def graph_scales(bundle) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer if t.name.endswith("_scale")}
 
 
+def test_an_int8_graph_the_manifest_does_not_list_is_not_loaded(bundle, tmp_path):
+    """Found in review: a model.int8kv.onnx dropped into a bundle built without one was loaded, never verified."""
+    import shutil
+
+    from agent.bundle import open_bundle
+
+    copy = shutil.copytree(bundle.path, tmp_path / "b")
+    manifest = bundle.manifest.model_copy(update={"files": {k: v for k, v in bundle.manifest.files.items()
+                                                            if k != wire.GRAPH_INT8_KV}})
+    (copy / wire.MANIFEST).write_text(manifest.model_dump_json())
+    unlisted = open_bundle(copy)
+    with pytest.raises(BundleError, match="has no int8 KV cache graph"):
+        unlisted.graph("int8")
+    assert unlisted.graph() == copy / wire.GRAPH
+
+
 def test_bundle_carries_a_hashed_int8_kv_graph_scaled_from_the_calibration_text(bundle):
     assert wire.GRAPH_INT8_KV in bundle.manifest.files
     assert bundle.runner(2, kv_dtype="int8").kv_dtype == np.int8

@@ -214,7 +214,7 @@ def test_a_context_too_small_for_the_smoke_test_is_refused_at_build(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_build_removes_what_killed_builds_of_the_same_output_left(tiny_gguf, tmp_path):
+def test_a_build_removes_what_killed_builds_left_beside_its_output(tiny_gguf, tmp_path):
     """Found in review: a build SIGKILLed (or SIGTERMed, or cut by the power) left its .NAME.partial-PID folder,
     up to a whole bundle, for good."""
     import fcntl
@@ -225,7 +225,9 @@ def test_a_build_removes_what_killed_builds_of_the_same_output_left(tiny_gguf, t
     for name in leftovers:
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.onnx.data").write_bytes(b"\0" * 1024)
-    (tmp_path / ".other.partial-999999999").mkdir()  # another output's: not this build's business
+    (tmp_path / ".other.partial-999999999").mkdir()  # another output's killed build: found in review, they piled up
+    (tmp_path / ".other.old-999999999").mkdir()  # with no "other": the only copy of that bundle
+    (tmp_path / ".notes.partial-later").mkdir()  # not a build's name
     # a build in another PID namespace (its pid means nothing here) holds its folder, as every build does
     held = os.open(tmp_path / f".o.partial-{elsewhere}", os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(held, fcntl.LOCK_EX)
@@ -237,10 +239,21 @@ def test_a_build_removes_what_killed_builds_of_the_same_output_left(tiny_gguf, t
     # .o.old-DEAD stays too: with no o, a build stopped between its two renames left the only copy there
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
         f".o.old-{dead}", f".o.old-{elsewhere}", f".o.partial-{alive}", f".o.partial-{elsewhere}",
-        ".other.partial-999999999", "o"])
+        ".other.old-999999999", ".notes.partial-later", "o"])
     r = run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--force")  # now o exists: they go
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".o.partial-{alive}", ".other.partial-999999999", "o"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".o.partial-{alive}", ".other.old-999999999",
+                                                                 ".notes.partial-later", "o"])
+
+
+def test_a_mount_point_as_output_is_refused_before_the_build(tiny_gguf, tmp_path, monkeypatch):
+    """Found in review: --out on a mount point (with --force) ran the whole build, then failed to rename it."""
+    from quantize.package import PackageError, _check_replaceable
+
+    (tmp_path / "mnt").mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(tmp_path / "mnt"))
+    with pytest.raises(PackageError, match="is a mount point"):
+        _check_replaceable(tmp_path / "mnt", force=True)
 
 
 def test_thread_counts_out_of_range_are_refused(tiny_gguf, tmp_path):
