@@ -29,7 +29,8 @@ class EngineConfig(BaseModel):
     kv_smallest_class: int = Field(256, ge=16, description="capacity of the smallest KV slot class, in tokens")
     # 128 rather than 256: the same TTFT for 512- and 896-token prompts, ~8 MB less peak activation memory
     # and half the stall a long prompt puts between running streams' tokens (docs/benchmarks.md, 2026-12-03)
-    prefill_chunk_tokens: int = Field(128, ge=16, le=8192, description="prompt tokens computed per engine step")
+    prefill_chunk_tokens: int = Field(128, ge=16, le=8192, description="prompt tokens computed per engine step "
+                                      "(fewer deep into a long prompt while other requests decode)")
     # counted from submission to admission, so 0 refuses every request (tests use it to force 'overloaded')
     max_queue: int = Field(64, ge=0, description="requests that may wait for a slot before 'overloaded' "
                                                  "(0 refuses every request)")

@@ -26,7 +26,7 @@ from agent.prefix_cache import PrefixCache
 from agent.process import peak_rss_bytes, reset_peak_rss
 from agent.sampler import make_rng, sample
 from agent.sampling_params import SamplingParams
-from agent.scheduler import Scheduler
+from agent.scheduler import Scheduler, attention_tokens
 from agent.sequence import FinishReason, Sequence, Status
 from agent.speculative import learned_backoff, next_draft_length, ngram_draft, verify
 from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -108,7 +108,7 @@ class Engine:
         self.kv = self._plan_kv()
         self.max_prompt_tokens = self.kv.max_capacity - 1  # the largest slot, with one generated token
         self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s,
-                                   self.prefix.retire if self.prefix is not None else None)
+                                   self.prefix.retire if self.prefix is not None else None, attention_tokens(c))
         self.streams: dict[int, tuple[RequestHandle, IncrementalDetokenizer]] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()

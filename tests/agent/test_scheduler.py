@@ -116,6 +116,48 @@ def test_a_prompt_sharing_the_prefill_budget_gets_the_logits_it_gets_alone(tiny_
         np.testing.assert_array_equal(got, want)
 
 
+def test_chunks_deep_into_a_long_prompt_shrink_while_others_decode(tiny_bundle):
+    """Found in review: every chunk took prefill_chunk_tokens whatever the context before it, so on one core a
+    chunk 7,800 tokens into a prompt took 0.75 s and every running stream waited that long for each token.
+    While others decode, a chunk's width now falls as its attention's share of the step grows; alone, a
+    prompt takes whole chunks. Either way the text is what the request gets alone."""
+    from agent.scheduler import attention_tokens
+
+    config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=64,
+                          prefix_cache_fraction=0.0)
+    k = attention_tokens(tiny_bundle.config)
+    assert k < 250  # this tiny model's context (256) reaches past it
+    prompt = np.random.default_rng(5).integers(3, 260, 240).tolist()
+    widths, alone = [], Engine(tiny_bundle, config)
+    forward = alone.runner.forward
+    alone.runner.forward = lambda ids, sk, qs, *a, **kw: (widths.append(int(max(qs))), forward(ids, sk, qs, *a, **kw))[1]
+    expected = alone.generate(prompt, SamplingParams(max_tokens=4, **GREEDY)).token_ids
+    assert widths[:3] == [64] * 3  # whole chunks (240 = 3 x 64 + 48)
+    engine = Engine(tiny_bundle, config)
+    other = engine.submit([5, 6, 7], SamplingParams(max_tokens=400, **GREEDY))
+    while other.seq.status is not Status.DECODING:
+        engine.step()
+    chunks, forward = [], engine.runner.forward
+
+    def recording(ids, sk, qs, *a, **kw):
+        i = int(np.argmax(qs))
+        if qs[i] > 1:  # a prefill call (the decoding request runs in a call of its own): the chunk's position
+            chunks.append((int(sk[i]) + 1 - int(qs[i]), int(qs[i])))  # and width
+        return forward(ids, sk, qs, *a, **kw)
+
+    engine.runner.forward = recording
+    long = engine.submit(prompt, SamplingParams(max_tokens=4, **GREEDY))
+    while not long.seq.is_finished:
+        engine.step()
+    assert long.result().token_ids == expected
+    assert chunks[0] == (0, 64) and sum(w for _, w in chunks) == 240
+    for position, width in chunks[:-1]:  # the last one is what was left
+        assert width <= max(16, 64 / (1 + position / k)) and width >= min(16, 240 - position) - 1, chunks
+    widths = [w for _, w in chunks[:-1]]
+    assert widths == sorted(widths, reverse=True) and widths[-1] <= 64 // 2  # 64, 48, 41, 36, 32 here
+    other.cancel()
+
+
 def test_prefix_hit_from_a_running_sequence_is_exact_and_never_held_twice(tiny_bundle):
     """Blocks are indexed in the slot that computed them, and move to the store only when it leaves."""
     config = dict(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=32)
