@@ -47,7 +47,7 @@ class EngineConfig(BaseModel):
         "auto", description="ONNX Runtime threads spin between kernels and steps: ~1.3-1.5x faster decode on an "
                             "otherwise idle box, 0.6-0.7x when other processes compete for the cores "
                             "(docs/benchmarks.md). \"auto\" measures the cores' use by others at start and spins "
-                            "only when they are idle and no cgroup CPU quota is set")
+                            "only when they are idle, no cgroup CPU quota is set and there are 2 threads or more")
     speculative: Literal["off", "ngram", "draft"] = Field("off", description="default speculative decoding mode")
     speculative_max_batch: int = Field(2, ge=1, description="no drafts when more sequences than this decode at once")
 

@@ -115,14 +115,20 @@ def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
     if spin_wait != "auto":
         return bool(spin_wait)
     quota = cpu_quota_cores()
-    if quota is not None and quota < threads:  # spinning would burn the quota and get the workers throttled
+    # found in review: the docs promised no spinning under any quota, the code refused it only below the thread
+    # count; and at 1 thread (no workers: the caller's thread runs every op) each re-measurement that flipped
+    # the answer rebuilt the session for nothing, while the log said "workers will spin"
+    why = ("1 thread, so no workers" if threads == 1 else
+           f"a cgroup CPU quota of {quota:.2f} cores is set (spinning would burn it)" if quota is not None else None)
+    if why is not None:
+        log.info("%d thread(s): workers sleep: %s", threads, why)
         return False
     try:
         busy = cpu_busy_elsewhere()
     except OSError as e:  # e.g. systemd's ProcSubset=pid hides /proc/stat
         log.warning("cannot measure other load (%s): workers will sleep; set spin_wait = true to spin", e)
         return False
-    log.info("others used %.2f cores of ours while measuring: workers will %s", busy,
+    log.info("%d threads: others used %.2f cores of ours while measuring: workers will %s", threads, busy,
              "spin" if busy < SPIN_MAX_BUSY_ELSEWHERE else "sleep")
     return busy < SPIN_MAX_BUSY_ELSEWHERE
 

@@ -63,19 +63,28 @@ def test_spinning_is_as_configured_unless_threads_outnumber_cores():
     assert not choose_spinning(True, usable_cores() + 1)
 
 
-def test_auto_does_not_spin_next_to_a_busy_neighbour():
+@pytest.fixture
+def two_free_cores(monkeypatch):
+    """choose_spinning as on a box with 2 cores and no CPU quota, whatever this one has."""
+    import agent.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(runner_module, "cpu_quota_cores", lambda: None)
+
+
+def test_auto_does_not_spin_next_to_a_busy_neighbour(two_free_cores):
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # inherits this process's CPUs
     try:
         time.sleep(0.3)  # let it start
         assert cpu_busy_elsewhere() > 0.5
-        assert not choose_spinning("auto", 1)
+        assert not choose_spinning("auto", 2)
     finally:
         hog.kill()
         hog.wait()
 
 
 def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
-    runner = tiny_fp32_bundle.runner(1, "auto")
+    runner = tiny_fp32_bundle.runner(2, "auto")
     cache = runner.new_cache(1, 32)
     ids, seqlens, q, last = np.array([[5, 6, 7]]), np.array([2]), np.array([3]), np.array([[2]])
     before = runner.forward(ids, seqlens, q, last, cache).copy()
@@ -135,11 +144,26 @@ def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch)
     assert e.runner.spinning and grown_mb < 25, f"RSS grew {grown_mb:.0f} MB over one rebuild"
 
 
-def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch):
+def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch, two_free_cores):
     import agent.runner as runner_module
 
     monkeypatch.setattr(runner_module, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
-    assert not choose_spinning("auto", 1)
+    assert not choose_spinning("auto", 2)
+
+
+def test_auto_sleeps_at_one_thread_and_under_any_quota_without_measuring(monkeypatch, caplog, two_free_cores):
+    """Found in review: the docs promised no spinning under a cgroup CPU quota, but the code refused it only
+    below the thread count; at 1 thread (no workers to spin) every re-measurement that flipped rebuilt the
+    session for nothing, while the log said "workers will spin"."""
+    import agent.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "cpu_busy_elsewhere", lambda: 0.0)  # an idle box: spinning, if measured
+    assert choose_spinning("auto", 2)
+    monkeypatch.setattr(runner_module, "cpu_busy_elsewhere", lambda: pytest.fail("measured"))
+    caplog.set_level("INFO", "agent.runner")
+    assert not choose_spinning("auto", 1) and "1 thread(s): workers sleep: 1 thread, so no workers" in caplog.text
+    monkeypatch.setattr(runner_module, "cpu_quota_cores", lambda: 2.0)  # CPUQuota=200%, as many as threads
+    assert not choose_spinning("auto", 2) and "a cgroup CPU quota of 2.00 cores" in caplog.text
 
 
 def fake_cgroups(tmp_path, monkeypatch, mounts: list[str], memberships: list[str]) -> Path:
