@@ -57,6 +57,12 @@ STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state'
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
 STABLE_CONNECTION_S = 60.0  # a connection that lasted this long resets the backoff; a shorter one does not
 JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status reported while away is not lost)
+# After a connection ended with batches unacknowledged, the next sends this many bytes at first and grows
+# the bytes in flight with each PUBACK (TCP's slow start), to at most what arrived within half a keepalive.
+# Found in review: over an uplink of 600-1,000 B/s, enough for the backlog, a full window of 200-record
+# batches took longer than two keepalives to send, paho closed the connection for want of a PINGRESP queued
+# behind them, and the next connection sent the same batches first again: nothing was ever delivered.
+SLOW_START_BYTES = 8 << 10
 # {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
 EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())
 
@@ -403,6 +409,8 @@ class _Outbox:
         self._target: _Connection | None = None  # set by the link thread
         self._conn: _Connection | None = None  # the connection _inflight belongs to
         self._inflight: dict[int, list[int]] = {}
+        self._sizes: dict[int, tuple[int, float]] = {}  # message id -> (payload bytes, when published)
+        self._window: int | None = None  # payload bytes allowed in flight; None: as many batches as configured
         self._cursor = 0  # the last row id published on this connection
         self._paused_until = 0.0
         self._refusal_logged_at = -float("inf")  # when a refused batch was last logged; reset by an accepted one
@@ -431,13 +439,26 @@ class _Outbox:
     def _pass(self) -> None:
         self._drain_acks()  # acks that came before a disconnect still count
         if self._target is not self._conn:  # a new connection (or none): unacked rows go again from the start
-            self._conn, self._inflight, self._cursor = self._target, {}, 0
+            if self._inflight:  # and this one ended with batches unacknowledged: the link may be too slow for them
+                self._window = SLOW_START_BYTES
+            self._conn, self._inflight, self._sizes, self._cursor = self._target, {}, {}, 0
         while self._can_publish() and self._publish_batch():
             self._drain_acks()
 
     def _can_publish(self) -> bool:
         return (self._conn is not None and self._conn.is_up and not self._stop.is_set()
-                and len(self._inflight) < self.config.max_inflight_batches and time.monotonic() >= self._paused_until)
+                and len(self._inflight) < self.config.max_inflight_batches and time.monotonic() >= self._paused_until
+                and (self._window is None or self._bytes_in_flight() < self._window))
+
+    def _bytes_in_flight(self) -> int:
+        return sum(size for size, _ in self._sizes.values())
+
+    def _grow_window(self, size: int, published: float) -> None:
+        """An acknowledged batch of `size` bytes: double the window, to at most what this link carried in half
+        a keepalive; past a full window of the largest batches, no limit again."""
+        rate = size / max(time.monotonic() - published, 1e-3)
+        grown = min(2 * self._window, max(SLOW_START_BYTES, int(rate * self.config.keepalive_s / 2)))
+        self._window = None if grown >= self.config.max_inflight_batches * MAX_PAYLOAD_BYTES else grown
 
     def _drain_acks(self) -> None:
         while True:
@@ -448,6 +469,7 @@ class _Outbox:
             rows = self._inflight.pop(mid, None) if conn is self._conn else None
             if rows is None:
                 continue  # a state or response publish, or an ack from an earlier connection
+            size, published = self._sizes.pop(mid)
             # MQTT v5 §3.4.2.1: the broker did not accept it (e.g. 0x87 not authorized), or accepted it for no
             # one (0x10: the fleet server's session is gone, e.g. a broker restarted without persistence):
             # found in review, those rows were marked sent and lost. Both keep the rows and retry later.
@@ -463,6 +485,8 @@ class _Outbox:
                 self._paused_until = time.monotonic() + REFUSED_PAUSE_S
                 continue
             self._refusal_logged_at = -float("inf")  # accepted: the next refusal is news
+            if self._window is not None:
+                self._grow_window(size, published)
             try:
                 self.store.mark_sent(rows)
                 self._unmarked_logged_at = -float("inf")  # marked: the next failure is news
@@ -482,7 +506,8 @@ class _Outbox:
         if not rows:
             return False
         limit = self._conn.payload_limit
-        rows = fit_batch(rows, limit)
+        window = limit if self._window is None else max(self._window - self._bytes_in_flight(), 1)
+        rows = fit_batch(rows, min(limit, window))  # at least one record, whatever the window
         payload = TelemetryBatch(device_id=self.device_id, records=[r.record for r in rows]).model_dump_json()
         if len(payload.encode()) > limit:  # one record alone is over this broker's limit: it can never go
             log.warning("mqtt: a %d-byte record is over the broker's packet limit (%d): dropped", len(payload), limit)
@@ -492,6 +517,7 @@ class _Outbox:
         if info.rc != paho.MQTT_ERR_SUCCESS:
             return False  # the connection just went; the link thread will notice
         self._inflight[info.mid] = [r.row_id for r in rows]
+        self._sizes[info.mid] = (len(payload.encode()), time.monotonic())
         self._cursor = rows[-1].row_id
         return True
 

@@ -575,6 +575,32 @@ def test_a_record_over_the_brokers_packet_limit_is_dropped_and_the_rest_delivere
         small.stop()
 
 
+def test_a_backlog_drains_over_an_uplink_too_slow_for_full_batches_within_a_keepalive(broker, links):
+    """Found in review: over a 600-1,000 B/s uplink (enough for the backlog) a window of full batches took
+    longer than two keepalives to send, paho closed the connection for want of a PINGRESP queued behind them,
+    and the next connection sent the same batches first: nothing was delivered, for as long as it lasted.
+    Here 60 kB wait behind a 3 kB/s uplink with a 5 s keepalive: the first connection dies under its full
+    window, the next ones start small (SLOW_START_BYTES) and grow with each PUBACK."""
+    from slowlink import SlowUplink
+
+    fleet = Fleet(broker, subscribe=["edge/v1/+/tele"])
+    uplink = SlowUplink(broker.port, up_bytes_per_s=3000)
+    try:
+        link = links(uplink.url, "dev-slow", keepalive_s=5)
+        assert wait_until(lambda: link.is_connected)
+        for i in range(120):
+            link.store.append(EventRecord(kind="tick", detail={"i": i, "pad": "x" * 400}))
+        link.notify()
+        boot = link.store.boot_id
+        expected = {(boot, seq) for seq in range(120)}
+        assert fleet.wait(lambda f: expected <= f.tele_keys, 120.0), f"{len(expected - fleet.tele_keys)} missing"
+        assert wait_until(lambda: link.store.count_unsent() == 0)
+        assert uplink.connections >= 2  # the full window did time out once
+    finally:
+        uplink.close()
+        fleet.close()
+
+
 def test_only_recent_job_statuses_are_kept_for_a_reconnect_and_the_latest_goes_last(tmp_path):
     """Found in review: every job's status was kept for good and re-sent at every reconnect, in the order the
     jobs first reported, so the retained one could be an old job's."""
