@@ -32,6 +32,10 @@ KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x
 BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
 STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
+# A message publish_confirmed got no PUBACK for is waited on again, not published again, for this long: over a
+# link gone silent without closing, a rollout's pass published a new copy of a notice every 0.5 s (each given up
+# on after its wait), and paho sent them all after the reconnect: 8-9 copies reached the device (found in review).
+UNCONFIRMED_HOLD_S = 60.0
 PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)
 
 
@@ -157,6 +161,8 @@ class Link:
         self._pubacks: dict[int, tuple[int, object]] = {}
         self._puback_count = 0
         self._puback_cond = threading.Condition()
+        # (topic, payload, response topic, correlation) -> (message id, puback count before, give up after)
+        self._unconfirmed: dict[tuple, tuple[int, int, float]] = {}
         self._client = self._make_client()
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -212,15 +218,20 @@ class Link:
         authorized" from its ACL: trying again will not help). Found in review: a refused command or rollout
         notice counted as sent, and surfaced only later as a device that never answered. `unmatched`: what to
         return instead of True when the PUBACK says no subscriber matched (0x10: the broker dropped it)."""
+        key = (topic, payload, response_topic, correlation_data)
         with self._puback_cond:
-            before = self._puback_count
-        # not under the condition's lock: paho calls on_publish holding a lock that publish() takes
-        mid = self._publish(topic, payload, 1, False, response_topic, correlation_data, expiry_s)
-        if mid is None:
-            return False
+            now = time.monotonic()
+            self._unconfirmed = {k: v for k, v in self._unconfirmed.items() if v[2] > now}
+            mid, before, _ = self._unconfirmed.get(key, (None, self._puback_count, 0.0))
+        if mid is None:  # not under the condition's lock: paho calls on_publish holding a lock publish() takes
+            mid = self._publish(topic, payload, 1, False, response_topic, correlation_data, expiry_s)
+            if mid is None:
+                return False
         with self._puback_cond:
             if not self._puback_cond.wait_for(lambda: self._pubacks.get(mid, (0,))[0] > before, timeout_s):
+                self._unconfirmed[key] = (mid, before, time.monotonic() + UNCONFIRMED_HOLD_S)
                 return False
+            self._unconfirmed.pop(key, None)
             reason = self._pubacks.pop(mid)[1]
         if reason.is_failure:
             return f"the broker refused it: {reason}"

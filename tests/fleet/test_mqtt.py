@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given
@@ -115,3 +116,38 @@ def test_refused_subscriptions_and_publishes_are_named(tmp_path):
         link.stop()
     finally:
         b.stop()
+
+
+def test_a_message_unconfirmed_over_a_silent_link_is_waited_on_not_published_again(broker):
+    """Found in review: over a link gone silent without closing, each rollout pass published a new copy of a
+    notice (each given up on after its wait) and all of them reached the device once the link came back."""
+    import threading
+
+    import paho.mqtt.client as paho
+    from slowlink import SlowUplink
+
+    got, subscribed = [], threading.Event()
+    watcher = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="watcher", protocol=paho.MQTTv5)
+    watcher.on_connect = lambda c, *a: c.subscribe("edge/v1/dev-1/jobs/notify", qos=1)
+    watcher.on_subscribe = lambda *a: subscribed.set()
+    watcher.on_message = lambda c, u, m: got.append(m.payload)
+    watcher.connect("127.0.0.1", broker.port)
+    watcher.loop_start()
+    uplink = SlowUplink(broker.port)
+    link = Link(uplink.url, Session("fleet-silent"), [], lambda m: None).start()
+    try:
+        assert subscribed.wait(10) and link.wait_ready(10)
+        assert link.publish_confirmed("edge/v1/dev-1/jobs/notify", b"doc-1", 5) is True
+        uplink.frozen.set()
+        for _ in range(5):  # five passes of the rollout driver while the link is silent
+            assert link.publish_confirmed("edge/v1/dev-1/jobs/notify", b"doc-2", 0.2) is False
+        uplink.frozen.clear()
+        assert link.publish_confirmed("edge/v1/dev-1/jobs/notify", b"doc-2", 5) is True  # the first copy's PUBACK
+        assert wait_until(lambda: got.count(b"doc-2") >= 1)
+        time.sleep(0.5)  # any further copies would have arrived by now
+        assert got == [b"doc-1", b"doc-2"]
+    finally:
+        link.stop()
+        uplink.close()
+        watcher.disconnect()
+        watcher.loop_stop()
