@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 
 import click
@@ -34,6 +35,7 @@ def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> No
 
     env_prefix: options may also come from the environment, as PREFIX_COMMAND_OPTION (click's
     auto_envvar_prefix), which is how a systemd unit's EnvironmentFile configures a command."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: Ctrl-C is click's Abort from here on
     try:
         code = group.main(prog_name=prog_name, auto_envvar_prefix=env_prefix, standalone_mode=False)
     except click.exceptions.Abort:  # Ctrl-C (KeyboardInterrupt; SIGTERM where a command maps it to one)
