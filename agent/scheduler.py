@@ -36,9 +36,9 @@ class StepPlan:
 
 
 AGING_S = 10.0  # a waiting request gains one priority level per this many seconds
-# Attention costs less per multiply-add than the projections' kernels: SmolLM2 INT4, 2 threads, a 128-token
-# chunk took 137 / 253 / 381 / 637 ms at 0 / 2,000 / 4,000 / 7,800 tokens of context, which fits
-# 1 + context / ~2,200 tokens, where its multiply-adds alone give 1 + context / 3,070.
+# Attention's multiply-adds cost ~1.4x the projections' (their kernels are faster): SmolLM2 INT4, 2 threads, a
+# 128-token chunk took 137 / 253 / 381 / 637 ms at 0 / 2,000 / 4,000 / 7,800 tokens of context, which fits
+# 1 + context / ~2,200 tokens, where the multiply-adds alone give 1 + context / 3,070.
 ATTENTION_EFFICIENCY = 0.7
 
 
@@ -135,8 +135,10 @@ class Scheduler:
         for seq in self.running:
             if seq.status is Status.PREFILLING:
                 cost = 1.0 + seq.num_computed / self.attention_tokens if decoding and self.attention_tokens else 1.0
-                # at least 16 (or what is left): the first prefilling sequence always progresses
-                if n := self._chunk(seq.num_uncomputed, max(min(budget, 16), int(budget / cost))):
+                affordable = int(budget / cost)
+                if not plan.prefills:  # the first prefilling sequence always progresses: at least 16 tokens
+                    affordable = max(affordable, 16)
+                if n := self._chunk(seq.num_uncomputed, affordable):
                     plan.prefills.append((seq, n))
                     budget -= min(budget, math.ceil(n * cost))
             elif seq.status is Status.DECODING:

@@ -132,6 +132,9 @@ def _m0004_stored_bytes(db: Database) -> None:
     db.execute(f"CREATE TRIGGER records_bytes_delete AFTER DELETE ON records BEGIN {sub.format(old)} END")
     db.execute("CREATE TRIGGER records_bytes_update AFTER UPDATE OF body ON records BEGIN "
                f"{sub.format(old)} {add.format(new)} END")
+    # the oldest delivered rows, found without walking the undelivered ones (a device offline at its cap
+    # holds little else: found in review, a pass then stepped through all 120,000 rows)
+    db.execute("CREATE INDEX records_sent ON records (id) WHERE sent = 1")
 
 
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [
@@ -548,8 +551,10 @@ class TelemetryStore:
         only the rows it deletes, a page at a time: a running sum over the whole table took ~0.2 s at the cap."""
         count = freed = after = 0
         while freed < excess_bytes:
-            page = self.db.execute("SELECT id, length(CAST(body AS BLOB)) FROM records WHERE sent = ? AND id > ? "
-                                   "ORDER BY id LIMIT 512", [sent, after]).fetchall()
+            # sent as a literal: SQLite uses a partial index (records_sent, records_unsent) only for a query whose
+            # WHERE names its constant
+            page = self.db.execute(f"SELECT id, length(CAST(body AS BLOB)) FROM records WHERE sent = {int(sent)} "
+                                   "AND id > ? ORDER BY id LIMIT 512", [after]).fetchall()
             for after, size in page:
                 count, freed = count + 1, freed + size + ROW_OVERHEAD_BYTES
                 if freed >= excess_bytes:

@@ -32,6 +32,7 @@ from agent import durable
 from agent.bundle import open_bundle
 from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
                         JobStatusUpdate, Manifest, device_of, is_device_id, topic)
+from fleet.mqtt import UNCONFIRMED_HOLD_S
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_job, sign_manifest
 
@@ -237,6 +238,9 @@ class RolloutDriver:
         self._reports: collections.deque[tuple[JobStatusUpdate, Callable[[], object]]] = collections.deque(
             maxlen=STATUS_INBOX_MAX)
         self._notified: dict[tuple[str, str], float] = {}  # (job, device) -> time.monotonic() of the notice
+        # (job, device) -> (the signed notice last published unconfirmed, when): sent again as it was, so that
+        # the link waits on that copy (for UNCONFIRMED_HOLD_S) rather than adding one signed anew each pass
+        self._unconfirmed: dict[tuple[str, str], tuple[bytes, float]] = {}
         self._wake = threading.Event()
 
     def start(self) -> "RolloutDriver":
@@ -356,6 +360,7 @@ class RolloutDriver:
             else:
                 pending[key] = mono - elapsed
         self._notified = pending  # what ended is forgotten
+        self._unconfirmed = {k: v for k, v in self._unconfirmed.items() if mono - v[1] < UNCONFIRMED_HOLD_S}
         final = sorted(s.value for s in TERMINAL_JOB_STATES)
         for i in range(0, len(expired), 1000):  # the state test in the statement itself: a final report another
             batch = expired[i:i + 1000]  # replica commits meanwhile is not overwritten (found in review)
@@ -432,9 +437,18 @@ class RolloutDriver:
             log.info("job %s %s%s", job["id"], d.job_state.value, f": {d.reason}" if d.reason else "")
 
     def _notify(self, doc: JobDocument, device_id: str, ttl_s: float) -> bool | str:
-        """Publish the device's notice, expiring in ttl_s; publish_mqtt's answer."""
-        return self.publish_mqtt(topic(device_id, "jobs", "notify"), self._for(doc, device_id, ttl_s).wire_bytes(),
-                                 ttl_s)
+        """Publish the device's notice, expiring in ttl_s; publish_mqtt's answer. A notice whose publish was not
+        confirmed goes again as the same bytes for as long as the link holds it: signed anew each pass (its
+        issued_at), every copy was a new message, and over a link gone silent all of them reached the device
+        (found in review)."""
+        key, now = (doc.job_id, device_id), time.monotonic()
+        payload, signed = self._unconfirmed.pop(key, (None, now))
+        if payload is None or now - signed >= UNCONFIRMED_HOLD_S:
+            payload, signed = self._for(doc, device_id, ttl_s).wire_bytes(), now
+        answer = self.publish_mqtt(topic(device_id, "jobs", "notify"), payload, ttl_s)
+        if answer is False:
+            self._unconfirmed[key] = (payload, signed)
+        return answer
 
     def _for(self, doc: JobDocument, device_id: str, ttl_s: float) -> JobDocument:
         """The document one device gets: signed for it alone, until the message itself expires, with a job key."""

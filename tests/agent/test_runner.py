@@ -213,8 +213,9 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
     write(mnt / "1/docker/c1/memory.limit_in_bytes", str(512 << 20))
     write(mnt / "1/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit"
     assert runner_module.cpu_quota_cores() == 0.5 and usable_cores() == 1
-    assert not choose_spinning("auto", 1)
     assert agent.process.memory_limit_bytes() == 512 << 20
+    write(mnt / "0/cpu.cfs_quota_us", "250000")  # --cpus=2.5
+    assert runner_module.cpu_quota_cores() == 2.5
     write(mnt / "0/cpu.cfs_quota_us", "-1")  # no quota
     assert runner_module.cpu_quota_cores() is None
 

@@ -130,7 +130,8 @@ def test_chunks_deep_into_a_long_prompt_shrink_while_others_decode(tiny_bundle):
     prompt = np.random.default_rng(5).integers(3, 260, 240).tolist()
     widths, alone = [], Engine(tiny_bundle, config)
     forward = alone.runner.forward
-    alone.runner.forward = lambda ids, sk, qs, *a, **kw: (widths.append(int(max(qs))), forward(ids, sk, qs, *a, **kw))[1]
+    alone.runner.forward = lambda ids, sk, qs, *a, **kw: (widths.append(int(max(qs))),
+                                                          forward(ids, sk, qs, *a, **kw))[1]
     expected = alone.generate(prompt, SamplingParams(max_tokens=4, **GREEDY)).token_ids
     assert widths[:3] == [64] * 3  # whole chunks (240 = 3 x 64 + 48)
     engine = Engine(tiny_bundle, config)
@@ -156,6 +157,38 @@ def test_chunks_deep_into_a_long_prompt_shrink_while_others_decode(tiny_bundle):
     widths = [w for _, w in chunks[:-1]]
     assert widths == sorted(widths, reverse=True) and widths[-1] <= 64 // 2  # 64, 48, 41, 36, 32 here
     other.cancel()
+
+
+def test_prompts_deep_in_share_a_steps_budget_by_cost():
+    """Found in review: the 16-token floor meant for the first prefilling sequence went to every one, so a
+    fresh prompt's 100 tokens plus 16 more of a prompt 7,800 tokens deep cost 174 of a 128 budget."""
+    from types import SimpleNamespace
+
+    def seq(status: Status, prompt: int, computed: int) -> SimpleNamespace:
+        return SimpleNamespace(status=status, num_computed=computed, num_uncomputed=prompt - computed,
+                               seq_id=len(scheduler.running))
+
+    pool = object()
+    scheduler = Scheduler(SimpleNamespace(classes=[pool], where={}), 128, attention_tokens=2150)
+    scheduler.running.append(seq(Status.DECODING, 10, 10))
+    scheduler.kv.where[0] = pool
+
+    def plan(*prefilling: tuple[int, int]) -> list[tuple[int, int]]:
+        del scheduler.running[1:]
+        scheduler.running.extend(seq(Status.PREFILLING, p, c) for p, c in prefilling)
+        return [(s.num_computed, n) for s, n in scheduler.plan().prefills]
+
+    def cost(chunks) -> float:
+        return sum(n * (1 + at / 2150) for at, n in chunks)
+
+    chunks = plan((100, 0), (8000, 7800))
+    assert chunks[0] == (0, 100) and cost(chunks) <= 128, chunks  # the deep one: 28 left is worth 7 tokens
+    chunks = plan((8000, 7800), (8000, 7800))
+    # the floor goes to the first only
+    assert chunks[0][1] >= 16 and cost(chunks) <= max(128, 16 * (1 + 7800 / 2150)) + 1, chunks
+    assert plan((8000, 7800)) == [(7800, 27)]  # 128 / (1 + 7800 / 2150)
+    scheduler.running[:] = [seq(Status.PREFILLING, 8000, 7800)]  # nothing decodes: whole chunks
+    assert [n for _, n in scheduler.plan().prefills] == [128]
 
 
 def test_prefix_hit_from_a_running_sequence_is_exact_and_never_held_twice(tiny_bundle):

@@ -118,36 +118,57 @@ def test_refused_subscriptions_and_publishes_are_named(tmp_path):
         b.stop()
 
 
-def test_a_message_unconfirmed_over_a_silent_link_is_waited_on_not_published_again(broker):
-    """Found in review: over a link gone silent without closing, each rollout pass published a new copy of a
-    notice (each given up on after its wait) and all of them reached the device once the link came back."""
-    import threading
+class Watcher:
+    """A device's view of its job notices: every copy the broker delivers."""
 
-    import paho.mqtt.client as paho
+    def __init__(self, broker, topic: str = "edge/v1/dev-1/jobs/notify"):
+        import threading
+
+        import paho.mqtt.client as paho
+
+        self.got, subscribed = [], threading.Event()
+        c = self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="watcher", protocol=paho.MQTTv5)
+        c.on_connect = lambda c, *a: c.subscribe(topic, qos=1)
+        c.on_subscribe = lambda *a: subscribed.set()
+        c.on_message = lambda c, u, m: self.got.append(m.payload)
+        c.connect("127.0.0.1", broker.port)
+        c.loop_start()
+        assert subscribed.wait(10)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_notice_unconfirmed_over_a_silent_link_is_waited_on_not_published_again(broker, tmp_path, signed):
+    """Found in review: over a link gone silent without closing, each rollout pass published a new copy of a
+    notice (each given up on after its wait) and all of them reached the device once the link came back; with
+    a job key each pass also signed it anew, so no two copies were the same message."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from agent.wire import JobDocument
+    from fleet.updates import RolloutDriver
     from slowlink import SlowUplink
 
-    got, subscribed = [], threading.Event()
-    watcher = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="watcher", protocol=paho.MQTTv5)
-    watcher.on_connect = lambda c, *a: c.subscribe("edge/v1/dev-1/jobs/notify", qos=1)
-    watcher.on_subscribe = lambda *a: subscribed.set()
-    watcher.on_message = lambda c, u, m: got.append(m.payload)
-    watcher.connect("127.0.0.1", broker.port)
-    watcher.loop_start()
-    uplink = SlowUplink(broker.port)
+    watcher, uplink = Watcher(broker), SlowUplink(broker.port)
     link = Link(uplink.url, Session("fleet-silent"), [], lambda m: None).start()
+    waits = iter([5.0] + [0.2] * 5 + [5.0])
+    driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: link.publish_confirmed(t, p, next(waits),
+                                                                                          expiry_s=e),
+                           "http://unused", job_key=Ed25519PrivateKey.generate() if signed else None)
     try:
-        assert subscribed.wait(10) and link.wait_ready(10)
-        assert link.publish_confirmed("edge/v1/dev-1/jobs/notify", b"doc-1", 5) is True
+        assert link.wait_ready(10)
+        assert driver._notify(JobDocument(job_id="j0", operation="rollback"), "dev-1", 1800.0) is True
         uplink.frozen.set()
         for _ in range(5):  # five passes of the rollout driver while the link is silent
-            assert link.publish_confirmed("edge/v1/dev-1/jobs/notify", b"doc-2", 0.2) is False
+            assert driver._notify(JobDocument(job_id="j1", operation="rollback"), "dev-1", 1800.0) is False
         uplink.frozen.clear()
-        assert link.publish_confirmed("edge/v1/dev-1/jobs/notify", b"doc-2", 5) is True  # the first copy's PUBACK
-        assert wait_until(lambda: got.count(b"doc-2") >= 1)
+        assert driver._notify(JobDocument(job_id="j1", operation="rollback"), "dev-1", 1800.0) is True
+        assert wait_until(lambda: len(watcher.got) >= 2)
         time.sleep(0.5)  # any further copies would have arrived by now
-        assert got == [b"doc-1", b"doc-2"]
+        assert len(watcher.got) == 2 and b"j0" in watcher.got[0] and b"j1" in watcher.got[1], watcher.got
     finally:
         link.stop()
         uplink.close()
-        watcher.disconnect()
-        watcher.loop_stop()
+        watcher.close()
