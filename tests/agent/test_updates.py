@@ -566,6 +566,17 @@ def test_a_journal_that_cannot_be_written_fails_the_job_with_the_reason(tmp_path
 
 
 # ---- found in review (2026-12-04) ------------------------------------------------------------------------
+def send_slowly(source, outputfile, block: int, pause_s: float) -> None:
+    """Copy source in blocks of `block` bytes, `pause_s` apart, until it ends or the device gives up."""
+    try:
+        while data := source.read(block):
+            outputfile.write(data)
+            outputfile.flush()
+            time.sleep(pause_s)
+    except OSError:
+        pass  # the device gave up on us
+
+
 class TricklingHandler(RangeHandler):
     """Sends 4 kB, then a byte every 0.3 s: never a socket timeout, never the end. `forever=False`: only the
     first response trickles."""
@@ -578,13 +589,7 @@ class TricklingHandler(RangeHandler):
         if not TricklingHandler.forever and TricklingHandler.requests > 1:
             return super().copyfile(source, outputfile)
         outputfile.write(source.read(4096))
-        try:
-            while byte := source.read(1):
-                outputfile.write(byte)
-                outputfile.flush()
-                time.sleep(0.3)
-        except OSError:
-            pass  # the device gave up on us
+        send_slowly(source, outputfile, 1, 0.3)
 
 
 @pytest.mark.parametrize("forever", [False, True])
@@ -616,13 +621,7 @@ class CrawlingHandler(RangeHandler):
     """Sends 8 kB every 0.1 s (80 kB/s), whatever the file's size."""
 
     def copyfile(self, source, outputfile):
-        try:
-            while block := source.read(8192):
-                outputfile.write(block)
-                outputfile.flush()
-                time.sleep(0.1)
-        except OSError:
-            pass  # the device gave up on us
+        send_slowly(source, outputfile, 8192, 0.1)
 
 
 def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tmp_path, monkeypatch):
