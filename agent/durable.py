@@ -53,7 +53,7 @@ def replace_tree(tmp: Path, dest: Path, aside: Path) -> None:
     one had the old tree put back onto the new one, which failed (found in review)."""
     tmp, dest = Path(tmp), Path(dest)
     sync_tree(tmp)
-    moved = dest.exists() or dest.is_symlink()
+    moved = _exists(dest)
     try:
         if moved:
             os.replace(dest, aside)

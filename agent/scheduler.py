@@ -129,8 +129,8 @@ class Scheduler:
         deeper in costs more per token (its attention over the context before it), so it gets fewer: found in
         review, on one core a 128-token chunk 7,800 tokens into a prompt took 0.75 s, and every running stream
         waited that long for each token. Alone, a prompt takes whole chunks (the fastest TTFT)."""
-        plan, budget = StepPlan(), float(self.prefill_chunk_tokens)  # a float: rounding each prompt's cost up cost
-        # a step's worth of short prompts a token each, and the last of them a step (+50 ms TTFT p50, 16 chats)
+        # a float: each prompt's cost rounded up to a whole token let fewer short prompts share a step
+        plan, budget = StepPlan(), float(self.prefill_chunk_tokens)
         decoding = any(seq.status is Status.DECODING for seq in self.running)
         for seq in self.running:
             if seq.status is Status.PREFILLING:
