@@ -85,6 +85,8 @@ CONFIGS = [
                                                            **PLAIN), calibrated=True),
     OnnxConfig("int4 default: GPTQ (b64, down b128, o+gate_up sym, L18 qkv int8)", QuantSpec(precision="int4"),
                calibrated=True, int8_kv=True),
+    # the lm_head at 4 bits as well (untied from the 8-bit embedding), GPTQ'd like the layers
+    OnnxConfig("int4 default + int4 lm_head (GPTQ)", QuantSpec(precision="int4", lm_head="int4"), calibrated=True),
     OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),
 ]
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.

@@ -21,7 +21,7 @@ from agent.process import trim_heap
 from agent.runner import ModelRunner
 from quantize.checkpoint import Checkpoint, Geometry
 from quantize.evaluate import windows
-from quantize.graph import Importance, build_graph, capture_width
+from quantize.graph import LM_HEAD, Importance, build_graph, capture_width
 from quantize.precision import QuantSpec
 
 CHUNK_TOKENS = 256
@@ -121,7 +121,7 @@ def calibration(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, t
     work_dir: where the fp32 capture graph is written meanwhile (a whole fp32 model; default $TMPDIR)."""
     g = ckpt.geometry
     model, _ = build_graph(ckpt, QuantSpec(), capture=True)
-    keys = [o.name for o in model.graph.output if o.name.startswith("model.")]
+    keys = [o.name for o in model.graph.output if o.name.startswith("model.") or o.name == LM_HEAD]
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         path = Path(tmp) / wire.GRAPH
         onnx.save_model(model, str(path), save_as_external_data=True, location=wire.GRAPH_DATA)

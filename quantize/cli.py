@@ -64,7 +64,9 @@ def cli() -> None:
 @click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
               help="MatMulNBits activation compute: 4 = int8 per block, 0/1 = fp32.")
 @click.option("--embedding", type=click.Choice(["fp32", "int8", "int4"]), default=None)
-@click.option("--lm-head", type=click.Choice(["fp32", "int8", "int4"]), default=None)
+@click.option("--lm-head", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+              help="The lm_head's precision (default: int8 for int4 bundles). A head apart from the embedding's "
+                   "precision is stored apart from it, and GPTQ'd like the layers.")
 @click.option("--keep-source-quant", is_flag=True, help="Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks.")
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")

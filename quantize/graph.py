@@ -30,6 +30,7 @@ from quantize.precision import Precision, QuantSpec
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
+LM_HEAD = "lm_head.weight"  # the lm_head's HF weight name: its key for calibration, like every projection's
 
 # Per-tensor importance (mean squared activation per input channel), keyed by HF weight name.
 Importance = dict[str, np.ndarray]
@@ -369,7 +370,8 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
         x, lm_head = tied_fp32(b, table)
     else:
         x = embedding(b, table, spec.embedding_precision, spec)
-        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec, LinearPlan(spec.lm_head_precision, spec.block_size, spec.symmetric))  # noqa: E731
+        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec,  # noqa: E731
+                                   LinearPlan(spec.lm_head_precision, spec.block_size, spec.symmetric), key=LM_HEAD)
     residual = x
     x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
               ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",
@@ -384,11 +386,14 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
                                  ckpt.layer(i, "post_attention_layernorm.weight"), g.rms_norm_eps)
         x = mlp(b, ckpt, i, x, spec, plans)
     x, _ = _skip_norm(b, "model.norm", x, residual, ckpt.weights["model.norm.weight"], g.rms_norm_eps)
+    final = x
     idx = b.one("Unsqueeze", [wire.LOGITS_INDICES, b.const("/model/logits_axis", np.array([-1], np.int64))],
                 "/model/logits_indices/Unsqueeze")
     x = b.one("GatherND", [x, idx], "/model/logits_indices/GatherND", batch_dims=1)  # [B, n, hidden]
     lm_head(x)
     b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's node is the last one added
+    # calibration sees the lm_head's input at every position, not only where this graph computes logits
+    b.linear_inputs[LM_HEAD] = final
     inputs, outputs = io_spec(g)
     if capture:
         outputs += _capture_outputs(b, g)
