@@ -125,7 +125,7 @@ def _linear_from_source(b: GraphBuilder, name: str, x: str, blocks: list[SourceB
     (Float zero points would express it directly but ran ~40x slower on CPU.)
     """
     parts = [nbits.from_gguf_blocks(s) for s in blocks]
-    q = _concat_rows([p[0] for p in parts])
+    q = nbits.concat_rows([p[0] for p in parts])
     b.report.append(f"{name}: kept source blocks {'+'.join(s.ggml_type for s in blocks)}")
     y = _matmul_nbits(b, name, x, q, spec.accuracy_level)
     mins = [p[1] for p in parts]
@@ -140,28 +140,6 @@ def _linear_from_source(b: GraphBuilder, name: str, x: str, blocks: list[SourceB
     corr = b.one("MatMul", [sums, b.const(f"{name}.block_mins", mins.T.astype(np.float32))],
                  f"{name}/min_correction/MatMul")
     return b.one("Add", [y, corr], f"{name}/min_correction/Add")
-
-
-def _concat_rows(parts: list[nbits.BlockQuantized]) -> nbits.BlockQuantized:
-    """Stack block-quantized matrices along N (the fused q/k/v or gate/up rows)."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    assert all((p.bits, p.block_size, p.k) == (first.bits, first.block_size, first.k) for p in parts)
-    zps = None
-    if any(p.zero_points is not None for p in parts):
-        # a part without zero points uses the op's default 2^(bits-1): spell it out so all rows agree
-        zps = np.concatenate([p.zero_points if p.zero_points is not None else _default_zero_points(p) for p in parts])
-    return nbits.BlockQuantized(first.bits, first.block_size, sum(p.n for p in parts), first.k,
-                                np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zps)
-
-
-def _default_zero_points(q: nbits.BlockQuantized) -> np.ndarray:
-    k_blocks = q.scales.shape[1]
-    if q.bits == 8:
-        return np.full((q.n, k_blocks), 128, np.uint8)
-    packed = np.full((q.n, (k_blocks * q.bits + 7) // 8), 0x88, np.uint8)  # two 4-bit eights per byte
-    return packed
 
 
 def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: QuantSpec) -> str:

@@ -44,6 +44,12 @@ _SEARCH_CHUNK_ELEMENTS = 1 << 20
 # that every quantization block lies inside one batch and its parameters see its fully updated weights.
 _GPTQ_BATCH_COLUMNS = 128
 
+# Rows of w quantize_gptq works on at once, as elements: rows are independent in GPTQ (they share only the
+# Hessian), and its working copies of w (transposed, codes, the static search's) cost ~3x w. A 128k-token
+# vocabulary's lm_head [128256, 2048] held 2.7 GB of them beside w's 1 GB; in chunks of ~128 MB it holds
+# what the block search does. Smaller matrices (all of SmolLM2's, its head included) run in one chunk.
+_GPTQ_CHUNK_ELEMENTS = 1 << 25
+
 # GGUF block types we can keep as-is: name -> (MatMulNBits bits, per-block minimum present).
 _GGUF_KEEPABLE = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}
 
@@ -199,21 +205,51 @@ def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, he
     n, k = _check_weight(w).shape
     h = _check_hessian(hessian, k, damp, copy=not overwrite_hessian)
     diag = np.diag(h).copy()
-    weights = _block_weights(diag if importance is None else importance, k, block_size)  # [k_blocks, B]
+    importance = diag if importance is None else importance
     order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
     if act_order:
         _permute_symmetric(h, order)  # in place: h[np.ix_(order, order)] was another [K, K] copy (found in review)
     u = _inverse_hessian_cholesky(h, damp)  # float32 [K, K], sweep order; h is overwritten
     del h
+    rows = max(1, _GPTQ_CHUNK_ELEMENTS // k)
+    return concat_rows([_gptq_rows(w[r:r + rows], u, order, bits, block_size, symmetric, importance, act_order)
+                        for r in range(0, n, rows)])
+
+
+def _gptq_rows(w: np.ndarray, u: np.ndarray, order: np.ndarray, bits: int, block_size: int, symmetric: bool,
+               importance: np.ndarray, act_order: bool) -> BlockQuantized:
+    """quantize_gptq's sweep over some rows of w, given the inverse Hessian's factor u in sweep order."""
+    n, k = w.shape
     if act_order:
-        static = quantize_search(w, bits, block_size, symmetric, diag if importance is None else importance)
+        static = quantize_search(w, bits, block_size, symmetric, importance)
         scale, zp, choose = _static_params(static, order)
     else:
-        scale, zp, choose = _searched_params(n, weights, bits, symmetric)
+        scale, zp, choose = _searched_params(n, _block_weights(importance, k, block_size), bits, symmetric)
     wt = np.ascontiguousarray(np.asarray(w, dtype=np.float32).T[order])  # [K, N], sweep order
     j = np.zeros((n, scale.shape[1] * block_size), np.float32)  # padding: signed code 0, i.e. the zero point
     j[:, order] = _gptq_sweep(wt, u, bits, block_size, choose).T
     return _assemble(j.reshape(n, -1, block_size), scale, zp, bits, block_size, k, symmetric)
+
+
+def default_zero_points(q: BlockQuantized) -> np.ndarray:
+    """The packed zero points MatMulNBits assumes when it is given none: 2^(bits-1) for every block."""
+    if q.bits == 8:
+        return np.full((q.n, q.k_blocks), 128, np.uint8)
+    return np.full((q.n, _packed_len(q.k_blocks, q.bits)), 0x88, np.uint8)  # two 4-bit eights per byte
+
+
+def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
+    """Stack block-quantized matrices along N (row chunks, or the fused q/k/v or gate/up rows)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    assert all((p.bits, p.block_size, p.k) == (first.bits, first.block_size, first.k) for p in parts)
+    zps = None
+    if any(p.zero_points is not None for p in parts):
+        # a part without zero points uses the op's default 2^(bits-1): spell it out so all rows agree
+        zps = np.concatenate([p.zero_points if p.zero_points is not None else default_zero_points(p) for p in parts])
+    return BlockQuantized(first.bits, first.block_size, sum(p.n for p in parts), first.k,
+                          np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]), zps)
 
 
 def quantize_embedding(w: np.ndarray, bits: int, block_size: int, *, symmetric: bool = False) -> BlockQuantized:
