@@ -51,7 +51,7 @@ class QuantSpec(BaseModel):
     embedding: Precision | None = None  # None: same as `precision` but never below int8
     # None: int8 when precision is int4 (the lm_head is ~1/5 of the weights). On SmolLM2 a 4-bit head (GPTQ,
     # stored apart from the 8-bit embedding) raised INT4's mean KL from 0.134 to 0.158 and the bundle from
-    # 91.8 to 108.4 MB for ~10% faster decode (docs/benchmarks.md): an option, not the default.
+    # 91.6 to 108.2 MB for ~10% faster decode (docs/benchmarks.md): an option, not the default.
     lm_head: Precision | None = None
     # Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks instead of requantizing from dequantized weights.
     keep_source_quant: bool = False
