@@ -84,3 +84,26 @@ def test_an_untied_lm_head_is_calibrated_at_every_position_and_gets_gptq(tiny_va
     with calibration(ckpt, ids, with_hessians=True) as calib:
         _, report = build_graph(ckpt, QuantSpec(precision="int4", lm_head="int4"), calib.importance, calib.hessians)
     assert "/lm_head: int4 gptq block 64 asym imatrix" in report, report
+
+
+def test_a_bundle_with_a_4bit_head_apart_from_the_embedding_serves(tiny_varied_checkpoint, tmp_path):
+    from agent.bundle import open_bundle
+    from agent.config import EngineConfig
+    from agent.engine import Engine
+    from agent.sampling_params import SamplingParams
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    spec = QuantSpec(precision="int4", lm_head="int4", embedding="int8")
+    build_bundle(tiny_varied_checkpoint, spec, tmp_path / "b", name="tiny", calibration_text=TEXT, eval_text=TEXT,
+                 progress=lambda _: None)
+    bundle = open_bundle(tmp_path / "b")  # every file verified against the manifest
+    report = (tmp_path / "b" / "quant_report.txt").read_text()
+    assert "embed_tokens: int8" in report and "/lm_head: int4 gptq" in report, report
+    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
+    try:
+        out = engine.generate(_ids(tiny_varied_checkpoint)[:20], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                  ignore_eos=True))
+    finally:
+        engine.close()
+    assert out.figures.completion_tokens == 8 and out.figures.finish_reason == "length", out
