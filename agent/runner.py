@@ -11,6 +11,7 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +29,10 @@ import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
 from agent import wire
 from agent.process import cgroup_dirs, cgroup_values, trim_heap
+
+# Our graphs give GroupQueryAttention its query_seqlens input (several new tokens on a ragged batch), which
+# ONNX Runtime accepts from 1.32; older ones refuse every graph with a schema error naming input counts.
+MIN_ORT_VERSION = (1, 32)
 
 log = logging.getLogger(__name__)
 SpinWait = bool | Literal["auto"]
@@ -245,6 +250,7 @@ class ModelRunner:
         self.kv_dtype = np.dtype(np.int8 if cache_type == "tensor(int8)" else np.float32)
 
     def _load(self, spin: bool) -> None:
+        check_runtime_version(ort.__version__)
         directory = self.model_path.resolve().parent
         others = {(lo, hi) for lo, hi, _ in clean_file_mappings(directory)}  # e.g. a draft's session on this bundle
         self.session = ort.InferenceSession(str(self.model_path), session_options(self.threads, spin),
@@ -341,6 +347,16 @@ class ModelRunner:
             binding.bind_ortvalue_output(wire.present_key(i), cache.keys_ort[i])
             binding.bind_ortvalue_output(wire.present_value(i), cache.values_ort[i])
         return binding
+
+
+def check_runtime_version(version: str) -> None:
+    """ValueError, saying what to install, when ONNX Runtime is older than our graphs need (pip enforces the
+    floor; a distribution's package or a --no-deps install does not)."""
+    found = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if found < MIN_ORT_VERSION:
+        need = ".".join(map(str, MIN_ORT_VERSION))
+        raise ValueError(f"onnxruntime {version} is too old: edge-llm's graphs need {need} or newer "
+                         f"(pip install 'onnxruntime>={need}')")
 
 
 def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:

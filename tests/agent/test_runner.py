@@ -247,3 +247,15 @@ def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundl
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / ".cache").exists(), sorted(str(p) for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("version,ok", [("1.31.1", False), ("1.22.0", False), ("1.32.0", True),
+                                        ("1.33.0.dev20261201", True), ("2.0.0", True)])
+def test_the_runtime_version_floor(version, ok):
+    from agent.runner import check_runtime_version
+
+    if ok:
+        check_runtime_version(version)
+    else:
+        with pytest.raises(ValueError, match=f"onnxruntime {version} is too old"):
+            check_runtime_version(version)

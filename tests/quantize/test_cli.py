@@ -289,3 +289,14 @@ def test_a_text_file_that_is_not_utf8_is_named(tiny_gguf, tmp_path):
     bad.write_bytes(b"abc \xff def")
     assert_one_line_error(run("build", str(tiny_gguf), "--out", str(tmp_path / "o"), "--calib-text", str(bad)),
                           f"{bad}: not UTF-8 text")
+
+
+def test_an_onnxruntime_too_old_for_the_graphs_is_named(tiny_gguf, tmp_path):
+    """Found in review: the declared floor was 1.22, but every graph gives GroupQueryAttention query_seqlens,
+    which 1.31 and older refuse with a schema error about input counts, printed as an internal error."""
+    code = ("import sys, onnxruntime; onnxruntime.__version__ = '1.31.1'; import quantize.cli; "
+            "sys.argv = ['edge-quantize', *sys.argv[1:]]; quantize.cli.main()")
+    r = subprocess.run([sys.executable, "-c", code, "build", str(tiny_gguf), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=300)
+    assert_one_line_error(r, "onnxruntime 1.31.1 is too old", "1.32 or newer")
+    assert not (tmp_path / "o").exists()
