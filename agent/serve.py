@@ -21,9 +21,9 @@ import secrets
 import signal
 import socket
 import stat
-import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -47,10 +47,6 @@ from agent.wire import JobDocument, Manifest, ModelConfig
 
 AGENT_VERSION = "0.1.0"
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 log = logging.getLogger(__name__)
 
