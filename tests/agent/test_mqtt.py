@@ -391,8 +391,10 @@ def test_commands_round_trip_with_correlation_data(broker, links):
     link = links(broker.url, "dev-c", handler=handler, username="dev-c", password="hunter2")
     made.append(link)
     # telemetry too: a batch nobody subscribes to is kept (PUBACK "no matching subscribers")
-    fleet = Fleet(broker, subscribe=["edge/v1/dev-c/cmd/res/#", "edge/v1/dev-c/tele"])
-    assert wait_until(lambda: link.is_connected)
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-c/cmd/res/#", "edge/v1/dev-c/tele", "edge/v1/dev-c/state"])
+    # "online" follows the command subscription on the same connection, so the broker has it: a request sent
+    # on is_connected alone could reach the broker first and be lost (seen under load in review)
+    assert fleet.wait(lambda f: (s := f.last_state("dev-c")) is not None and s.status == "online")
 
     fleet.request("dev-c", "ping", b"{}", correlation=b"\x00\xffcorr")
     assert fleet.wait(lambda f: b"\x00\xffcorr" in f.responses)
