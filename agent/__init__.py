@@ -7,7 +7,7 @@ def quiet_interrupt_while_loading() -> None:
     review: a Ctrl-C in that first second printed a 20-line traceback.
 
     os._exit, not sys.exit: SystemExit raised while onnxruntime's native module initializes became
-    "ImportError: initialization failed" with a traceback, or a segfault (14 and 3 of 200 Ctrl-Cs at random
+    "ImportError: initialization failed" with a traceback, or a segfault (up to 14 and 3 of 200 Ctrl-Cs at random
     moments in review); nothing is written yet that an exit without cleanup would lose."""
     import os
     import signal

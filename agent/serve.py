@@ -47,7 +47,6 @@ from agent.wire import JobDocument, Manifest, ModelConfig
 
 AGENT_VERSION = "0.1.0"
 
-
 log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 128  # pending connections per listener; clients beyond it are refused by the kernel
