@@ -762,42 +762,9 @@ def test_a_clock_step_is_an_event_and_the_state_is_published_again(broker, tmp_p
         fleet.close()
 
 
-def write_tls_files(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1: (ca.crt, server.crt, server.key)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    def cert(subject: str, key, issuer: str, issuer_key, is_ca: bool) -> x509.Certificate:
-        now = datetime.datetime.now(datetime.timezone.utc)
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
-        if not is_ca:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    paths = directory / "ca.crt", directory / "server.crt", directory / "server.key"
-    paths[0].write_bytes(cert("test-ca", ca_key, "test-ca", ca_key, True).public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert("127.0.0.1", server_key, "test-ca", ca_key, False)
-                         .public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
-    return paths
-
-
 def test_mqtts_verifies_the_broker_against_the_given_ca(tmp_path, links, caplog):
     from broker import Broker
+    from tls_files import write_tls_files
 
     ca, crt, key = write_tls_files(tmp_path)
     b = Broker(tmp_path / "broker", extra_config=(f"certfile {crt}\nkeyfile {key}\nallow_anonymous true\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # simdevice.py, fleet_support.py, fleet_tls.py
+sys.path.insert(0, str(Path(__file__).parent))  # simdevice.py, fleet_support.py
 
 from fleet_support import ServeProcess  # noqa: E402
 from simdevice import SimDevice  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 from fleet_support import REPO, wait_until
 from fleet.store import connect
 from simdevice import SimDevice
-from fleet_tls import write_tls_files
+from tls_files import write_tls_files
 
 PASSWORDS = {"_fleet": "pw-fleet", "_fleet-jobs": "pw-jobs", "_fleet-cmd": "pw-cmd", "dev-a": "pw-a"}
 

@@ -1,7 +1,5 @@
-"""A throwaway CA and server certificate for a TLS test broker on 127.0.0.1.
-
-(The same helper as tests/agent/test_mqtt.py's write_tls_files; one shared copy under tests/ would be better.)
-"""
+"""A throwaway CA and server certificate for a TLS test broker on 127.0.0.1 (the agent's and the fleet's
+MQTT tests)."""
 from __future__ import annotations
 
 import datetime
