@@ -28,7 +28,7 @@ from agent.sampler import make_rng, sample
 from agent.sampling_params import SamplingParams
 from agent.scheduler import Scheduler, attention_tokens
 from agent.sequence import FinishReason, Sequence, Status
-from agent.speculative import learned_backoff, next_draft_length, ngram_draft, verify
+from agent.speculative import DraftLength, learned_backoff, next_draft_length, verify
 from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
 from agent.wire import RequestFigures
 
@@ -198,7 +198,8 @@ class Engine:
                                param="speculative")
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
-        seq.draft_length = next_draft_length(self._spec_backoff.get(self._spec_mode(seq)))
+        mode = self._spec_mode(seq)
+        seq.draft_length = next_draft_length(mode, self._spec_backoff.get(mode))
         handle = RequestHandle(seq)
         with self._submit_lock:  # counted and queued as one: simultaneous submits cannot all pass the check
             if self._stop.is_set():
@@ -421,18 +422,17 @@ class Engine:
         return seq.params.speculative or self.config.speculative
 
     def _draft(self, seq: Sequence, batch: int) -> list[int]:
-        """Prompt-lookup draft for this step, or [] when speculation is off, paused or not worth it."""
+        """This step's draft (prompt lookup's or the draft model's), or [] when speculation is off, paused or not
+        worth it."""
         mode = self._spec_mode(seq)
         if mode == "off" or batch > self.config.speculative_max_batch:
             return []
         capacity = self.scheduler.pool_of(seq).capacity  # a draft model writes its tokens into its own slot
         room = min(seq.params.max_tokens - len(seq.output_ids), min(seq.max_total_tokens, capacity) - seq.num_tokens) - 1
+        if mode == "ngram":
+            return seq.draft_length.propose(seq.all_ids, room)
         k = min(seq.draft_length.current(), room)
-        if k <= 0:
-            return []
-        if mode == "draft" and self.draft is not None:
-            return self.draft.propose(seq.seq_id, seq.all_ids, k)
-        return ngram_draft(seq.all_ids, k)
+        return self.draft.propose(seq.seq_id, seq.all_ids, k) if k > 0 and self.draft is not None else []
 
     def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray, seconds: float) -> None:
         """Account for the tokens the step computed and append what verification accepted."""
@@ -444,7 +444,7 @@ class Engine:
             seq.draft_length.update(len(draft), accepted, seconds)
         else:
             tokens = [self._sample(seq, logits[0])]
-            seq.draft_length.observe_plain(seconds)
+            seq.draft_length.observe_plain(seconds, tokens[0])
         seq.num_computed += len(tokens)  # the last token + the accepted drafts now have valid KV
         if self.draft is not None:
             self.draft.accepted(seq.seq_id, seq.num_computed)
@@ -479,7 +479,8 @@ class Engine:
     def _finish_stream(self, seq: Sequence) -> None:
         if self.draft is not None:
             self.draft.forget(seq.seq_id)
-        if seq.num_computed > len(seq.prompt_ids):  # it decoded: what it learned about speculating counts
+        if seq.num_computed > len(seq.prompt_ids) and isinstance(seq.draft_length, DraftLength):
+            # it decoded: what it learned about a draft model's speculation counts
             self._spec_backoff[self._spec_mode(seq)] = learned_backoff(seq.draft_length, seq.drafted_tokens > 0)
         handle, detok = self.streams.pop(seq.seq_id)
         tail = detok.flush()  # held-back text that turned out not to be a stop string

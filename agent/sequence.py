@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.sampling_params import SamplingParams
-from agent.speculative import DraftLength
+from agent.speculative import DraftLength, LookupLength
 from agent.wire import RequestFigures
 
 _ids = itertools.count()
@@ -64,7 +64,7 @@ class Sequence:
     # perf_counter() of each generated token; the tokens of one step (accepted drafts) share that step's time
     token_times: list[float] = field(default_factory=list)
     kv_bytes: int = 0
-    draft_length: DraftLength = field(default_factory=DraftLength)
+    draft_length: DraftLength | LookupLength = field(default_factory=DraftLength)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
 
