@@ -77,10 +77,13 @@ class Engine:
     is_reference: bool = False  # the row every ratio is taken against: ours INT4
 
 
+FAST_LABEL = "ours INT4 fast (--lm-head int4, int8 KV cache)"
 ENGINES = [
     Engine("ours INT4 (default: GPTQ b64, spin_wait auto)", "ours", "ours-int4", is_reference=True),
     Engine("ours INT4, sleeping threads (spin_wait=False)", "ours-sleep", "ours-int4"),
     Engine("ours INT4, int8 KV cache", "ours-kv8", "ours-int4"),
+    # opt-in, not the default: mean KL 0.158 + the int8 cache's ~0.002 against the default's 0.134, a 108 MB bundle
+    Engine(FAST_LABEL, "ours-kv8", "ours-int4-h4"),
     Engine("ours INT8", "ours", "ours-int8"),
     Engine("ours Q4_1 kept (--keep-source-quant)", "ours", "ours-q4_1-src"),
     Engine("ORT GenAI int4 (its builder)", "genai", "genai-int4"),
@@ -235,6 +238,7 @@ def build_artifacts(source: Path, threads: int, rebuild: bool) -> dict[str, Path
     builders = {
         "ours-int4": lambda p: build_ours(source, p, "--precision", "int4"),
         "ours-int8": lambda p: build_ours(source, p, "--precision", "int8"),
+        "ours-int4-h4": lambda p: build_ours(source, p, "--precision", "int4", "--lm-head", "int4"),
         "ours-q4_1-src": lambda p: build_ours(source, p, "--precision", "int4", "--keep-source-quant"),
         "genai-int4": lambda p: build_genai(source, p),
         "q4_0.gguf": lambda p: build_q4_0(source, p, threads),
@@ -377,7 +381,13 @@ def goals(rows: list[Row]) -> str:
         ("INT4 peak RSS @1024 <= llama.cpp (smaller of its rows)", ref.median("rss", "peak_rss_mb") / llama_rss,
          lambda x: x <= 1.0),
     ]
-    return "\n".join(f"- {name}: {x:.2f} ({'met' if ok(x) else 'NOT met'})" for name, x, ok in checks)
+    fast = by_label.get(FAST_LABEL)
+    lines = [f"- {name}: {x:.2f} ({'met' if ok(x) else 'NOT met'})" for name, x, ok in checks]
+    if fast is not None:  # what an operator can trade quality for; the goals are the default's
+        x = fast.median("decode", "decode_tokens_per_s") / genai.median("decode", "decode_tokens_per_s")
+        lines.append(f"- (opt-in, not the goal) {FAST_LABEL} decode / GenAI int4: {x:.2f}; its peak RSS @1024 / "
+                     f"llama.cpp: {fast.median('rss', 'peak_rss_mb') / llama_rss:.2f}")
+    return "\n".join(lines)
 
 
 def versions() -> str:
