@@ -205,7 +205,9 @@ def _tensor_rows(t, path: Path) -> tuple[np.ndarray, tuple[int, ...]]:
                               f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
     shape = tuple(int(s) for s in reversed(t.shape))
     try:
-        w = dequantize(np.asarray(t.data), t.tensor_type)
+        # a damaged scale makes NaN or inf here: finite() below names the tensor, so numpy need not warn too
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = dequantize(np.asarray(t.data), t.tensor_type)
     except Exception as e:
         raise CheckpointError(f"{path}: tensor {t.name} could not be read ({e})") from e
     return finite(np.ascontiguousarray(w.reshape(shape), dtype=np.float32), t.name, path), shape

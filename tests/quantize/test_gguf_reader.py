@@ -1,6 +1,8 @@
 """Reading GGUF files: geometry, dequantized tensors, the rotary un-permutation and clear errors."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -109,6 +111,22 @@ def test_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path):
     assert g.rope_freq_factors == (4.0,) * 8
     with pytest.raises(CheckpointError, match="yarn"):
         load_checkpoint(write_tiny_llama(tmp_path / "yarn.gguf", extra=yarn))
+
+
+def test_a_damaged_block_scale_is_that_error_without_numpy_warnings(tmp_path):
+    """An infinite Q8_0 scale times a zero code dequantizes to NaN: the clear error, and no numpy
+    RuntimeWarning printed above it (seen in the bad-input fuzz's warnings summary)."""
+    from gguf import GGUFReader
+    path = write_tiny_llama(tmp_path / "inf.gguf", types=(QT.Q8_0,))
+    t = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    data = bytearray(path.read_bytes())
+    block = int(t.data_offset)  # Q8_0 block: an f16 scale, then 32 int8 codes
+    data[block:block + 3] = np.float16(np.inf).tobytes() + b"\x00"
+    path.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would surface as "could not be read" here
+        with pytest.raises(CheckpointError, match="blk.0.ffn_down.weight holds NaN"):
+            load_checkpoint(path)
 
 
 def test_a_nan_or_infinite_weight_is_an_error_naming_the_tensor(tmp_path):
