@@ -18,6 +18,6 @@ def quiet_interrupt_while_loading() -> None:
 def main() -> None:
     """edge-agent's entry point: the handler first, then the imports."""
     quiet_interrupt_while_loading()
-    from agent.cli import main as cli_main
+    from agent.service.cli import main as cli_main
 
     cli_main()

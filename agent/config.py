@@ -129,7 +129,7 @@ def _check_mqtt_url(url: str) -> str:
 
 
 class MqttConfig(BaseModel):
-    """Where the fleet's broker is and how the link behaves (agent.mqtt). Absent: the agent only keeps records."""
+    """Where the fleet's broker is and how the link behaves (agent.link.mqtt). Absent: the agent only keeps records."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -186,7 +186,7 @@ def default_state_dir() -> Path:
 
 
 class TelemetryConfig(BaseModel):
-    """The on-device telemetry store (agent.store), its sampler and retention (agent.telemetry)."""
+    """The on-device telemetry store (agent.link.store), its sampler and retention (agent.link.telemetry)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -202,7 +202,7 @@ class TelemetryConfig(BaseModel):
 
 
 class UpdatesConfig(BaseModel):
-    """Signed model updates from the fleet (agent/updates.py)."""
+    """Signed model updates from the fleet (agent/updates/jobs.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

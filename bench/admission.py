@@ -35,11 +35,11 @@ def worker(repo: Path, bundle: Path, budget_mb: int) -> dict:
     """One measurement with the agent package of `repo`; runs in its own process."""
     sys.path.insert(0, str(repo))
     import numpy as np
-    from agent.bundle import open_bundle
+    from agent.engine.bundle import open_bundle
     from agent.config import EngineConfig
-    from agent.engine import Engine
+    from agent.engine.engine import Engine
     from agent.process import peak_rss_bytes
-    from agent.sampling_params import SamplingParams
+    from agent.engine.sampling_params import SamplingParams
 
     engine = Engine(open_bundle(bundle), EngineConfig(threads=2, memory_budget_mb=budget_mb))
     tok = engine.tokenizer

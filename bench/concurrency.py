@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchdocs import replace_section  # noqa: E402
 from tps import CACHE, PEER_PYTHON, build_artifacts, build_ours, prompt_ids_file  # noqa: E402
 
-from agent.bundle import open_bundle  # noqa: E402
+from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402
-from agent import engine as engine_module  # noqa: E402
-from agent.engine import Engine  # noqa: E402
-from agent.sampling_params import SamplingParams  # noqa: E402
+from agent.engine import engine as engine_module  # noqa: E402
+from agent.engine.engine import Engine  # noqa: E402
+from agent.engine.sampling_params import SamplingParams  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 from quantize.evaluate import chunked_logits, log_softmax  # noqa: E402
 

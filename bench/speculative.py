@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchdocs import replace_section  # noqa: E402
 from tps import CACHE, build_artifacts  # noqa: E402
 
-from agent.bundle import open_bundle  # noqa: E402
+from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402
-from agent.engine import Engine  # noqa: E402
-from agent.sampling_params import SamplingParams  # noqa: E402
+from agent.engine.engine import Engine  # noqa: E402
+from agent.engine.sampling_params import SamplingParams  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 
 PEER_PYTHON = Path(__file__).parent.parent / ".venv-peers" / "bin" / "python"

@@ -2,7 +2,7 @@
 
 All engines run the bundled SmolLM2-135M-Instruct, greedy, with the same token ids (the start of
 quantize/data/eval_en.txt) and the same thread count, side by side in one run:
-- ours: bundles built by `edge-quantize build GGUF --precision ... --out DIR`, run through agent.engine;
+- ours: bundles built by `edge-quantize build GGUF --precision ... --out DIR`, run through agent.engine.engine;
 - ONNX Runtime GenAI: its own model builder (`-p int4 -e cpu`) from the HF folder quantize.hf.save_hf writes;
 - llama.cpp (llama-cpp-python): the source Q4_1 GGUF, and Q4_0 quantized from an F32 GGUF of the same weights.
 Every measurement is a fresh subprocess (so peak RSS is one engine's) that warms up with a short request,
@@ -119,10 +119,10 @@ def timed_tokens(token_times: list[float], t0: float) -> dict:
 def run_ours(model: str, ids: list[int], max_tokens: int, threads: int, spin_wait: bool | str = "auto",
              kv_dtype: str = "fp32") -> dict:
     sys.path.insert(0, str(REPO))
-    from agent.bundle import open_bundle
+    from agent.engine.bundle import open_bundle
     from agent.config import EngineConfig
-    from agent.engine import Engine as OurEngine
-    from agent.sampling_params import SamplingParams
+    from agent.engine.engine import Engine as OurEngine
+    from agent.engine.sampling_params import SamplingParams
 
     reset_peak_rss()
     bundle = open_bundle(Path(model))
@@ -410,7 +410,7 @@ and the same token ids. Decode is tokens/s over {DECODE_TOKENS} tokens after a {
 VmHWM (reset after imports) after a {RSS_PROMPT_TOKENS}-token prompt and {DECODE_TOKENS} tokens. Each
 measurement is a fresh process, each figure the median of {runs} runs interleaved across engines. The floor
 is memory bandwidth (numpy copy, bytes read + written per second) divided by the weight bytes one decode
-token reads. Ours run through agent.engine (scheduler, sampler, detokenizer included); GenAI through its
+token reads. Ours run through agent.engine.engine (scheduler, sampler, detokenizer included); GenAI through its
 Generator; llama.cpp through llama-cpp-python's `Llama.generate`.
 
 Command: `{command}`

@@ -3,7 +3,7 @@
 `edge-fleet keygen --out PATH` writes PATH (private, mode 0600) and PATH.pub. `edge-fleet publish --key`
 signs a bundle's canonical manifest bytes (keep that key offline); `edge-fleet serve --job-key` signs each
 job document as it goes to one device (an online key, which can only ask devices to install, or roll back
-to, what the manifest key signed). Devices verify with agent.trust against the public keys they trust.
+to, what the manifest key signed). Devices verify with agent.updates.trust against the public keys they trust.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption
                                                           load_pem_private_key)
 
 from agent import durable
-from agent.trust import key_id
+from agent.updates.trust import key_id
 from agent.wire import JobDocument, Manifest
 
 

@@ -29,7 +29,7 @@ import sqlite_utils
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent import durable
-from agent.bundle import open_bundle
+from agent.engine.bundle import open_bundle
 from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
                         JobStatusUpdate, Manifest, device_of, is_device_id, topic)
 from fleet.mqtt import UNCONFIRMED_HOLD_S

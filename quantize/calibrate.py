@@ -18,7 +18,7 @@ import onnx
 
 from agent import wire
 from agent.process import trim_heap
-from agent.runner import ModelRunner
+from agent.engine.runner import ModelRunner
 from quantize.checkpoint import Checkpoint, Geometry
 from quantize.evaluate import windows
 from quantize.graph import LM_HEAD, Importance, build_graph, capture_width

@@ -16,7 +16,7 @@ import click
 
 from agent.clikit import run
 from agent.config import MAX_THREADS
-from agent.bundle import BundleError, open_bundle
+from agent.engine.bundle import BundleError, open_bundle
 from quantize.calibrate import HESSIAN_BUDGET_MB
 from quantize.checkpoint import CheckpointError
 from quantize.package import PackageError

@@ -11,7 +11,7 @@ import hashlib
 
 import numpy as np
 
-from agent.runner import ModelRunner
+from agent.engine.runner import ModelRunner
 from agent.wire import Quality
 
 CHUNK_TOKENS = 256

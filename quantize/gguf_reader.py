@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from agent.bundle import file_sha256
+from agent.engine.bundle import file_sha256
 from quantize import rope
 from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks, finite
 from quantize.tokenizer import tokenizer_from_gguf

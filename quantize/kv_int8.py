@@ -21,7 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from agent import wire
-from agent.runner import ModelRunner
+from agent.engine.runner import ModelRunner
 from quantize.evaluate import windows
 
 MARGIN = 1.5

@@ -19,8 +19,8 @@ from pathlib import Path
 import onnx
 
 from agent import durable, wire
-from agent.bundle import Bundle, file_sha256, open_bundle
-from agent.tokenizer import TextTokenizer
+from agent.engine.bundle import Bundle, file_sha256, open_bundle
+from agent.engine.tokenizer import TextTokenizer
 from quantize.calibrate import HESSIAN_BUDGET_MB, Calibration, calibration
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import compare, greedy
@@ -29,7 +29,7 @@ from quantize.kv_int8 import int8_kv_graph, kv_absmax
 from quantize.precision import QuantSpec
 
 GOLDEN_TOKENS = 32
-MIN_GOLDEN_TOKENS = 16  # an update's health check generates at least this many (agent.updates)
+MIN_GOLDEN_TOKENS = 16  # an update's health check generates at least this many (agent.updates.jobs)
 
 
 class PackageError(ValueError):
@@ -266,7 +266,7 @@ def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Qua
     progress("building the fp32 reference graph for evaluation")
     write_graph(ckpt, QuantSpec(), ref_dir)
     c = wire.ModelConfig.read(tmp)
-    from agent.runner import ModelRunner
+    from agent.engine.runner import ModelRunner
 
     reference = ModelRunner(ref_dir / wire.GRAPH, c.num_layers, c.num_kv_heads, c.head_dim, threads)
     progress(f"evaluating against fp32 over {len(ids)} tokens")

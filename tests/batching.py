@@ -1,8 +1,8 @@
 """Running greedy requests through an engine together, driven step by step in the test's own thread."""
 from __future__ import annotations
 
-from agent.engine import Engine
-from agent.sampling_params import SamplingParams
+from agent.engine.engine import Engine
+from agent.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import EngineConfig
-from agent.engine import Engine
-from agent.sdnotify import Notifier
+from agent.engine.engine import Engine
+from agent.service.sdnotify import Notifier
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
@@ -54,10 +54,10 @@ try:
     sys.exit("W+X mapping was allowed: the restriction is not in force")
 except OSError:
     pass
-from agent.bundle import open_bundle
+from agent.engine.bundle import open_bundle
 from agent.config import EngineConfig
-from agent.engine import Engine
-from agent.sampling_params import SamplingParams
+from agent.engine.engine import Engine
+from agent.engine.sampling_params import SamplingParams
 e = Engine(open_bundle(sys.argv[1]), EngineConfig(threads=2, memory_budget_mb=4000, min_context=64))
 r = e.generate(list(range(5, 20)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 print(r.figures.completion_tokens)
@@ -133,8 +133,8 @@ def test_the_watchdog_is_fed_through_a_model_switch_for_a_bounded_time(tiny_bund
     """Found in review: no engine loop runs between the old model's stop and the new one's start (the health
     check and the load: 4.6 s for SmolLM2 on x86, past WatchdogSec=30 for a larger model on a small box), so
     systemd would kill an update midway. A helper pings meanwhile, for at most SWITCH_KEEPALIVE_S."""
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
 
     listener = NotifyListener(tmp_path / "notify")
     notifier = Notifier(str(tmp_path / "notify"), watchdog_usec=200_000)  # ping every 0.1 s

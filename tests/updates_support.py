@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 
 from agent import wire
-from agent.bundle import Bundle, open_bundle
-from agent.trust import load_trusted_keys
-from agent.updates import ModelStore, UpdateContext
+from agent.engine.bundle import Bundle, open_bundle
+from agent.updates.trust import load_trusted_keys
+from agent.updates.jobs import ModelStore, UpdateContext
 from agent.wire import JobDocument
 from fleet.signing import keygen, load_private_key, sign_manifest
 from quantize.package import build_bundle

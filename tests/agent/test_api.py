@@ -29,14 +29,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from agent.api import Backend, EventBridge
+from agent.api.app import Backend, EventBridge
 from agent.config import ApiConfig, EngineConfig
-from agent.engine import Engine, Finished, RequestHandle, TextDelta
-from agent.openai_models import ChatMessage
-from agent.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
-from agent.sampler import make_rng
-from agent.sampling_params import SamplingParams
-from agent.sequence import Sequence
+from agent.engine.engine import Engine, Finished, RequestHandle, TextDelta
+from agent.api.openai_models import ChatMessage
+from agent.service.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
+from agent.engine.sampler import make_rng
+from agent.engine.sampling_params import SamplingParams
+from agent.engine.sequence import Sequence
 from agent.wire import Manifest, RequestFigures
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -494,9 +494,9 @@ def test_a_stopped_engine_answers_503_and_ends_what_it_held(tiny_bundle):
 
 def test_a_request_tokenized_for_an_engine_that_a_model_switch_stopped_goes_to_the_new_one(tiny_bundle, caplog):
     """Found in review: swap_engine stopped the idle old engine while a request was being tokenized for it."""
-    from agent.serve import swap_engine
+    from agent.service.serve import swap_engine
 
-    caplog.set_level("INFO", logger="agent.api")
+    caplog.set_level("INFO", logger="agent.api.app")
     old = Engine(tiny_bundle, TINY_ENGINE)
     encode = old.tokenizer.encode
     tokenizing = threading.Event()
@@ -632,7 +632,7 @@ def test_disconnect_mid_stream_cancels_the_request(real):
 def test_a_client_gone_before_the_first_chunk_still_cancels_the_request(spec_version):
     """Found in review: the request was cancelled by the body generator's `finally`, and a generator never
     started (the response's start message failed) runs none, so the request generated on to its limit."""
-    from agent.api import RequestStream
+    from agent.api.app import RequestStream
 
     started, cancels = [], []
 
@@ -707,7 +707,7 @@ def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle)
         port = s.getsockname()[1]
     config = folder / "agent.toml"
     config.write_text("[engine]\nmin_context = 64\n[api]\nsocket_mode = 0o600\n")
-    cmd = [sys.executable, "-m", "agent.cli", "serve", "--model", str(tiny_bundle.path), "--socket", str(path),
+    cmd = [sys.executable, "-m", "agent.service.cli", "serve", "--model", str(tiny_bundle.path), "--socket", str(path),
            "--config", str(config), "--memory-budget-mb", "2048", "--threads", "1", "--tcp", f"127.0.0.1:{port}",
                "--state-dir", str(folder / "state")]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
@@ -736,8 +736,8 @@ def test_serve_command_runs_in_the_foreground_and_drains_on_sigterm(tiny_bundle)
 def test_a_serve_that_cannot_bind_changes_nothing(tiny, tiny_bundle, tiny_checkpoint, tmp_path):
     """Found in review: a second `serve --model OTHER` on a live agent's socket failed but had already made
     OTHER the store's current model, so the next restart would boot it."""
-    from agent.serve import boot_model, serve_forever
-    from agent.updates import ModelStore
+    from agent.service.serve import boot_model, serve_forever
+    from agent.updates.jobs import ModelStore
 
     state = tmp_path / "state"
     store = ModelStore(state)
@@ -819,7 +819,7 @@ def test_connections_past_the_limit_get_503_not_a_descriptor_each(tiny_bundle, t
 def test_a_serve_that_fails_to_start_lets_go_of_the_state_directory(tmp_path, tiny_bundle):
     """Found in review: the state directory's lock was taken outside the try, so a serve that failed early
     (here: models/ is a file) kept it, and the next serve in the same process was refused as 'another agent'."""
-    from agent.serve import lock_state_dir, serve_forever
+    from agent.service.serve import lock_state_dir, serve_forever
 
     state = tmp_path / "state"
     state.mkdir()
@@ -837,7 +837,7 @@ def test_bodies_held_while_being_read_are_bounded_and_refused_as_overloaded(tiny
     at most INTAKE_BODIES x max_body_bytes together; past that a large body is refused 429 with a
     Retry-After, while small ones (every ordinary request) are still served: a first version locked everyone
     out with four slow uploads (found in review of the fix)."""
-    from agent.api import INTAKE_BODIES, INTAKE_SMALL_BYTES
+    from agent.api.app import INTAKE_BODIES, INTAKE_SMALL_BYTES
 
     limit = 2 * INTAKE_SMALL_BYTES
     with serving(tiny_bundle, tiny_engine, max_body_bytes=limit, request_timeout_s=5) as s:
@@ -867,8 +867,8 @@ def test_bodies_held_while_being_read_are_bounded_and_refused_as_overloaded(tiny
 def test_a_request_tokenized_after_a_switch_closed_its_engine_goes_to_the_new_one(tiny_bundle, monkeypatch):
     """Found in review: the prompt's length limit was read from the engine in the tokenizing thread, and an
     engine a model switch had closed meanwhile answered 500 (the old code retried on the new engine)."""
-    import agent.api
-    from agent.serve import swap_engine
+    import agent.api.app
+    from agent.service.serve import swap_engine
 
     to_thread = asyncio.to_thread
 
@@ -878,7 +878,7 @@ def test_a_request_tokenized_after_a_switch_closed_its_engine_goes_to_the_new_on
 
     engine = Engine(tiny_bundle, TINY_ENGINE)
     engine.start()
-    monkeypatch.setattr(agent.api.asyncio, "to_thread", late)
+    monkeypatch.setattr(agent.api.app.asyncio, "to_thread", late)
     with serving(tiny_bundle, engine) as s:
         answers = []
         ask = threading.Thread(target=lambda: answers.append(
@@ -894,12 +894,12 @@ def test_a_request_tokenized_after_a_switch_closed_its_engine_goes_to_the_new_on
 def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(tiny, monkeypatch):
     """Found in review: a 4 MB prompt was tokenized in full (~500 bytes a token inside `tokenizers`, 919 MB
     of RSS at a 350 MB budget) before the length check refused it."""
-    import agent.tokenizer
+    import agent.engine.tokenizer
 
     http = tiny.http()
     prompt = "the " * 400_000  # 1.6 MB
     encoded = []
-    monkeypatch.setattr(agent.tokenizer.Tokenizer, "encode", lambda *a, **kw: encoded.append(1))
+    monkeypatch.setattr(agent.engine.tokenizer.Tokenizer, "encode", lambda *a, **kw: encoded.append(1))
     for path, body in (("/v1/completions", {"model": "tiny", "prompt": prompt}),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": prompt}]})):
         r = http.post(path, json=body)
@@ -912,7 +912,7 @@ def test_fields_kept_for_the_whole_request_have_a_length_limit(tiny):
     """Found in review: a 3.9 MB `user` and 1 MB stop strings were accepted and kept while the request
     waited and ran (the queue counts requests, not bytes), and 123,000 one-letter messages were parsed and
     rendered (778 MB at a 350 MB budget) before the prompt was refused as too long."""
-    from agent.openai_models import MAX_MESSAGES
+    from agent.api.openai_models import MAX_MESSAGES
 
     http = tiny.http()
     for extra, param in (({"user": "u" * 257}, "user"), ({"stop": ["s" * 1001]}, "stop")):
@@ -932,7 +932,7 @@ def test_a_client_sending_garbage_is_logged_once_a_minute_not_once_a_connection(
     second into the journal from one local client. Each warning now goes through once a minute with a count."""
     import socket as socket_module
 
-    from agent.serve import _Repeats
+    from agent.service.serve import _Repeats
 
     caplog.set_level(logging.WARNING, logger="uvicorn.error")
     for _ in range(50):
@@ -965,9 +965,9 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
     that does not name a dead run's pid."""
     import errno
 
-    import agent.store
-    from agent.serve import lock_state_dir
-    from agent.store import TelemetryStore
+    import agent.link.store
+    from agent.service.serve import lock_state_dir
+    from agent.link.store import TelemetryStore
     from agent.wire import EventRecord
 
     state = tmp_path / "state"
@@ -982,7 +982,7 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
         return real_write_text(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", read_only)
-    monkeypatch.setattr(agent.store, "writable_dir", lambda d: Path(d) != state)
+    monkeypatch.setattr(agent.link.store, "writable_dir", lambda d: Path(d) != state)
     fd = lock_state_dir(state)
     try:
         assert "read-only file system" in caplog.text
@@ -1010,7 +1010,7 @@ def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp
     have refused requests. It is lowered to fit, at ERROR; a tighter parent cgroup counts, "max" does not."""
     import agent.process
     from agent.config import AgentConfig
-    from agent.serve import fitted_budget
+    from agent.service.serve import fitted_budget
 
     root = tmp_path / "cg"
     (root / "system.slice").mkdir(parents=True)
@@ -1027,5 +1027,5 @@ def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp
     assert fitted_budget(small) is small  # within the limit: as configured
     (root / "system.slice" / "memory.max").write_text("max\n")
     monkeypatch.setattr(agent.process, "memory_limit_bytes", lambda: None)  # unknown: as configured
-    monkeypatch.setattr("agent.serve.memory_limit_bytes", lambda: None)
+    monkeypatch.setattr("agent.service.serve.memory_limit_bytes", lambda: None)
     assert fitted_budget(config) is config

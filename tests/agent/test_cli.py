@@ -14,7 +14,7 @@ import pytest
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
-AGENT = [sys.executable, "-m", "agent.cli", "generate"]
+AGENT = [sys.executable, "-m", "agent.service.cli", "generate"]
 CRASH_SIGNS = ("Traceback", "terminate called", "internal error", "Fatal Python error")
 
 

@@ -11,7 +11,7 @@ SAMPLE = Path(__file__).parent.parent.parent / "systemd" / "agent.toml"
 
 
 def check(path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agent.cli", "check-config", "--config", str(path), *flags],
+    return subprocess.run([sys.executable, "-m", "agent.service.cli", "check-config", "--config", str(path), *flags],
                           capture_output=True, text=True, timeout=60)
 
 

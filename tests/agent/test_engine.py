@@ -9,10 +9,10 @@ import pytest
 
 import reference
 from agent.config import EngineConfig
-from agent.engine import Engine, Finished, RequestError, TextDelta
-from agent.kv_cache import KVPool
-from agent.memory import MemoryBudgetError, SizeClass
-from agent.sampling_params import SamplingParams
+from agent.engine.engine import Engine, Finished, RequestError, TextDelta
+from agent.engine.kv_cache import KVPool
+from agent.engine.memory import MemoryBudgetError, SizeClass
+from agent.engine.sampling_params import SamplingParams
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -179,7 +179,7 @@ def test_a_request_whose_sampling_fails_ends_alone(tiny_bundle, monkeypatch):
 
 def test_a_repetition_penalty_near_zero_is_served():
     """What made the sampling above fail: v / 1e-40 is +inf in float32, and softmax turned the row to NaN."""
-    from agent.sampler import sample
+    from agent.engine.sampler import sample
 
     logits = np.random.default_rng(0).normal(size=300).astype(np.float32) * 5
     params = SamplingParams(repetition_penalty=1e-40, temperature=1.0, min_p=0.1, seed=1)
@@ -190,7 +190,7 @@ def test_a_repetition_penalty_near_zero_is_served():
 def test_an_engine_that_lost_its_model_session_stops_instead_of_failing_every_request(tiny_bundle, monkeypatch):
     """Found in review: when rebuilding the session failed and so did restoring the old one, the loop went on
     (heartbeats and all, so the watchdog never restarted the service) and failed every request."""
-    import agent.engine as engine_module
+    import agent.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)
     e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, spin_wait="auto"),
@@ -248,8 +248,8 @@ def test_a_switch_lets_the_old_model_finish_and_free_its_memory_before_loading_t
     switch waits for the new model instead of failing."""
     import weakref
 
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
 
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
     old = serve.load_engine(tiny_bundle.path, config)
@@ -278,8 +278,8 @@ def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memor
     the old engine has stopped and freed its session; if it fails, the old model serves again."""
     import weakref
 
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
 
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
     old = serve.load_engine(tiny_bundle.path, config)
@@ -320,8 +320,8 @@ def test_a_sighup_during_a_model_switch_reaches_the_model_served_after_it(tiny_b
     """Found in review: the switch loaded the new model with the config it read before draining the old one,
     so a SIGHUP during the switch (applied to the outgoing engine, logged as applied) was silently undone;
     so was one during a health check that failed and reloaded the old model."""
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
     from agent.config import AgentConfig
 
     engine = {"threads": 2, "memory_budget_mb": 16000, "min_context": 64}
@@ -350,7 +350,7 @@ def test_a_sighup_during_a_model_switch_reaches_the_model_served_after_it(tiny_b
 def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny_bundle):
     """Found in review: with the model failing on every call, the loop failed each request and went on feeding
     the watchdog, so systemd never restarted the service and /health said ready."""
-    from agent.engine import MAX_FAILED_STEPS
+    from agent.engine.engine import MAX_FAILED_STEPS
 
     e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
     beats = []
@@ -379,8 +379,8 @@ def test_a_switch_while_the_first_model_loads_waits_for_it(tiny_bundle):
     the loader's engine, and ran on unused beside it."""
     import threading
 
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
 
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
     backend = Backend(tiny_bundle.manifest)  # LOADING
@@ -402,8 +402,8 @@ def test_a_switch_while_the_first_model_loads_waits_for_it(tiny_bundle):
 def test_a_model_switch_keeps_what_sighup_changed(tiny_bundle):
     """Found in review: a switch loaded the new model with the settings read at start, silently undoing
     every live change SIGHUP had applied since (max_queue, the default max_tokens, speculation...)."""
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
 
     started_with = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, max_queue=64)
     old = serve.load_engine(tiny_bundle.path, started_with)
@@ -430,7 +430,7 @@ def test_figures_are_consistent(engine):
 
 
 def test_idle_loop_remeasures_spinning_and_keeps_serving(tiny_bundle, monkeypatch):
-    import agent.engine as engine_module
+    import agent.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)  # re-measure at every idle moment
     e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, spin_wait="auto"),
@@ -456,7 +456,7 @@ def test_idle_loop_remeasures_spinning_and_keeps_serving(tiny_bundle, monkeypatc
 
 
 def test_a_failing_remeasurement_does_not_stop_the_loop(tiny_bundle, monkeypatch):
-    import agent.engine as engine_module
+    import agent.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)
     e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
@@ -481,8 +481,8 @@ def test_sighup_names_every_key_it_cannot_apply_and_never_fakes_a_draft_model(ti
     """Found in review: SIGHUP said nothing about changes outside [engine] (a rotated trusted key, [api], `model`),
     and speculative = 'draft' without a draft model was accepted at start and on reload, then quietly ran
     prompt lookup."""
-    import agent.serve as serve
-    from agent.api import Backend
+    import agent.service.serve as serve
+    from agent.api.app import Backend
     from agent.config import AgentConfig
 
     started = AgentConfig.model_validate({"engine": {"threads": 2, "memory_budget_mb": 16000, "min_context": 64}})
@@ -494,7 +494,7 @@ def test_sighup_names_every_key_it_cannot_apply_and_never_fakes_a_draft_model(ti
     engine = serve.load_engine(tiny_bundle.path, started.engine)
     backend = Backend(engine.bundle.manifest)
     backend.mark_ready(engine)
-    caplog.set_level("INFO", logger="agent.serve")
+    caplog.set_level("INFO", logger="agent.service.serve")
     serve.reload_live(backend, edited)
     assert engine.config.max_queue == 9 and engine.config.speculative != "draft"
     assert "speculative = 'draft' needs a draft model" in caplog.text

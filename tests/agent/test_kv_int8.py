@@ -8,10 +8,10 @@ import pytest
 from onnx import numpy_helper
 
 from agent import wire
-from agent.bundle import BundleError
+from agent.engine.bundle import BundleError
 from agent.config import EngineConfig
-from agent.engine import Engine
-from agent.sampling_params import SamplingParams
+from agent.engine.engine import Engine
+from agent.engine.sampling_params import SamplingParams
 from batching import GREEDY, run_together
 from quantize.cli import default_calibration_text
 from quantize.evaluate import log_softmax, windows
@@ -45,7 +45,7 @@ def test_an_int8_graph_the_manifest_does_not_list_is_not_loaded(bundle, tmp_path
     """Found in review: a model.int8kv.onnx dropped into a bundle built without one was loaded, never verified."""
     import shutil
 
-    from agent.bundle import open_bundle
+    from agent.engine.bundle import open_bundle
 
     copy = shutil.copytree(bundle.path, tmp_path / "b")
     manifest = bundle.manifest.model_copy(update={"files": {k: v for k, v in bundle.manifest.files.items()

@@ -1,7 +1,7 @@
-"""Memory planning: from a KV byte budget to slot classes (agent/memory.py)."""
+"""Memory planning: from a KV byte budget to slot classes (agent/engine/memory.py)."""
 import pytest
 
-from agent.memory import MB, MemoryBudgetError, class_capacities, plan_slots
+from agent.engine.memory import MB, MemoryBudgetError, class_capacities, plan_slots
 
 PER_TOKEN = 46_080  # SmolLM2's fp32 keys and values of one token
 CAPS = class_capacities(8192)  # 256, 1024, 4096, 8192
@@ -52,7 +52,7 @@ def test_the_budget_a_refusal_names_starts(fraction, min_context):
     """Found in review: the figure left out the prefix cache's share, so budgets of exactly what the refusal
     named (265 MB and more) were refused too. With the required budget, the engine's own split (prefix blocks
     first, the rest to slots) leaves one min_context sequence."""
-    from agent.memory import required_budget_bytes
+    from agent.engine.memory import required_budget_bytes
 
     per_token, block = 46_080, 16  # SmolLM2's fp32 KV bytes a token, the default prefix block
     baseline = 263 * MB

@@ -1,6 +1,6 @@
 """The MQTT link against a real Mosquitto: delivery across outages and crashes, presence, commands, the ACL.
 
-The fleet side here is a plain paho client (tests only; the agent's paho stays in agent/mqtt.py). This
+The fleet side here is a plain paho client (tests only; the agent's paho stays in agent/link/mqtt.py). This
 file is also the publisher subprocess of the crash tests: `python tests/agent/test_mqtt.py child ...`.
 
 Run: .venv/bin/pytest tests/agent/test_mqtt.py -q
@@ -30,11 +30,11 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
-import agent.mqtt
-from agent.commands import CommandError, Commands, Device, LiveSettings
+import agent.link.mqtt
+from agent.link.commands import CommandError, Commands, Device, LiveSettings
 from agent.config import AgentConfig, MqttConfig, TelemetryConfig
-from agent.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
-from agent.store import OutboxRow, TelemetryStore
+from agent.link.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
+from agent.link.store import OutboxRow, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, EventRecord,
                         TelemetryBatch, TelemetryRecord, topic)
 
@@ -484,7 +484,7 @@ def test_a_device_whose_disk_is_full_still_connects(broker, tmp_path):
 
 def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links, monkeypatch):
     """The rows stayed unsent until the next reconnect, weeks away on a steady link."""
-    monkeypatch.setattr(agent.mqtt, "REFUSED_PAUSE_S", 0.2)
+    monkeypatch.setattr(agent.link.mqtt, "REFUSED_PAUSE_S", 0.2)
     fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-marksent")
     link = links(broker.url, "dev-m")
     assert wait_until(lambda: link.is_connected)
@@ -606,7 +606,7 @@ def test_a_backlog_drains_over_an_uplink_too_slow_for_full_batches_within_a_keep
 def test_only_recent_job_statuses_are_kept_for_a_reconnect_and_the_latest_goes_last(tmp_path):
     """Found in review: every job's status was kept for good and re-sent at every reconnect, in the order the
     jobs first reported, so the retained one could be an old job's."""
-    from agent.mqtt import JOB_STATUSES_KEPT
+    from agent.link.mqtt import JOB_STATUSES_KEPT
 
     store = TelemetryStore(tmp_path / "d.db", "dev-j")
     link = MqttLink(fast_config("mqtt://127.0.0.1:1"), "dev-j", store)  # never started: nothing is sent
@@ -646,7 +646,7 @@ def test_an_oversized_job_document_is_dropped_with_a_log_line(broker, tmp_path, 
 
 def test_commands_dispatch_without_an_engine():
     """The handler is pure dispatch over Device: a fake benchmark stands in for the engine."""
-    from agent.commands import BenchmarkArgs
+    from agent.link.commands import BenchmarkArgs
     from agent.wire import RequestFigures
 
     seen: list[BenchmarkArgs] = []
@@ -688,7 +688,7 @@ def test_commands_dispatch_without_an_engine():
 
 def test_telemetry_wiring_records_samples_and_delivers(broker, tmp_path):
     """What serve wiring does: open, start, bind the engine, record requests, stop."""
-    from agent.telemetry import Telemetry
+    from agent.link.telemetry import Telemetry
     from agent.wire import RequestFigures
 
     class FakeEngine:
@@ -734,7 +734,7 @@ def test_a_clock_step_is_an_event_and_the_state_is_published_again(broker, tmp_p
     """A box without an RTC boots in 1970: its retained birth carried that stamp, and a fleet that read it after
     its own restart ranked it behind the previous boot's states (the device showed offline until it next
     connected). When NTP steps the clock, the state goes out again with the right stamp."""
-    from agent.telemetry import Telemetry
+    from agent.link.telemetry import Telemetry
 
     wall = [60.0]
     fleet = Fleet(broker, subscribe=["edge/v1/dev-c/#"])
@@ -843,7 +843,7 @@ def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
     assert operator.call("dev-a", "ping").ok
 
     # A link posing as B with A's credentials: the broker refuses its batches, so they stay unsent
-    caplog.set_level(logging.WARNING, logger="agent.mqtt")
+    caplog.set_level(logging.WARNING, logger="agent.link.mqtt")
     link.stop()
     impostor = links(acl_broker.url, "dev-b", username="dev-a", password="pw-a")
     for _ in range(3):
@@ -896,7 +896,7 @@ def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving
     from loglines import LogLines  # here, not at the top: the SIGKILL child runs this file as a script
 
     logs = LogLines()
-    logging.getLogger("agent.mqtt").addHandler(logs)
+    logging.getLogger("agent.link.mqtt").addHandler(logs)
     n = itertools.count()
 
     @settings(max_examples=COMMAND_CASES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -919,7 +919,7 @@ def test_malformed_and_oversized_commands_are_refused_and_the_link_keeps_serving
     try:
         bad_request_is_refused()
     finally:
-        logging.getLogger("agent.mqtt").removeHandler(logs)
+        logging.getLogger("agent.link.mqtt").removeHandler(logs)
     cases = next(n)
     assert cases >= COMMAND_CASES
     assert link.is_connected and fleet.call("dev-f", "ping").ok
@@ -938,10 +938,10 @@ def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, 
     """Found in review: PUBACK 0x10 'no matching subscribers' (the fleet's session gone with a broker that lost
     its state) counted as delivered, and the rows were marked sent and lost. It was also logged at every retry
     (every 30 s, for good, while no fleet server ran): now once, then hourly."""
-    import agent.mqtt
+    import agent.link.mqtt
 
-    monkeypatch.setattr(agent.mqtt, "REFUSED_PAUSE_S", 0.3)
-    caplog.set_level(logging.WARNING, logger="agent.mqtt")
+    monkeypatch.setattr(agent.link.mqtt, "REFUSED_PAUSE_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="agent.link.mqtt")
     link = links(broker.url, "dev-n")
     assert wait_until(lambda: link.is_connected)
     link.store.append(EventRecord(kind="tick"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages,
+from agent.engine.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages,
                           release_pages, usable_cores)
 
 
@@ -66,7 +66,7 @@ def test_spinning_is_as_configured_unless_threads_outnumber_cores():
 @pytest.fixture
 def two_free_cores(monkeypatch):
     """choose_spinning as on a box with 2 cores and no CPU quota, whatever this one has."""
-    import agent.runner as runner_module
+    import agent.engine.runner as runner_module
 
     monkeypatch.setattr(runner_module, "usable_cores", lambda: 2)
     monkeypatch.setattr(runner_module, "cpu_quota_cores", lambda: None)
@@ -108,12 +108,12 @@ def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch)
     session's heap stayed resident beside the new one's: ~70 MB of SmolLM2's RSS for good."""
     import threading
 
-    import agent.engine as engine_module
-    import agent.runner as runner_module
+    import agent.engine.engine as engine_module
+    import agent.engine.runner as runner_module
     from agent.config import EngineConfig
-    from agent.engine import Engine
+    from agent.engine.engine import Engine
     from agent.process import rss_bytes
-    from agent.sampling_params import SamplingParams
+    from agent.engine.sampling_params import SamplingParams
 
     monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 1e9)
     made: list[Engine] = []
@@ -145,7 +145,7 @@ def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch)
 
 
 def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch, two_free_cores):
-    import agent.runner as runner_module
+    import agent.engine.runner as runner_module
 
     monkeypatch.setattr(runner_module, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
     assert not choose_spinning("auto", 2)
@@ -155,12 +155,12 @@ def test_auto_sleeps_at_one_thread_and_under_any_quota_without_measuring(monkeyp
     """Found in review: the docs promised no spinning under a cgroup CPU quota, but the code refused it only
     below the thread count; at 1 thread (no workers to spin) every re-measurement that flipped rebuilt the
     session for nothing, while the log said "workers will spin"."""
-    import agent.runner as runner_module
+    import agent.engine.runner as runner_module
 
     monkeypatch.setattr(runner_module, "cpu_busy_elsewhere", lambda: 0.0)  # an idle box: spinning, if measured
     assert choose_spinning("auto", 2)
     monkeypatch.setattr(runner_module, "cpu_busy_elsewhere", lambda: pytest.fail("measured"))
-    caplog.set_level("INFO", "agent.runner")
+    caplog.set_level("INFO", "agent.engine.runner")
     assert not choose_spinning("auto", 1) and "1 thread(s): workers sleep: 1 thread, so no workers" in caplog.text
     monkeypatch.setattr(runner_module, "cpu_quota_cores", lambda: 2.0)  # CPUQuota=200%, as many as threads
     assert not choose_spinning("auto", 2) and "a cgroup CPU quota of 2.00 cores" in caplog.text
@@ -187,7 +187,7 @@ def write(path: Path, text: str) -> None:
 
 
 def test_a_cgroup_v2_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
-    import agent.runner as runner_module
+    import agent.engine.runner as runner_module
 
     mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup2 / rw,nsdelegate"], ["0::/system.slice/edge-agent.service"])
     write(mnt / "0/system.slice/edge-agent.service/cpu.max", "150000 100000")  # CPUQuota=150%
@@ -203,7 +203,7 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
     Here cpu and cpuacct share a hierarchy that a container sees from its own cgroup down (root /docker/c1),
     memory's is mounted whole, and a hybrid system's unified hierarchy carries no controller."""
     import agent.process
-    import agent.runner as runner_module
+    import agent.engine.runner as runner_module
 
     mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup /docker/c1 rw,cpu,cpuacct", "cgroup / rw,memory",
                                                "cgroup2 / rw"],
@@ -223,7 +223,7 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
 def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_fp32_bundle, tmp_path):
     """Found in review: a mapped file whose name is not UTF-8 made reading smaps fail (calibrating such a GGUF
     failed), and a bundle at such a path failed with a bare TypeError from ONNX Runtime."""
-    from agent.bundle import BundleError, open_bundle
+    from agent.engine.bundle import BundleError, open_bundle
 
     odd = tmp_path / os.fsdecode(b"caf\xe9")
     odd.mkdir()
@@ -241,7 +241,7 @@ def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundl
     database under $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the
     runner opts out before the runtime initializes."""
     env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(tmp_path)}
-    script = ("import sys; from agent.bundle import open_bundle; "
+    script = ("import sys; from agent.engine.bundle import open_bundle; "
               "open_bundle(sys.argv[1]).runner(1)")
     r = subprocess.run([sys.executable, "-c", script, str(tiny_fp32_bundle.path)], env=env, capture_output=True,
                        text=True, timeout=120)
@@ -252,7 +252,7 @@ def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundl
 @pytest.mark.parametrize("version,ok", [("1.31.1", False), ("1.22.0", False), ("1.32.0", True),
                                         ("1.33.0.dev20261201", True), ("2.0.0", True)])
 def test_the_runtime_version_floor(version, ok):
-    from agent.runner import check_runtime_version
+    from agent.engine.runner import check_runtime_version
 
     if ok:
         check_runtime_version(version)

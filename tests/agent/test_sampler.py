@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from agent.sampler import apply_penalties, draw, make_rng, min_p_filter, sample, sample_batch, softmax, top_p_filter
-from agent.sampling_params import SamplingParams
+from agent.engine.sampler import apply_penalties, draw, make_rng, min_p_filter, sample, sample_batch, softmax, top_p_filter
+from agent.engine.sampling_params import SamplingParams
 
 V = 49152  # the real model's vocabulary size
 # A handcrafted distribution: probabilities 0.5, 0.3, 0.15, 0.05 as logits.

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from agent.config import EngineConfig
-from agent.engine import Engine, RequestError
-from agent.kv_cache import KVPool
-from agent.openai_models import PRIORITY_RANGE
-from agent.memory import SizeClass
-from agent.prefix_cache import PrefixCache
-from agent.sampling_params import SamplingParams
-from agent.scheduler import AGING_S, Scheduler
-from agent.sequence import FinishReason, Sequence, Status
+from agent.engine.engine import Engine, RequestError
+from agent.engine.kv_cache import KVPool
+from agent.api.openai_models import PRIORITY_RANGE
+from agent.engine.memory import SizeClass
+from agent.engine.prefix_cache import PrefixCache
+from agent.engine.sampling_params import SamplingParams
+from agent.engine.scheduler import AGING_S, Scheduler
+from agent.engine.sequence import FinishReason, Sequence, Status
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -60,15 +60,15 @@ def test_prefix_cache_hit_is_exact_and_computes_only_the_suffix(tiny_bundle):
 
 def record_logits(monkeypatch) -> list[tuple[object, np.ndarray]]:
     """(the request's generator, the logits row) of every token the engine samples, in order."""
-    import agent.engine
+    import agent.engine.engine
 
-    seen, sample = [], agent.engine.sample
+    seen, sample = [], agent.engine.engine.sample
 
     def recording(logits, params, prompt_ids, output_ids, rng):
         seen.append((rng, np.array(logits, copy=True)))
         return sample(logits, params, prompt_ids, output_ids, rng)
 
-    monkeypatch.setattr(agent.engine, "sample", recording)
+    monkeypatch.setattr(agent.engine.engine, "sample", recording)
     return seen
 
 
@@ -121,7 +121,7 @@ def test_chunks_deep_into_a_long_prompt_shrink_while_others_decode(tiny_bundle):
     chunk 7,800 tokens into a prompt took 0.75 s and every running stream waited that long for each token.
     While others decode, a chunk's width now falls as its attention's share of the step grows; alone, a
     prompt takes whole chunks. Either way the text is what the request gets alone."""
-    from agent.scheduler import attention_tokens
+    from agent.engine.scheduler import attention_tokens
 
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=64,
                           prefix_cache_fraction=0.0)
@@ -239,11 +239,11 @@ def test_small_budget_sixteen_concurrent_requests(tiny_bundle):
 
 LOAD_SCRIPT = """
 import sys, numpy as np
-from agent.bundle import open_bundle
+from agent.engine.bundle import open_bundle
 from agent.config import EngineConfig
-from agent.engine import Engine
+from agent.engine.engine import Engine
 from agent.process import peak_rss_bytes
-from agent.sampling_params import SamplingParams
+from agent.engine.sampling_params import SamplingParams
 budget = int(sys.argv[2])
 engine = Engine(open_bundle(sys.argv[1]), EngineConfig(threads=2, memory_budget_mb=budget, min_context=64))
 engine.start()

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from agent.config import EngineConfig
-from agent.engine import Engine
-from agent.sampling_params import SamplingParams
-from agent.speculative import DraftLength, LookupLength, learned_backoff, next_draft_length, ngram_draft, verify
+from agent.engine.engine import Engine
+from agent.engine.sampling_params import SamplingParams
+from agent.engine.speculative import DraftLength, LookupLength, learned_backoff, next_draft_length, ngram_draft, verify
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -151,8 +151,8 @@ def test_tokens_accepted_together_make_one_inter_token_gap(tiny_fp32_bundle):
     ITL figures and /metrics histogram count one gap per step, not a ~0 gap per extra token (found in
     review: ITL p50 0.01 ms while the client waited 16-20 ms between bursts). On the tiny model whose greedy
     text repeats one token, so that drafts are accepted (the varied one rarely repeats what it has seen)."""
-    from agent.metrics import Metrics
-    from agent.sequence import delivery_gaps_s
+    from agent.api.metrics import Metrics
+    from agent.engine.sequence import delivery_gaps_s
     spec = Engine(tiny_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, speculative="ngram"))
     r, = run_together(spec, repetitive_prompts(1), 200)
     times = r.token_times

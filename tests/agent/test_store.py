@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from agent import store as store_module
-from agent.cli import cli
+from agent.link import store as store_module
+from agent.service.cli import cli
 from agent.config import TelemetryConfig
-from agent.store import (MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, max_file_bytes,
+from agent.link.store import (MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, max_file_bytes,
                          migrate)
-from agent.telemetry import DB_NAME, Telemetry, format_summary, parse_window, summary
+from agent.link.telemetry import DB_NAME, Telemetry, format_summary, parse_window, summary
 from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord, TelemetryRecord
 
 REPO = Path(__file__).resolve().parents[2]
@@ -531,7 +531,7 @@ def test_samples_are_committed_a_few_at_a_time_each_stamped_when_taken(tmp_path,
     card. Samples now wait for SAMPLES_PER_COMMIT of them (or the stop), each stamped when it was taken."""
     import time
 
-    import agent.telemetry as telemetry_module
+    import agent.link.telemetry as telemetry_module
 
     monkeypatch.setattr(telemetry_module, "SAMPLES_PER_COMMIT", 4)
     store = TelemetryStore(tmp_path / DB_NAME, "dev-1")
@@ -579,7 +579,7 @@ def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_int
     time.sleep(3.5)
     telemetry._stop.set()
     telemetry._thread.join()
-    said = sorted(r.getMessage() for r in caplog.records if r.name == "agent.telemetry" and r.levelname == "ERROR")
+    said = sorted(r.getMessage() for r in caplog.records if r.name == "agent.link.telemetry" and r.levelname == "ERROR")
     assert len(said) == 2 and "could not be stored" in said[0] and "retention failed" in said[1], said
     assert not any(r.exc_info for r in caplog.records) and store.dropped_total >= 50
 

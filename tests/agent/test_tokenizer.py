@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.tokenizer import REPLACEMENT_CHAR, StopChecker, TextTokenizer
+from agent.engine.tokenizer import REPLACEMENT_CHAR, StopChecker, TextTokenizer
 from quantize.bundled import bundled_gguf_path
 from quantize.checkpoint import TokenizerInfo
 from quantize.tokenizer import tokenizer_from_gguf
@@ -281,7 +281,7 @@ def test_a_prompt_is_refused_unencoded_only_when_it_surely_holds_too_many_tokens
     max_tokens=12 was refused as "at least 14"."""
     from types import SimpleNamespace
 
-    from agent.tokenizer import PromptTooLong, TextTokenizer
+    from agent.engine.tokenizer import PromptTooLong, TextTokenizer
 
     doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
            "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent import wire
-from agent.trust import load_trusted_keys, verify_job
-from agent.updates import ModelStore, UpdateJob, UpdateService, recover
+from agent.updates.trust import load_trusted_keys, verify_job
+from agent.updates.jobs import ModelStore, UpdateJob, UpdateService, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
 from fleet.signing import keygen, load_private_key, sign_job
@@ -120,7 +120,7 @@ class TruncatingHandler(RangeHandler):
 
 @pytest.mark.parametrize("case", list(NEGATIVE))
 def test_negative_matrix_leaves_the_old_model_serving(case, tmp_path, bundles, keys, server, monkeypatch):
-    import agent.updates as updates
+    import agent.updates.jobs as updates
 
     monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
@@ -254,7 +254,7 @@ def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_
                                                                                            outage, monkeypatch):
     """Found in review: a job that failed on the network, or was cut off by a restart, deleted what it had
     downloaded, and the next job for the same model fetched it all again (Ollama and Mender resume)."""
-    import agent.updates as updates
+    import agent.updates.jobs as updates
 
     monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
@@ -315,9 +315,9 @@ import os, signal, sys, json
 from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from agent import wire
-from agent.bundle import open_bundle
-from agent.trust import load_trusted_keys
-from agent.updates import ModelStore, UpdateContext, UpdateJob
+from agent.engine.bundle import open_bundle
+from agent.updates.trust import load_trusted_keys
+from agent.updates.jobs import ModelStore, UpdateContext, UpdateJob
 store = ModelStore(Path(sys.argv[1]))
 doc = wire.JobDocument.model_validate_json(Path(sys.argv[2]).read_text())
 crash_at = sys.argv[3]
@@ -451,9 +451,9 @@ def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tm
 
 
 def test_the_kv_types_a_new_model_is_checked_for_include_the_config_files():
-    from agent.api import Backend
+    from agent.api.app import Backend
     from agent.config import AgentConfig
-    from agent.serve import _kv_dtypes
+    from agent.service.serve import _kv_dtypes
 
     started = AgentConfig.model_validate({"engine": {"kv_dtype": "fp32"}})
     edited = AgentConfig.model_validate({"engine": {"kv_dtype": "int8"}})
@@ -505,7 +505,7 @@ def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_pat
 def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
     """Found in review: QoS 1 redelivery queued the job twice; the second run reported REJECTED ('already the
     current model') after the first SUCCEEDED, and the fleet kept that."""
-    from agent.updates import UpdateService
+    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -529,7 +529,7 @@ def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundle
 def test_reinstalling_a_model_the_agent_was_started_with_replaces_its_link(tmp_path, bundles, keys, server):
     """Found in review: `serve --model DIR` seeds models/NAME@VERSION as a link to DIR; re-deploying that version
     after another one crashed in shutil.rmtree (a link) and left the job IN_PROGRESS."""
-    from agent.serve import boot_model
+    from agent.service.serve import boot_model
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -595,7 +595,7 @@ class TricklingHandler(RangeHandler):
 @pytest.mark.parametrize("forever", [False, True])
 def test_a_trickling_server_is_cut_off_and_resumed_or_given_up_on(forever, tmp_path, bundles, keys, monkeypatch):
     """A server sending a byte every few seconds held the update thread (and every job behind it) for days."""
-    import agent.updates as updates
+    import agent.updates.jobs as updates
 
     monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
     monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt is cut after its window
@@ -629,7 +629,7 @@ def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tm
     file, so a 51 MB download crawling at 200 B/s held the updater (and every job behind it) for ~52 minutes,
     reporting 0% all along. Scaled down here: a 1 MB/s floor over 1 s windows, a 40 MB file at 80 kB/s. The
     old rule allowed this attempt 40 s; now it ends within its first window, with progress reported by time."""
-    import agent.updates as updates
+    import agent.updates.jobs as updates
 
     monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
     monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 20)
@@ -686,7 +686,7 @@ class OftenDroppingHandler(RangeHandler):
 
 def test_a_download_that_keeps_progressing_is_not_cut_at_five_attempts(tmp_path, bundles, keys, monkeypatch):
     """Five attempts a file were allowed even when each got further than the last: a flaky link failed."""
-    import agent.updates as updates
+    import agent.updates.jobs as updates
 
     monkeypatch.setattr(updates, "CHUNK_BYTES", 1024)  # so that an attempt adding 2 kB made progress
     v1, v2 = bundles
@@ -787,8 +787,8 @@ def test_a_job_for_the_model_already_running_succeeds_without_a_download(tmp_pat
 def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path, bundles, keys, server):
     """Found in review: systemd/agent.toml sets model = /var/lib/edge-agent/current, which boot_model opened
     directly, so a damaged current stopped the agent (a restart loop) instead of serving previous."""
-    from agent.bundle import open_bundle
-    from agent.serve import boot_model
+    from agent.engine.bundle import open_bundle
+    from agent.service.serve import boot_model
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -917,7 +917,7 @@ def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, ke
 def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, keys, server):
     """Found in review: a job document was acknowledged to the broker as soon as it was queued in memory, so
     jobs waiting behind a running one were lost by a restart (or power cut), and the fleet timed them out."""
-    from agent.updates import UpdateService
+    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -1257,7 +1257,7 @@ def test_a_job_issued_far_ahead_of_the_device_clock_is_refused_and_not_recorded(
 
 def test_check_config_refuses_the_manifest_key_as_a_job_key(tmp_path, bundles, keys):
     """The job key lives on the online fleet server; the manifest key is meant to stay offline."""
-    from agent.serve import environment_problems, load_agent_config
+    from agent.service.serve import environment_problems, load_agent_config
     v1, _ = bundles
     cfg = tmp_path / "agent.toml"
     cfg.write_text(f'model = "{v1.path}"\n[telemetry]\nstate_dir = "{tmp_path / "state"}"\n'
@@ -1275,7 +1275,7 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
     from pathlib import Path as P
 
     from agent import durable
-    from agent.updates import UpdateService
+    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)

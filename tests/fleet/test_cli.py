@@ -288,7 +288,7 @@ def test_a_database_that_is_not_a_fleet_database_is_named(tmp_path):
 def test_a_bundle_named_before_names_were_checked_still_loads_but_is_not_published(tiny_fp32_bundle, tmp_path):
     """A name that is not one path and URL segment ('../../x' was published outside the artifacts directory)
     is refused at publish; bundles built before the rule existed must still load on devices."""
-    from agent.bundle import open_bundle
+    from agent.engine.bundle import open_bundle
 
     old = tmp_path / "old"
     shutil.copytree(tiny_fp32_bundle.path, old)
@@ -305,7 +305,7 @@ def test_a_bundle_named_before_names_were_checked_still_loads_but_is_not_publish
 
 def test_a_key_file_that_is_not_a_pem_key_is_named(tmp_path):
     """Found in review: cryptography's 'Unable to load PEM file ... MalformedFraming' named no file."""
-    from agent.trust import TrustError, load_trusted_keys
+    from agent.updates.trust import TrustError, load_trusted_keys
 
     junk = tmp_path / "fleet.key"
     junk.write_text("junk\n")

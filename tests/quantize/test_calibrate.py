@@ -87,10 +87,10 @@ def test_an_untied_lm_head_is_calibrated_at_every_position_and_gets_gptq(tiny_va
 
 
 def test_a_bundle_with_a_4bit_head_apart_from_the_embedding_serves(tiny_varied_checkpoint, tmp_path):
-    from agent.bundle import open_bundle
+    from agent.engine.bundle import open_bundle
     from agent.config import EngineConfig
-    from agent.engine import Engine
-    from agent.sampling_params import SamplingParams
+    from agent.engine.engine import Engine
+    from agent.engine.sampling_params import SamplingParams
     from quantize.package import build_bundle
     from quantize.precision import QuantSpec
 

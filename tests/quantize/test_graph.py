@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 import reference
-from agent.runner import ModelRunner
+from agent.engine.runner import ModelRunner
 from quantize.graph import build_graph
 from quantize.precision import QuantSpec
 

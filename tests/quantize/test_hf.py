@@ -14,7 +14,7 @@ from safetensors import TensorSpec, serialize_file
 from safetensors.numpy import save_file
 
 import reference
-from agent.runner import ModelRunner
+from agent.engine.runner import ModelRunner
 from quantize import hf
 from quantize.checkpoint import CheckpointError, load_checkpoint
 from quantize.graph import build_graph

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.bundle import BundleError, open_bundle
+from agent.engine.bundle import BundleError, open_bundle
 from quantize.checkpoint import CheckpointError, load_checkpoint
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from agent.store import max_file_bytes
+from agent.link.store import max_file_bytes
 from processes import BIN, Agent, client, integrity, rows
 
 REQUESTS = 400

@@ -26,9 +26,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import updates, wire
-from agent.trust import verify_manifest
-from agent.updates import UpdateService
+from agent.updates import jobs as updates
+
+from agent import wire
+from agent.updates.trust import verify_manifest
+from agent.updates.jobs import UpdateService
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer
 from fleet.signing import load_private_key, sign_manifest
@@ -73,7 +75,7 @@ def rig(tiny_checkpoint, tmp_path_factory):
     device = Device(root / "device", v1, keys)
     stall_s, updates.DOWNLOAD_STALL_S = updates.DOWNLOAD_STALL_S, STALL_S
     logs = LogLines()
-    logging.getLogger("agent.updates").addHandler(logs)
+    logging.getLogger("agent.updates.jobs").addHandler(logs)
     service = UpdateService(device.ctx)
     service.start()
     try:
@@ -82,7 +84,7 @@ def rig(tiny_checkpoint, tmp_path_factory):
         updates.DOWNLOAD_STALL_S = stall_s
         service.stop()
         server.stop()
-        logging.getLogger("agent.updates").removeHandler(logs)
+        logging.getLogger("agent.updates.jobs").removeHandler(logs)
 
 
 # ---- one case ------------------------------------------------------------------------------------------------

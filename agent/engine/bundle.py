@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agent import wire
-from agent.runner import ModelRunner, SpinWait
+from agent.engine.runner import ModelRunner, SpinWait
 
 
 class BundleError(ValueError):

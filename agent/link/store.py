@@ -2,7 +2,7 @@
 
 One table of records (request, sample and event TelemetryRecords as JSON, each with its delivery flag), a
 meta table of counters, and the migrations that built them. `append()` returns only once the row is
-committed (durable before delivered); agent.mqtt reads `unsent()` rows, publishes them and calls
+committed (durable before delivered); agent.link.mqtt reads `unsent()` rows, publishes them and calls
 `mark_sent()` on PUBACK. `enforce()` keeps the file inside its age and byte caps, deleting delivered rows
 first; undelivered rows it must drop are counted and reported as a `dropped_rows` event, so the loss is
 itself delivered. A full disk (or the file's hard limit, `max_file_bytes`) makes `append()` raise StoreFull; a record

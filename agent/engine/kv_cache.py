@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.memory import SizeClass
-from agent.runner import KVCache, lazy_zeros, release_pages
+from agent.engine.memory import SizeClass
+from agent.engine.runner import KVCache, lazy_zeros, release_pages
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from agent.sampling_params import SamplingParams
+from agent.engine.sampling_params import SamplingParams
 from agent.wire import RequestFigures
 
 # OpenAI's default for /v1/completions ("max_tokens ... Defaults to 16"); chat has no limit but the context.

@@ -31,18 +31,18 @@ import uvicorn
 from pydantic import ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from agent.api import Backend, ServerState, create_app
-from agent.bundle import open_bundle
-from agent.commands import CommandError
-from agent.sdnotify import Notifier
+from agent.api.app import Backend, ServerState, create_app
+from agent.engine.bundle import open_bundle
+from agent.link.commands import CommandError
+from agent.service.sdnotify import Notifier
 from agent.config import AgentConfig, ApiConfig, EngineConfig, describe_errors
-from agent.engine import Engine
-from agent.memory import MB, kv_bytes_per_token
-from agent.metrics import Metrics
+from agent.engine.engine import Engine
+from agent.engine.memory import MB, kv_bytes_per_token
+from agent.api.metrics import Metrics
 from agent.process import memory_limit_bytes, trim_heap
-from agent.telemetry import Telemetry
-from agent.trust import load_trusted_keys
-from agent.updates import ModelStore, UpdateContext, UpdateService
+from agent.link.telemetry import Telemetry
+from agent.updates.trust import load_trusted_keys
+from agent.updates.jobs import ModelStore, UpdateContext, UpdateService
 from agent.wire import JobDocument, Manifest, ModelConfig
 
 AGENT_VERSION = "0.1.0"
@@ -764,7 +764,7 @@ def describe_device(backend: Backend) -> dict:
     """DeviceState's optional fields: what this device runs and on what."""
     import platform
 
-    from agent.runner import usable_cores
+    from agent.engine.runner import usable_cores
 
     m = backend.manifest
     mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()

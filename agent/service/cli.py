@@ -16,10 +16,10 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from agent.bundle import BundleError, open_bundle
+from agent.engine.bundle import BundleError, open_bundle
 from agent.clikit import run, setup_logging
 from agent.config import EngineConfig
-from agent.memory import MemoryBudgetError
+from agent.engine.memory import MemoryBudgetError
 from agent.process import peak_rss_bytes
 
 # sqlite3.Error: the telemetry database locked by another process, or unwritable (a corrupt one is set aside)
@@ -77,8 +77,8 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
 
     Example: edge-agent generate --model bundles/smollm2-int4 --chat "Name three rivers."
     """
-    from agent.engine import Engine, TextDelta
-    from agent.sampling_params import SamplingParams
+    from agent.engine.engine import Engine, TextDelta
+    from agent.engine.sampling_params import SamplingParams
 
     try:
         for name, value in (("the prompt", prompt), ("--system", system or ""), *(("--stop", s) for s in stop)):
@@ -143,8 +143,8 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state
 
     Example: edge-agent serve --model bundles/smollm2-int4 --socket /tmp/edge.sock --tcp 127.0.0.1:8080
     """
-    from agent.sdnotify import Notifier
-    from agent.serve import ServeError, load_agent_config, serve_forever
+    from agent.service.sdnotify import Notifier
+    from agent.service.serve import ServeError, load_agent_config, serve_forever
 
     try:
         def load():  # at start, and again on SIGHUP (the file may have changed; the flags still win)
@@ -174,7 +174,7 @@ def telemetry(state_dir, since, as_json):
     import sqlite3
 
     from agent.config import TelemetryConfig
-    from agent.telemetry import format_summary, parse_window, summary
+    from agent.link.telemetry import format_summary, parse_window, summary
 
     try:
         result = summary(state_dir or TelemetryConfig().state_dir, parse_window(since))
@@ -196,7 +196,7 @@ def check_config(config_path, syntax_only):
     Example: edge-agent check-config --config /etc/edge-agent/agent.toml
     """
     from agent.config import describe_errors
-    from agent.serve import ServeError, environment_problems, load_agent_config
+    from agent.service.serve import ServeError, environment_problems, load_agent_config
 
     try:
         config = load_agent_config(config_path)

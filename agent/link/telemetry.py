@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
 
-from agent.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
+from agent.link.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
 from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
-from agent.store import RetentionReport, StoreFull, TelemetryReader, TelemetryStore, max_file_bytes
+from agent.link.store import RetentionReport, StoreFull, TelemetryReader, TelemetryStore, max_file_bytes
 from agent.wire import (EventRecord, RequestFigures, RequestRecord, SampleRecord, decode_speed_samples, percentile,
                         ttft_samples)
 
 if TYPE_CHECKING:
-    from agent.mqtt import MqttLink
+    from agent.link.mqtt import MqttLink
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ FAILURE_LOG_EVERY_S = 3600.0  # records that cannot be stored are logged at most
 
 
 class EngineProbe(Protocol):
-    """What the sampler reads from the engine (agent.engine.Engine has these)."""
+    """What the sampler reads from the engine (agent.engine.engine.Engine has these)."""
 
     num_running: int
     num_waiting: int
@@ -98,13 +98,13 @@ class Telemetry:
              rollback: Callable[[], dict] | None = None) -> "Telemetry":
         """The store under config.telemetry.state_dir, plus the MQTT link and its command handler if a broker
         is configured. describe() returns DeviceState's optional fields (model, version, hardware, ...);
-        rollback() queues a rollback job for the `rollback` command (agent.commands.Device.rollback)."""
+        rollback() queues a rollback job for the `rollback` command (agent.link.commands.Device.rollback)."""
         tc = config.telemetry
         device_id = tc.device_id or default_device_id()
         store = TelemetryStore(Path(tc.state_dir) / DB_NAME, device_id, max_file_bytes=max_file_bytes(tc.max_bytes))
         telemetry = cls(store, tc)
         if tc.mqtt is not None:
-            from agent.mqtt import MqttLink  # paho only when a broker is configured
+            from agent.link.mqtt import MqttLink  # paho only when a broker is configured
 
             commands = Commands(Device(config, telemetry.settings, benchmark=telemetry._benchmark,
                                        flush=telemetry.flush, rollback=rollback))

@@ -22,8 +22,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from agent.kv_cache import KVPool, SlotPool
-from agent.runner import lazy_zeros, release_pages
+from agent.engine.kv_cache import KVPool, SlotPool
+from agent.engine.runner import lazy_zeros, release_pages
 
 Live = tuple[int, int]  # (sequence id, first token position) of a block still in that sequence's slot
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.bundle import Bundle
-from agent.kv_cache import KVPool
-from agent.runner import ModelRunner
+from agent.engine.bundle import Bundle
+from agent.engine.kv_cache import KVPool
+from agent.engine.runner import ModelRunner
 
 
 class DraftModel:

@@ -12,7 +12,7 @@ verified model and reports what really happened to the job.
 Layout under the state directory:
     models/NAME@VERSION/   verified bundles        current -> models/...   previous -> models/...
     models/.staging/DIGEST/ downloads in progress  updates/job.json        the journal
-    updates/queue/N-JOB.json accepted jobs not yet run                     agent.lock (agent.serve)
+    updates/queue/N-JOB.json accepted jobs not yet run                     agent.lock (agent.service.serve)
 Every rename here is followed by an fsync of its directory (agent.durable): an update reported SUCCEEDED
 survives a power cut.
 """
@@ -39,9 +39,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from agent import durable, wire
-from agent.bundle import Bundle, BundleError, open_bundle, safe_member
-from agent.memory import MB
-from agent.trust import JobTimeError, TrustError, verify_job, verify_manifest
+from agent.engine.bundle import Bundle, BundleError, open_bundle, safe_member
+from agent.engine.memory import MB
+from agent.updates.trust import JobTimeError, TrustError, verify_job, verify_manifest
 from agent.wire import JobDocument, JobState, JobStep
 
 log = logging.getLogger(__name__)

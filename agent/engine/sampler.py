@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agent.sampling_params import SamplingParams
+from agent.engine.sampling_params import SamplingParams
 
 _TOP_P_FIRST_GUESS = 64  # candidates partitioned out first when looking for top_p's mass; grows x4 on a miss
 _DRAW_BLOCK = 256  # entries per block of the two-level draw: ~sqrt(49152) balances the two cumsums

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.sampling_params import SamplingParams
-from agent.speculative import DraftLength, LookupLength
+from agent.engine.sampling_params import SamplingParams
+from agent.engine.speculative import DraftLength, LookupLength
 from agent.wire import RequestFigures
 
 _ids = itertools.count()

@@ -3,7 +3,7 @@
 POST /v1/chat/completions and /v1/completions answer with one JSON object or, with "stream": true, a
 server-sent-event stream ending in `data: [DONE]` (OpenAI API); GET /v1/models[/{id}], /health and /metrics
 report the model, readiness and Prometheus metrics. This module translates between HTTP and the engine
-and holds no engine logic: it validates a body (agent.openai_models), tokenizes it, submits it, and relays
+and holds no engine logic: it validates a body (agent.api.openai_models), tokenizes it, submits it, and relays
 the request's events. The engine thread fills one blocking queue per request; an `EventBridge` thread
 hands each event to the event loop with call_soon_threadsafe, so the loop never blocks on the engine. A
 client that goes away cancels its request at once. Every error has OpenAI's body
@@ -11,7 +11,7 @@ client that goes away cancels its request at once. Every error has OpenAI's body
 and answered with a bare 500.
 
 Example:
-    app = create_app(Backend(manifest), Metrics(), ApiConfig())   # then serve it (agent.serve)
+    app = create_app(Backend(manifest), Metrics(), ApiConfig())   # then serve it (agent.service.serve)
     backend.mark_ready(engine)                                      # /health turns 200
 """
 from __future__ import annotations
@@ -37,11 +37,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from agent import openai_models as om
+from agent.api import openai_models as om
 from agent.config import ApiConfig
-from agent.engine import Engine, Finished, RequestError, RequestHandle, TextDelta
-from agent.metrics import Metrics
-from agent.tokenizer import PromptTooLong
+from agent.engine.engine import Engine, Finished, RequestError, RequestHandle, TextDelta
+from agent.api.metrics import Metrics
+from agent.engine.tokenizer import PromptTooLong
 from agent.wire import Manifest
 
 log = logging.getLogger(__name__)

@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.bundle import Bundle
+from agent.engine.bundle import Bundle
 from agent.config import EngineConfig
-from agent.draft import DraftModel
-from agent.kv_cache import KVPool
-from agent.memory import MB, MemoryBudgetError, class_capacities, kv_bytes_per_token, plan_slots, required_budget_bytes
-from agent.prefix_cache import PrefixCache
+from agent.engine.draft import DraftModel
+from agent.engine.kv_cache import KVPool
+from agent.engine.memory import MB, MemoryBudgetError, class_capacities, kv_bytes_per_token, plan_slots, required_budget_bytes
+from agent.engine.prefix_cache import PrefixCache
 from agent.process import peak_rss_bytes, reset_peak_rss
-from agent.sampler import make_rng, sample
-from agent.sampling_params import SamplingParams
-from agent.scheduler import Scheduler, attention_tokens
-from agent.sequence import FinishReason, Sequence, Status
-from agent.speculative import DraftLength, learned_backoff, next_draft_length, verify
-from agent.tokenizer import IncrementalDetokenizer, TextTokenizer
+from agent.engine.sampler import make_rng, sample
+from agent.engine.sampling_params import SamplingParams
+from agent.engine.scheduler import Scheduler, attention_tokens
+from agent.engine.sequence import FinishReason, Sequence, Status
+from agent.engine.speculative import DraftLength, learned_backoff, next_draft_length, verify
+from agent.engine.tokenizer import IncrementalDetokenizer, TextTokenizer
 from agent.wire import RequestFigures
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.sampler import sample
-from agent.sampling_params import SamplingParams
+from agent.engine.sampler import sample
+from agent.engine.sampling_params import SamplingParams
 
 
 def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = 4, min_ngram: int = 2, window: int = 4096) -> list[int]:

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.kv_cache import KVPool, SlotPool
-from agent.runner import has_lone_row
-from agent.sequence import FinishReason, Sequence, Status
+from agent.engine.kv_cache import KVPool, SlotPool
+from agent.engine.runner import has_lone_row
+from agent.engine.sequence import FinishReason, Sequence, Status
 from agent.wire import ModelConfig
 
 

@@ -38,7 +38,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
 from agent.config import MqttConfig
-from agent.store import OutboxRow, StoreFull, TelemetryStore
+from agent.link.store import OutboxRow, StoreFull, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, NO_MATCHING_SUBSCRIBERS, CommandRequest, CommandResponse,
                         DeviceState, TelemetryBatch, topic)
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from agent.sequence import delivery_gaps_s
+from agent.engine.sequence import delivery_gaps_s
 from agent.wire import RequestFigures
 
 # vLLM's bucket edges (seconds), so that histograms from both can be compared bucket for bucket.
@@ -33,7 +33,7 @@ TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500
 
 
 class EngineGauges(Protocol):
-    """What the gauges read from the engine (agent.engine.Engine has these)."""
+    """What the gauges read from the engine (agent.engine.engine.Engine has these)."""
 
     num_running: int
     num_waiting: int

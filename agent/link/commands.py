@@ -1,7 +1,7 @@
 """What the device does when the fleet asks: one function per command of wire.COMMANDS, dispatched by name.
 
 Pure dispatch over a small interface (`Device`: the running config, the live settings and two injected
-actions), so it runs without an engine or a broker in tests; agent.telemetry wires the real one. Every
+actions), so it runs without an engine or a broker in tests; agent.link.telemetry wires the real one. Every
 command's args are validated with pydantic and an error names what was wrong. set_config applies what
 can change while the agent runs (sampling defaults) and refuses the rest with the reason (the memory
 budget sizes the KV cache at load; onnxruntime fixes its threads when the session is created).
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agent.config import MAX_THREADS, AgentConfig
-from agent.sampling_params import SamplingParams
+from agent.engine.sampling_params import SamplingParams
 from agent.wire import SMOKE_PROMPT, CommandRequest, CommandResponse, RequestFigures
 
 
@@ -107,14 +107,14 @@ class Device:
     settings: LiveSettings
     benchmark: Callable[[BenchmarkArgs], RequestFigures] | None = None  # None: no model loaded
     flush: Callable[[], dict] | None = None  # None: no broker configured
-    # queues a rollback job (agent.updates), raising CommandError if it cannot be queued; None: not wired
+    # queues a rollback job (agent.updates.jobs), raising CommandError if it cannot be queued; None: not wired
     rollback: Callable[[], dict] | None = None
     clock: Callable[[], float] = field(default=time.time)
 
 
 # ---- dispatch -------------------------------------------------------------------------------------------
 class Commands:
-    """The command handler agent.mqtt calls: (name, request) -> response; never raises for a bad request."""
+    """The command handler agent.link.mqtt calls: (name, request) -> response; never raises for a bad request."""
 
     def __init__(self, device: Device):
         self.device = device
@@ -189,9 +189,9 @@ class Commands:
 
 
 def run_benchmark(engine, spec: BenchmarkArgs) -> RequestFigures:
-    """A short greedy generation on a running engine (agent.engine.Engine), EOS ignored so that every run
+    """A short greedy generation on a running engine (agent.engine.engine.Engine), EOS ignored so that every run
     produces spec.max_tokens tokens; its figures are the benchmark's result."""
-    from agent.engine import RequestError
+    from agent.engine.engine import RequestError
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     try:

@@ -1,6 +1,6 @@
 """How one request wants its tokens chosen: the OpenAI-style sampling knobs, validated once at the API boundary.
 
-`SamplingParams` is frozen wire data; `agent.sampler` reads it to pick each token and the engine reads
+`SamplingParams` is frozen wire data; `agent.engine.sampler` reads it to pick each token and the engine reads
 `max_tokens`, `stop` and `ignore_eos` to decide when a sequence is finished. Every rejected value is
 reported with its field name and the range it must lie in, so an API client can fix its request.
 """

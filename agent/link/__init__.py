@@ -1,0 +1,1 @@
+"""Telemetry and the fleet link: the device database and outbox, telemetry recording, MQTT, fleet commands."""

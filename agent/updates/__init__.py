@@ -1,0 +1,1 @@
+"""Model updates: the model store, verified downloads, trust in signed manifests, update jobs."""
