@@ -1,9 +1,9 @@
 """The fleet database: device registry, telemetry and rejected-message counts in one SQLite file.
 
-Schema changes only through the ordered, named MIGRATIONS below (never edit one that has shipped). Writes
-come in `Ingest` batches, each committed in one IMMEDIATE transaction; telemetry rows are keyed by
-(device_id, boot_id, seq) and inserted with INSERT OR IGNORE, so a batch the broker or a device sends
-twice is stored once. WAL mode lets `edge-fleet` queries read while the consumer writes, and lets several
+Schema changes only through the ordered, named migrations in fleet.migrations (never edit one that has
+shipped). Writes come in `Ingest` batches, each committed in one IMMEDIATE transaction; telemetry rows are
+keyed by (device_id, boot_id, seq) and inserted with INSERT OR IGNORE, so a batch the broker or a device
+sends twice is stored once. WAL mode lets `edge-fleet` queries read while the consumer writes, and lets several
 consumer replicas share the file (writers queue on the busy timeout).
 
 Read it with docs/fleet.md's schema: `sqlite-utils query fleet.db "select ..."`.
@@ -17,86 +17,27 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import sqlite_utils
 
-from fleet.updates import (add_device_timeout, add_notified_connection, add_report_times,
-                           create_tables as create_update_tables, index_job_device_state)
-
 from agent.wire import DeviceState, TelemetryRecord
+from fleet.migrations import KEY, MIGRATIONS, REQUEST_FIGURES_COLUMNS, SAMPLE_COLUMNS
 
 BUSY_TIMEOUT_S = 30.0  # replicas sharing one file wait this long for the write lock before failing a commit
 
-# ---- migrations -------------------------------------------------------------------------------------------
+# ---- limits (the schema and its migrations are in fleet/migrations.py) ------------------------------------
 CLOCK_SLACK_S = 300.0  # how far ahead of the fleet's clock a device's stamp may be before it is replaced
 # A stamp before this (2020-01-01) is a clock that was never set (a box without an RTC boots in 1970): no set
 # clock running this software reads earlier. The agent restamps its rows when NTP steps its clock, but rows it
 # sent before that arrive stamped so, and retention deleted them as soon as they arrived.
 UNSET_CLOCK_BEFORE_TS = 1_577_836_800.0
-KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
-PRIMARY_KEY = ("device_id", "boot_id", "seq")
-
-# RequestFigures fields stored as request columns (tests check that every field of the wire model is here)
-REQUEST_FIGURES_COLUMNS = {
-    "prompt_tokens": int, "completion_tokens": int, "cached_prompt_tokens": int, "queue_ms": float,
-    "ttft_ms": float, "prefill_tokens_per_s": float, "decode_tokens_per_s": float, "itl_p50_ms": float,
-    "itl_p95_ms": float, "e2e_ms": float, "kv_bytes": int, "finish_reason": str, "preemptions": int,
-    "drafted_tokens": int, "accepted_tokens": int,
-}
-SAMPLE_COLUMNS = {
-    "interval_s": float, "rss_mb": float, "cpu_percent": float, "kv_utilization": float, "queue_depth": int,
-    "running": int, "tokens_per_s": float,
-}
-
-
-def _create_devices(db: sqlite_utils.Database) -> None:
-    db["devices"].create({
-        "id": str, "status": str, "connection": int, "state_ts": float, "first_seen": float, "last_seen": float,
-        "boot_id": str, "model": str, "version": str, "precision": str, "hardware": str, "agent_version": str,
-    }, pk="id")
-
-
-def _create_telemetry(db: sqlite_utils.Database) -> None:
-    db["requests"].create({**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS}, pk=PRIMARY_KEY)
-    db["requests"].create_index(["ts"])
-    db["requests"].create_index(["model", "version", "ts"])
-    db["requests"].create_index(["device_id", "ts"])
-    db["samples"].create({**KEY, **SAMPLE_COLUMNS}, pk=PRIMARY_KEY)
-    db["samples"].create_index(["device_id", "ts"])
-    db["events"].create({**KEY, "kind": str, "detail": str}, pk=PRIMARY_KEY)
-    db["events"].create_index(["device_id", "ts"])
-
-
-def _create_rejected(db: sqlite_utils.Database) -> None:
-    db["rejected"].create({"device_id": str, "reason": str, "count": int, "first_ts": float, "last_ts": float},
-                          pk=("device_id", "reason"))
-
-
 WAL_SIZE_LIMIT_BYTES = 64 << 20
 TELEMETRY_TABLES = ("requests", "samples", "events")  # what retention prunes; the registry and jobs stay
 TABLE_OF_KIND = {"request": "requests", "sample": "samples", "event": "events"}  # a record's kind -> its table
 EXPIRED = "expired"  # the rejected reason of a record older than its table keeps (counted per record)
 PRUNE_BATCH_ROWS = 5000  # rows deleted per transaction (~0.1-0.7 s on a large database): the consumer runs one
 # between two of its commits, and another replica's commits wait at most that long
-
-
-def _index_telemetry_ts(db: sqlite_utils.Database) -> None:
-    for table in ("samples", "events"):  # requests has one: retention finds old rows without a table scan
-        db[table].create_index(["ts"], if_not_exists=True)
-
-
-MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
-    ("0001_devices", _create_devices),
-    ("0002_telemetry", _create_telemetry),
-    ("0003_rejected", _create_rejected),
-    ("0004_updates", create_update_tables),
-    ("0005_job_device_timeout", add_device_timeout),
-    ("0006_job_device_report_times", add_report_times),
-    ("0007_telemetry_ts_index", _index_telemetry_ts),
-    ("0008_job_device_notified_connection", add_notified_connection),
-    ("0009_job_device_state_index", index_job_device_state),
-)
 
 
 # ---- what one commit writes --------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ runs inside `edge-fleet serve`: it notifies each wave's devices over MQTT, recor
 jobs/update, and advances, completes or halts each job by fleet.rollout's policy.
 
 Job documents travel over MQTT (QoS 1 to a persistent device session); the files they name are served by
-fleet.artifacts over HTTP with Range. Tables (migration 0004_updates in fleet/store.py):
+fleet.artifacts over HTTP with Range. Tables (migration 0004_updates in fleet/migrations.py):
     models(name, version, manifest, signature, key_id, published_at)
     jobs(id, operation, model, version, state, wave_size, max_failure_rate, allow_downgrade,
          min_tokens_per_s, reason, created_at, updated_at)
@@ -45,33 +45,6 @@ STATUS_INBOX_MAX = 100_000  # device reports waiting for the driver's thread
 BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another connection's lock (a backup, a replica)
 
 
-def add_device_timeout(db: sqlite_utils.Database) -> None:
-    db["jobs"].add_column("device_timeout_s", float)
-
-
-def add_report_times(db: sqlite_utils.Database) -> None:
-    """notified_at: the device timeout runs from it; reported_ts: the device clock's ts of the report applied."""
-    db["job_devices"].add_column("notified_at", float)
-    db["job_devices"].add_column("reported_ts", float)
-    db.execute("update job_devices set notified_at = updated_at where notified = 1")
-
-
-def add_notified_connection(db: sqlite_utils.Database) -> None:
-    """notified_connection: the device's connection counter when its notice went (a later one: it came back).
-    Notices sent before this column count from the device's connection now, or every device that had not
-    answered yet would be sent its notice again at the upgrade."""
-    db["job_devices"].add_column("notified_connection", int)
-    db.execute("update job_devices set notified_connection = (select connection from devices where id = "
-               "job_devices.device_id) where notified = 1")
-
-
-def index_job_device_state(db: sqlite_utils.Database) -> None:
-    """The driver asks every 0.5 s for the devices still QUEUED or IN_PROGRESS. Without an index that scanned
-    every device of every rollout ever run: 23 ms a pass at 100,000 rows, ~5% of a core doing nothing after a
-    year of weekly rollouts to 2,000 devices (found in review)."""
-    db["job_devices"].create_index(["state"], if_not_exists=True)
-
-
 def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate) -> bool:
     """Whether a device's status report replaces the state recorded for it.
 
@@ -89,17 +62,6 @@ def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate)
     if state in TERMINAL_JOB_STATES:
         return False
     return final or reported_ts is None or update.ts >= reported_ts
-
-
-def create_tables(db: sqlite_utils.Database) -> None:
-    db["models"].create({"name": str, "version": str, "manifest": str, "signature": str, "key_id": str,
-                         "published_at": float}, pk=("name", "version"))
-    db["jobs"].create({"id": str, "operation": str, "model": str, "version": str, "state": str, "wave_size": int,
-                       "max_failure_rate": float, "allow_downgrade": int, "min_tokens_per_s": float, "reason": str,
-                       "created_at": float, "updated_at": float}, pk="id")
-    db["job_devices"].create({"job_id": str, "device_id": str, "wave": int, "state": str, "step": str,
-                              "percent": float, "reason": str, "figures": str, "notified": int, "updated_at": float},
-                             pk=("job_id", "device_id"))
 
 
 # ---- registry and jobs (CLI side) -------------------------------------------------------------------------

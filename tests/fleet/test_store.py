@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from agent.wire import DeviceState, RequestFigures
-from fleet.store import MIGRATIONS, REQUEST_FIGURES_COLUMNS, FleetStore, Ingest, is_newer_state
+from fleet.migrations import MIGRATIONS, REQUEST_FIGURES_COLUMNS
+from fleet.store import FleetStore, Ingest, is_newer_state
 from simdevice import event_record, request_record, sample_record
 
 RNG = random.Random(1)
