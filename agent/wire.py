@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # ---- ONNX decoder graph I/O -------------------------------------------------------------------------
 INPUT_IDS = "input_ids"  # int64 [batch, seq]
@@ -128,11 +128,11 @@ class Manifest(_Frozen):
         return cls.model_validate_json((Path(bundle) / MANIFEST).read_bytes())
 
 
-class ModelConfig(_Frozen):
-    """model_config.json: what the agent needs to run the graph and talk to users."""
+class Geometry(_Frozen):
+    """A dense decoder's shape: what the quantizer reads from a checkpoint and builds the graph by, and what the
+    agent sizes its KV cache by (a bundle's model_config.json holds it, in ModelConfig)."""
 
-    name: str
-    architecture: str
+    architecture: str  # one of quantize.checkpoint.SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -144,15 +144,29 @@ class ModelConfig(_Frozen):
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool = False
-    sliding_window: int | None = None
-    rope_freq_factors: list[float] | None = None  # RoPE scaling, already in the graph's cos/sin tables
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    sliding_window: int | None = None  # Mistral-style local attention, None when unused
+    # RoPE scaling: divisors of its frequencies (quantize.rope), already in the graph's cos/sin tables
+    rope_freq_factors: tuple[float, ...] | None = None
+
+
+class ModelConfig(Geometry):
+    """model_config.json: the model's geometry, and what the agent needs to talk to users."""
+
+    name: str
     bos_token_id: int | None
     eos_token_ids: list[int]
     add_bos_token: bool
     chat_template: str | None
     precision: str
     quant: dict
+
+    @model_serializer(mode="wrap")
+    def _name_first(self, handler):
+        # the key order model_config.json has always had (name, the geometry, the rest): a bundle's version
+        # ends in a hash of its files' bytes, so the same build must write the same bytes
+        data = handler(self)
+        return {"name": data.pop("name"), **data} if "name" in data else data
 
     @classmethod
     def read(cls, bundle: Path) -> "ModelConfig":

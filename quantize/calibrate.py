@@ -19,7 +19,8 @@ import onnx
 from agent import wire
 from agent.process import trim_heap
 from agent.engine.runner import ModelRunner
-from quantize.checkpoint import Checkpoint, Geometry
+from agent.wire import Geometry
+from quantize.checkpoint import Checkpoint
 from quantize.evaluate import windows
 from quantize.graph import LM_HEAD, Importance, build_graph, capture_width
 from quantize.precision import QuantSpec

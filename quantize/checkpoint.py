@@ -1,6 +1,6 @@
 """One internal form for a decoder checkpoint, whatever file it came from.
 
-A `Checkpoint` is the geometry (`Geometry`), the weights as named float32 numpy arrays in Hugging Face
+A `Checkpoint` is the geometry (`agent.wire.Geometry`, the shape model_config.json carries), the weights as named float32 numpy arrays in Hugging Face
 Llama naming and layout (`model.layers.{i}.self_attn.q_proj.weight` is [out_features, in_features], Q/K
 rows in HF's half-split rotary order), and the tokenizer. The graph builder only ever sees this form, so
 it never knows whether weights came from GGUF or safetensors (the onnxruntime-genai builder's split).
@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from agent.wire import Geometry
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -26,28 +28,6 @@ def finite(w: np.ndarray, name: str, where: Path | str) -> np.ndarray:
         raise CheckpointError(f"{where}: tensor {name} holds NaN or infinite values (a damaged or badly "
                               "converted file)")
     return w
-
-
-@dataclass(frozen=True)
-class Geometry:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    context_length: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
-    sliding_window: int | None = None  # Mistral-style local attention, None when unused
-    rope_freq_factors: tuple[float, ...] | None = None  # RoPE scaling: divisors of its frequencies (quantize.rope)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from agent.engine.bundle import file_sha256
+from agent.wire import Geometry
 from quantize import rope
-from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, SourceBlocks, finite
+from quantize.checkpoint import Checkpoint, CheckpointError, SourceBlocks, finite
 from quantize.tokenizer import tokenizer_from_gguf
 
 # Q5_0 / Q5_1: llama-quantize's fallbacks for Q4_K / Q5_K when a row is not a multiple of 256 (SmolLM2's

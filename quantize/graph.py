@@ -24,8 +24,9 @@ from tqdm import tqdm
 from onnx import TensorProto, helper, numpy_helper
 
 from agent import wire
+from agent.wire import Geometry
 from quantize import nbits, rope
-from quantize.checkpoint import Checkpoint, Geometry, SourceBlocks
+from quantize.checkpoint import Checkpoint, SourceBlocks
 from quantize.precision import Precision, QuantSpec
 
 OPSET = 21

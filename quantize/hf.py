@@ -25,8 +25,9 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from agent import durable
+from agent.wire import Geometry
 from quantize import rope
-from quantize.checkpoint import Checkpoint, CheckpointError, Geometry, expected_weight_shapes, finite
+from quantize.checkpoint import Checkpoint, CheckpointError, expected_weight_shapes, finite
 from quantize.tokenizer import tokenizer_from_hf_folder
 
 # config.json `architectures[0]` -> Geometry.architecture

@@ -38,7 +38,7 @@ class PackageError(ValueError):
 
 def model_config(ckpt: Checkpoint, spec: QuantSpec, name: str) -> wire.ModelConfig:
     t = ckpt.tokenizer
-    return wire.ModelConfig(name=name, **ckpt.geometry.to_dict(), bos_token_id=t.bos_token_id,
+    return wire.ModelConfig(name=name, **ckpt.geometry.model_dump(), bos_token_id=t.bos_token_id,
                             eos_token_ids=list(t.eos_token_ids), add_bos_token=t.add_bos_token,
                             chat_template=t.chat_template, precision=spec.precision, quant=spec.model_dump())
 

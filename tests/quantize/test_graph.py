@@ -128,7 +128,7 @@ def test_rope_scaling_reaches_the_graph(tmp_path):
     logits = runner.forward(np.array([ids]), np.array([39]), np.array([40]), np.arange(40)[None],
                             runner.new_cache(1, 48))[0]
     assert rel_err(logits, reference.forward(ckpt, ids)) < 1e-4
-    unscaled = dataclasses.replace(ckpt, geometry=dataclasses.replace(g, rope_freq_factors=None))
+    unscaled = dataclasses.replace(ckpt, geometry=g.model_copy(update={"rope_freq_factors": None}))
     assert rel_err(logits, reference.forward(unscaled, ids)) > 1e-3
 
 
