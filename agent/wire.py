@@ -1,8 +1,11 @@
-"""Every format that crosses a boundary, defined once: ONNX graph I/O names and the model bundle manifest.
+"""Every format that crosses a boundary, defined once: the ONNX graph's I/O names; the model bundle (its file
+names, manifest, geometry and model_config.json); the per-request figures and which requests their
+percentiles count; the MQTT topics under edge/v1 and the messages on them (device state, telemetry
+batches, commands and their responses); and the model update jobs (job documents, states, status reports).
 
-The quantizer writes these, the agent reads them, the fleet signs and ships them; all three import this
-module so that a name or a field can never drift between writer and reader. (MQTT topics and telemetry
-messages join this module with the telemetry issue.)
+The quantizer writes bundles and the agent reads them; the agent and the fleet talk over the topics; the
+fleet signs and ships bundles as jobs. All three import this module, so that a name or a field can never
+drift between writer and reader.
 """
 from __future__ import annotations
 
