@@ -194,8 +194,8 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
         host, _, port = artifacts_http.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise click.BadParameter(f"--artifacts-http {artifacts_http!r}: expected HOST:PORT, PORT 0-65535")
-        if artifacts_url is None and host.strip("[]") in WILDCARD_HOSTS:  # found in review: devices were told
-            # to fetch from http://0.0.0.0:PORT, i.e. from themselves, and every rollout failed
+        if artifacts_url is None and host.strip("[]") in WILDCARD_HOSTS:  # devices told to fetch from
+            # http://0.0.0.0:PORT would fetch from themselves, and every rollout would fail
             raise click.BadParameter(f"--artifacts-http {artifacts_http!r} listens on every interface: give "
                                      "--artifacts-url http://NAME:PORT, the address devices reach this server at")
         if artifacts_url is not None:
@@ -339,7 +339,7 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
     rows = [o.row() for o in outcomes] + [Outcome(d, False, error="offline (not sent)").row() for d in skipped]
     _print_outcomes(rows, fan_out, as_json)
     # a script can tell "a device said no" (1) from "it never got there, or never answered" (3), after which
-    # the request has expired unrun unless a device got it in time (found in review: 1 for both)
+    # the request has expired unrun unless a device got it in time
     if any(o.response is not None and not o.ok for o in outcomes):
         sys.exit(1)
     if not all(r["ok"] for r in rows):
@@ -355,7 +355,7 @@ def _print_outcomes(rows: list[dict], fan_out: bool, as_json: bool) -> None:
     elif rows[0]["ok"]:
         click.echo(json.dumps(rows[0]["result"], indent=2))
     else:
-        if rows[0]["result"]:  # partly done: set-config applies what it can (found in review: not shown)
+        if rows[0]["result"]:  # partly done (set-config applies what it can): what was applied, then the error
             click.echo(json.dumps(rows[0]["result"], indent=2))
         click.echo(f"Error: {rows[0]['device']}: {rows[0]['error']}", err=True)
 
@@ -427,7 +427,7 @@ def deploy(target, devices, group, to_all, include_offline, wave_size, max_failu
     """
     from fleet.updates import create_job, job_rows, wait_for_job
 
-    if not (devices or group or to_all):  # found in review: it said "no device needs this deployment"
+    if not (devices or group or to_all):  # no target at all is a usage error, not "no device needs it"
         raise click.UsageError("say which devices: --to DEVICE (repeatable), --group GLOB or --all")
     store = _db(db_path)
     chosen = list(dict.fromkeys(_devices(store.db, devices, group, to_all)))  # each device once
@@ -445,9 +445,9 @@ def deploy(target, devices, group, to_all, include_offline, wave_size, max_failu
 
 
 def _needing(db, chosen: list[str], target: str, offline_too: bool) -> list[str]:
-    """The chosen devices that need the job. Found in review: re-running a halted rollout sent the target to
-    devices already on it, and every offline device of --all waited out its timeout: both counted as failures
-    and halted the rollout at once. A device named with --to is deployed to even when offline."""
+    """The chosen devices that need the job: not those already on the target (re-running a halted rollout),
+    nor the offline devices of --all or --group, each of which would wait out its timeout: both would count
+    as failures and halt the rollout at once. A device named with --to is deployed to even when offline."""
     rows = {r["id"]: r for r in db.query("select id, status, model, version from devices")}
     current = [d for d in chosen if d in rows and f"{rows[d]['model']}@{rows[d]['version']}" == target]
     offline = [] if offline_too else [d for d in chosen if d in rows and rows[d]["status"] != "online"]

@@ -40,13 +40,13 @@ COMMIT_FAILURES_LOGGED = 5  # a failing commit's first attempts are logged, then
 LOG_EVERY_S = 600.0  # ingest-rate summary period (every 10 s was 8,640 lines a day of nothing new)
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
 REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 devices sending a schema this
-# server does not know wrote 300 lines a minute; ids that change with every message, 2,900: found in review)
+# server does not know would write 300 lines a minute; ids that change with every message, 2,900)
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
 IDLE_WAIT_S = 0.2  # the writer's wait for a first message (it checks for stop and retention in between)
 PUBACK_WAIT_S = 5.0  # a rollout notice without the broker's PUBACK by then goes again next pass
 # Messages received and not yet written. Bounded: QoS 0 is outside the broker's flow control (Receive
-# Maximum), so one device flooding its topic at QoS 0 grew an unbounded inbox to 1 GB in 20 s (found in
-# review). A full inbox blocks paho's network thread, which stops reading: TCP then pushes back on the broker.
+# Maximum), so one device flooding its topic at QoS 0 grows an unbounded inbox to 1 GB in 20 s. A full
+# inbox blocks paho's network thread, which stops reading: TCP then pushes back on the broker.
 INBOX_MAX_MESSAGES = 20_000
 
 # rejection reasons, as stored in rejected.reason
@@ -215,9 +215,9 @@ class Consumer:
 
     def _prune_step(self, prune: "_Prune") -> bool:
         """One batch of retention, in the writer thread (the store's owner), so that ingest waits for one
-        batch at most. Found in review: the whole prune in one call held ingest for 24 s on a day of expired
-        rows, 149 s at the agent's default sample rate. Returns whether there is more; a failure waits for
-        the next period."""
+        batch at most (the whole prune in one call holds ingest for 24 s on a day of expired rows, 149 s at
+        the agent's default sample rate). Returns whether there is more; a failure waits for the next
+        period."""
         ages = describe_retention(self.keep_s)
         try:
             n = self.store.prune_step(prune.before)
@@ -285,14 +285,14 @@ class Consumer:
                 committed = self.store.commit(ingest)
             except sqlite3.Error as e:
                 attempt += 1
-                # the first few, then one an hour while it lasts (found in review: a database on a disk gone
-                # read-only logged a line every 5 s for good, ~17,000 a day)
+                # the first few, then one an hour while it lasts (a database on a disk gone read-only fails
+                # every 5 s for good: ~17,000 lines a day)
                 if attempt <= COMMIT_FAILURES_LOGGED or time.monotonic() - logged_at >= 3600:
                     logged_at = time.monotonic()
                     log.error("commit of %d records failed (attempt %d), retrying%s: %s", ingest.num_records,
                               attempt, "; said again hourly" if attempt == COMMIT_FAILURES_LOGGED else "", e)
-                # the exponent capped: 2 ** 1024 overflowed a float after ~85 min of failures, and the writer
-                # thread died (found in review)
+                # the exponent capped: 2 ** 1024 overflows a float after ~85 min of failures, which would end
+                # the writer thread
                 if self._stopping.wait(min(RETRY_CAP_S, 0.1 * 2 ** min(attempt, 16))):
                     return None
                 continue
@@ -378,8 +378,8 @@ def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, sto
     """Run a consumer until `stop` is set; returns its totals. With artifacts it also serves published
     bundles over HTTP and drives model rollouts. keep_s: telemetry retention, table -> seconds."""
     store = FleetStore(db_path)
-    # said at every start: an upgrade can bring a retention the database never had (found in review: the first
-    # start of a fleet from before --keep deleted everything older than 90 days, saying so only afterwards)
+    # said at every start, before the first prune: an upgrade can bring a retention the database never had
+    # (the first start of a fleet from before --keep deletes everything older than 90 days)
     log.info("telemetry kept: %s (--keep, --keep-samples)", describe_retention(keep_s or {}))
     consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None

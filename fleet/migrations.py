@@ -90,7 +90,7 @@ def add_notified_connection(db: sqlite_utils.Database) -> None:
 def index_job_device_state(db: sqlite_utils.Database) -> None:
     """The driver asks every 0.5 s for the devices still QUEUED or IN_PROGRESS. Without an index that scanned
     every device of every rollout ever run: 23 ms a pass at 100,000 rows, ~5% of a core doing nothing after a
-    year of weekly rollouts to 2,000 devices (found in review)."""
+    year of weekly rollouts to 2,000 devices."""
     db["job_devices"].create_index(["state"], if_not_exists=True)
 
 

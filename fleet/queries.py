@@ -54,7 +54,7 @@ def existing_db(path: Path | str) -> Path:
 def open_readonly(path: Path | str) -> sqlite_utils.Database:
     path = existing_db(path)
     db = sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
-    try:  # found in review: "file is not a database" and "no such table: requests", naming no file
+    try:  # sqlite's "file is not a database" and "no such table: requests" name no file: the error below does
         tables = set(db.table_names())
     except sqlite3.DatabaseError as e:
         db.close()
@@ -89,12 +89,12 @@ def _round(x: float | None, digits: int = 1) -> float | None:
 
 @dataclass
 class Figures:
-    """One group's requests, as the few numbers its summary needs: a dict per row made a 90-day window of
-    a million requests take 385 MB and 4 s (found in review); 16 bytes a request here."""
+    """One group's requests, as the few numbers its summary needs: 16 bytes a request here, where a dict per
+    row makes a 90-day window of a million requests take 385 MB and 4 s."""
 
     requests: int = 0
     # finished in error: shed or refused as overloaded (HTTP 429), or failed. They have no TTFT, so without
-    # this count a device's TTFT percentiles looked better the more it shed (found in review).
+    # this count a device's TTFT percentiles would look better the more it shed.
     errors: int = 0
     tokens_served: int = 0
     ttfts: array = field(default_factory=lambda: array("d"))
@@ -119,8 +119,8 @@ def summarize(f: Figures) -> dict:
 
 
 def _p50_p95(values: array) -> tuple[float | None, float | None]:
-    """wire.percentile's figures (numpy's linear interpolation), in numpy: sorting 10 M floats in Python took
-    13.7 s of a 90-day `tps` (found in review)."""
+    """wire.percentile's figures (numpy's linear interpolation), in numpy: sorting 10 M floats in Python takes
+    13.7 s of a 90-day `tps`."""
     if not values:
         return None, None
     p50, p95 = np.percentile(np.frombuffer(values, np.float64), [50, 95])
@@ -181,7 +181,7 @@ def _model_filter(spec: str) -> tuple[str, tuple]:
     """'name' or 'name@version' -> an SQL condition on requests."""
     name, _, version = spec.partition("@")
     # '+model': not the (model, version, ts) index, which a bare name cannot narrow by time and so read every
-    # request of that model ever stored, but the ts index (0.67 s -> 0.04 s a day on 10 M rows, found in review)
+    # request of that model ever stored, but the ts index (0.67 s -> 0.04 s a day on 10 M rows)
     return ("and model = ? and version = ?", (name, version)) if version else ("and +model = ?", (name,))
 
 
@@ -233,7 +233,7 @@ def _series_point(f: Figures) -> dict:
 
 def _median(values: array) -> float | None:
     """The p50 of _p50_p95, cheaper for the report's many small groups: numpy's percentile costs ~100 us a
-    call, which made `report --since 7d` take 5.5 s of CPU on 500 devices (found in review)."""
+    call, 5.5 s of CPU for `report --since 7d` on 500 devices."""
     if len(values) > 1000:
         return _p50_p95(values)[0]
     return statistics.median(values) if values else None

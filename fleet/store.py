@@ -60,8 +60,8 @@ class Ingest:
         for r in records:
             r = r if UNSET_CLOCK_BEFORE_TS <= r.ts <= latest else r.model_copy(update={"ts": seen_at})
             if r.ts < seen_at - self.kept_s.get(TABLE_OF_KIND[r.kind], float("inf")):
-                # Found in review: the backlog of a device offline for weeks was stored, then deleted by the
-                # next prune, and counted nowhere. Refused and counted per device, as Loki and Prometheus do.
+                # older than its table keeps (the backlog of a device offline for weeks): stored, the next
+                # prune would delete it uncounted. Refused and counted per device, as Loki and Prometheus do.
                 self.reject(device_id, EXPIRED)
                 continue
             self.records.append((device_id, r))
@@ -181,8 +181,8 @@ class FleetStore:
         # WAL + FULL: a commit survives a power cut, not only a crash. The consumer PUBACKs a batch after its
         # commit and the device marks it sent for good, so a commit NORMAL left unsynced in the WAL was lost.
         self.db.execute("PRAGMA synchronous=FULL")
-        # A long read (a 90-day report) keeps the WAL from restarting; it grew to 1.8 GB and, the consumer's
-        # connection never closing, stayed that size (found in review). Truncated to this after checkpoints.
+        # A long read (a 90-day report) keeps the WAL from restarting; it can grow to 1.8 GB and, the
+        # consumer's connection never closing, would stay that size. Truncated to this after checkpoints.
         self.db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
         self.migrate()
 

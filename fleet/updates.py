@@ -53,7 +53,7 @@ def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate)
     IN_PROGRESS would revive a SUCCEEDED or TIMED_OUT device), and an older progress report never replaces
     a newer one. A final report always replaces progress, whatever its stamp: the device's clock may have
     stepped back meanwhile (NTP, or a reboot with no RTC after a power cut mid-install), and such a
-    SUCCEEDED was ignored until the device timed out (found in review). A device counted TIMED_OUT that
+    SUCCEEDED ignored would leave the device to time out. A device counted TIMED_OUT that
     later reports how it really ended is recorded as it ended.
     """
     final = update.state in TERMINAL_JOB_STATES
@@ -132,9 +132,8 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
 
 def cancel_job(db: sqlite_utils.Database, job_id: str) -> list[str]:
     """Stop a rollout: the job is CANCELED and no device it has not notified yet will be; returns the devices
-    it did notify that have not ended, which may still install it (a notice cannot be taken back). Found in
-    review: a job could stay IN_PROGRESS for good (no driver running, a device never notified), and only an
-    edit of the database ended it."""
+    it did notify that have not ended, which may still install it (a notice cannot be taken back). It ends
+    a job that would otherwise stay IN_PROGRESS for good (no driver running, a device never notified)."""
     final = sorted(s.value for s in TERMINAL_JOB_STATES)
     with db.conn:  # one transaction: the driver's next pass sees the job ended with its devices
         ended = db.execute("update jobs set state = ?, reason = 'canceled by the operator', updated_at = ? "
@@ -194,9 +193,9 @@ class RolloutDriver:
         # for 10 s (a backup, a replica) lost the report (already acknowledged), and waiting for _lock
         # there stalled the PUBACKs a pass was waiting for. Bounded: one device flooding its topic at QoS 0
         # must not grow it without limit (a device's last report is retained and replayed at reconnect).
-        # Each with its PUBACK, sent once the report is recorded (found in review: the jobs link's session was
-        # not persistent and acked on receipt, so reports sent while the fleet was down were lost but for each
-        # device's last, retained one; a job finished before another one then timed out, and its rollout failed).
+        # Each with its PUBACK, sent once the report is recorded, over a persistent session: acked on receipt,
+        # or without the session, the reports sent while the fleet is down would be lost but for each device's
+        # last, retained one, and a job finished before another one would time out and fail its rollout.
         self._reports: collections.deque[tuple[JobStatusUpdate, Callable[[], object]]] = collections.deque(
             maxlen=STATUS_INBOX_MAX)
         self._notified: dict[tuple[str, str], float] = {}  # (job, device) -> time.monotonic() of the notice
@@ -253,7 +252,7 @@ class RolloutDriver:
         row = next(db.query("select state, reported_ts, notified from job_devices where job_id = ? and device_id = ?",
                             [u.job_id, u.device_id]), None)
         # not notified yet: the device cannot have the job from us, so a report is about someone else's
-        # document under that id (found in review: it settled a later wave's device, never notified after)
+        # document under that id (applied, it would settle a later wave's device, never notified after)
         if row is None or not row["notified"] or not applies(JobState(row["state"]), row["reported_ts"], u):
             return
         db.execute("update job_devices set state = ?, step = ?, percent = ?, reason = ?, figures = ?, "
@@ -301,9 +300,9 @@ class RolloutDriver:
     def _time_out_devices(self, db: sqlite_utils.Database) -> None:
         """A notified device that has not finished within its job's device timeout of the notice is TIMED_OUT
         (progress reports do not extend it: a device stuck at 99% must end too). Every job's devices: those
-        of a halted job still installing stayed IN_PROGRESS for good (found in review). The timeout runs on
-        the monotonic clock: on the wall clock a fleet clock stepped back after running ahead kept devices
-        from ever timing out, and one stepped forward timed them out at once (found in review). A notice
+        of a halted job still installing would otherwise stay IN_PROGRESS for good. The timeout runs on the
+        monotonic clock: on the wall clock, a fleet clock stepped back after running ahead would keep devices
+        from ever timing out, and one stepped forward would time them out at once. A notice
         sent before this process started counts from its stored time, once, at most one timeout ago."""
         mono, wall = time.monotonic(), time.time()
         pending, expired = {}, []
@@ -325,17 +324,17 @@ class RolloutDriver:
         self._unconfirmed = {k: v for k, v in self._unconfirmed.items() if mono - v[1] < UNCONFIRMED_HOLD_S}
         final = sorted(s.value for s in TERMINAL_JOB_STATES)
         for i in range(0, len(expired), 1000):  # the state test in the statement itself: a final report another
-            batch = expired[i:i + 1000]  # replica commits meanwhile is not overwritten (found in review)
+            batch = expired[i:i + 1000]  # replica commits meanwhile is not overwritten
             db.execute("update job_devices set state = ?, reason = 'no final status within the device timeout', "
                        f"updated_at = ? where state not in ({', '.join('?' * len(final))}) and "
                        f"(job_id, device_id) in (values {', '.join(['(?, ?)'] * len(batch))})",
                        [JobState.TIMED_OUT.value, wall, *final, *(x for key in batch for x in key)])
 
     def _renotify_returned(self, db: sqlite_utils.Database) -> None:
-        """Send the notice again to a device that connected anew since it went and has not answered it. Found in
-        review: a device away longer than its broker session lasts (7 days) lost the notice with the session,
-        and after its return the fleet waited out the whole device timeout. A device that did get it drops
-        the copy (or reports again how the job ended)."""
+        """Send the notice again to a device that connected anew since it went and has not answered it: a
+        device away longer than its broker session lasts (7 days) loses the notice with the session, and the
+        fleet would wait out the whole device timeout after its return. A device that did get it drops the
+        copy (or reports again how the job ended)."""
         rows = list(db.query(
             "select jd.job_id, jd.device_id, jd.notified_at, d.connection, coalesce(j.device_timeout_s, 1800.0) "
             "as timeout_s from job_devices jd join jobs j on j.id = jd.job_id join devices d on d.id = jd.device_id "
@@ -372,19 +371,19 @@ class RolloutDriver:
             ttl_s = job.get("device_timeout_s") or 1800.0
             sent = self._notify(doc, device_id, ttl_s)
             if sent == NO_JOB_SUBSCRIBER:  # an offline device's session expired (notified again when it is back),
-                # or an online one does not take jobs: found in review, that one cost a whole device timeout
+                # or an online one does not take jobs: it fails now rather than after a whole device timeout
                 online = db.execute("select 1 from devices where id = ? and status = 'online'", [device_id]).fetchone()
                 sent = (f"the device is online but not subscribed to its job notices (does the broker's ACL let it "
                         f"read {topic(device_id, 'jobs', 'notify')}?)" if online else True)
             if sent is True:  # a cancel that got in between the check above and here: it did go out, so its
-                # reports must count and its timeout run (found in review: left CANCELED, it installed unseen)
+                # reports must count and its timeout run (left CANCELED, it would install unseen)
                 db.execute("update job_devices set notified = 1, notified_at = ?, updated_at = ?, notified_connection = "
                            "(select connection from devices where id = ?), state = case state when ? then ? else state "
                            "end where job_id = ? and device_id = ?",
                            [now := time.time(), now, device_id, JobState.CANCELED.value, JobState.QUEUED.value,
                             job["id"], device_id])
                 self._notified[(job["id"], device_id)] = time.monotonic()
-            elif sent:  # refused (an ACL): found in review, it was counted as notified and timed out later
+            elif sent:  # refused (an ACL): it fails now, rather than counted as notified and timed out later
                 log.error("job %s: the notice to %s was not delivered: %s", job["id"], device_id, sent)
                 db.execute("update job_devices set notified = 1, state = ?, reason = ?, notified_at = ?, "
                            "updated_at = ? where job_id = ? and device_id = ?",
@@ -401,8 +400,8 @@ class RolloutDriver:
     def _notify(self, doc: JobDocument, device_id: str, ttl_s: float) -> bool | str:
         """Publish the device's notice, expiring in ttl_s; publish_mqtt's answer. A notice whose publish was not
         confirmed goes again as the same bytes for as long as the link holds it: signed anew each pass (its
-        issued_at), every copy was a new message, and over a link gone silent all of them reached the device
-        (found in review)."""
+        issued_at), every copy would be a new message, and over a link gone silent all of them would reach
+        the device."""
         key, now = (doc.job_id, device_id), time.monotonic()
         payload, signed = self._unconfirmed.pop(key, (None, now))
         if payload is None or now - signed >= UNCONFIRMED_HOLD_S:

@@ -53,7 +53,7 @@ class Hessians:
     group at a time and handed out in the order the graph builder asks for them (`pop`, as a dict's).
 
     All at once they outweigh the rest of a build: 512 MiB for one down_proj input of a 1B Llama, ~10 GB
-    for its 16 layers (found in review: a 1B model needed well over 8 GB to quantize). So only as many as
+    for its 16 layers (held together, a 1B model needs well over 8 GB to quantize). So only as many as
     fit in budget_bytes are held (at least one), and when the builder asks for one past them the
     calibration text runs through the fp32 graph again for the next group, in a session opened for that
     pass alone (the whole model in fp32: not held while GPTQ works). Each Hessian sums the same chunks in

@@ -1,9 +1,10 @@
 """One internal form for a decoder checkpoint, whatever file it came from.
 
-A `Checkpoint` is the geometry (`agent.wire.Geometry`, the shape model_config.json carries), the weights as named float32 numpy arrays in Hugging Face
-Llama naming and layout (`model.layers.{i}.self_attn.q_proj.weight` is [out_features, in_features], Q/K
-rows in HF's half-split rotary order), and the tokenizer. The graph builder only ever sees this form, so
-it never knows whether weights came from GGUF or safetensors (the onnxruntime-genai builder's split).
+A `Checkpoint` is the geometry (`agent.wire.Geometry`, the shape a bundle's model_config.json carries),
+the weights as named float32 numpy arrays in Hugging Face Llama naming and layout
+(`model.layers.{i}.self_attn.q_proj.weight` is [out_features, in_features], Q/K rows in HF's half-split
+rotary order), and the tokenizer. The graph builder only ever sees this form, so it never knows whether
+weights came from GGUF or safetensors (the onnxruntime-genai builder's split).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
 def validate(ckpt: Checkpoint) -> None:
     """Raise CheckpointError unless every expected tensor is present with the right shape and ONNX Runtime's
     GroupQueryAttention can run the heads (with its rotary embedding it needs a head size that is a multiple
-    of 16: found in review, head_dim 8 failed inside ONNX Runtime)."""
+    of 16; head_dim 8 fails inside ONNX Runtime, not here)."""
     if ckpt.geometry.head_dim % 16:
         raise CheckpointError(f"{ckpt.source_name}: head_dim {ckpt.geometry.head_dim} is not supported (ONNX "
                               "Runtime's GroupQueryAttention needs a multiple of 16)")

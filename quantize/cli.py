@@ -158,7 +158,7 @@ def _print_summary(bundle) -> None:
 
 
 def _check_reference(b, ref) -> None:
-    """Found in review: any bundle was accepted as the reference, and figures against another model printed."""
+    """The reference must be the fp32 build of the same checkpoint: figures against another model mean nothing."""
     if ref.manifest.precision != "fp32":
         raise ValueError(f"--reference must be an fp32 bundle (it is {ref.manifest.precision})")
     if ref.manifest.source_sha256 != b.manifest.source_sha256:

@@ -66,8 +66,8 @@ def check_metadata_bounds(path: Path) -> None:
     """Walk the header's key/value section and check every length and count against the file's size.
 
     GGUFReader trusts array counts: it builds per-element parts in a Python loop and reads past the end
-    of the file as empty arrays, so one corrupted count made it allocate until the machine ran out of
-    memory (found by tests/reliability/test_bad_input.py). Here each count must fit in the bytes left,
+    of the file as empty arrays, so one corrupted count makes it allocate until the machine runs out of
+    memory (tests/reliability/test_bad_input.py feeds it such files). Here each count must fit in the bytes left,
     which also bounds this walk by the file's size.
     """
     import mmap

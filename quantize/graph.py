@@ -301,7 +301,7 @@ def capture_width(g: Geometry, key: str) -> int:
     if key.endswith("down_proj.weight"):
         return g.intermediate_size
     # o_proj reads the heads' outputs, num_heads x head_dim wide: not hidden_size when a config sets head_dim
-    # (Mistral-Nemo's 128 with hidden 5120 / 32 heads); found in review, every calibrated build of one failed
+    # (Mistral-Nemo's 128 with hidden 5120 / 32 heads); taken as hidden_size, every calibrated build of one fails
     return g.num_heads * g.head_dim if key.endswith("o_proj.weight") else g.hidden_size
 
 
@@ -381,8 +381,8 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
                               producer_name="edge-quantize")
     model.ir_version = 10
     # The weights go in last, one at a time, each let go of once copied: make_graph and make_model copy every
-    # initializer, and three fp32 copies of the model were alive at once (8.3 GB building SmolLM2-360M's
-    # reference graph, found in review)
+    # initializer, and three fp32 copies of the model would be alive at once (8.3 GB building SmolLM2-360M's
+    # reference graph)
     pending, b.initializers = b.initializers[::-1], []
     while pending:
         model.graph.initializer.append(pending.pop())

@@ -164,9 +164,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 def source_sha256(files: list[Path], config: dict) -> str:
     """sha256 over config.json's content (canonical JSON) and the weight files', in sorted file-name order.
 
-    The config is part of the model as a GGUF's metadata is of its file (found in review: two folders with
-    the same weights and another rope_theta had one digest, so `eval --reference` took one for the other);
-    the tokenizer files are not. Shard boundaries are not hashed; shard names are fixed by the index.
+    The config is part of the model as a GGUF's metadata is of its file (two folders with the same weights
+    and another rope_theta are two models, and `eval --reference` must not take one for the other); the
+    tokenizer files are not. Shard boundaries are not hashed; shard names are fixed by the index.
     """
     h = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     for path in sorted(files, key=lambda p: p.name):

@@ -198,8 +198,8 @@ def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, he
     original w, since blocks no longer come up whole. The result is an ordinary BlockQuantized.
 
     overwrite_hessian: work in `hessian` itself (float64) rather than a copy, leaving it undefined. Each [K, K]
-    float64 buffer is 512 MiB at a 1B Llama's down_proj (K = 8192), and this took ~3.5 GB of them at once
-    (found in review), most of a build's peak; now at most four.
+    float64 buffer is 512 MiB at a 1B Llama's down_proj (K = 8192); at most four are alive at once here
+    (copying freely held ~3.5 GB of them, most of a build's peak).
     """
     _check_geometry(bits, block_size)
     n, k = _check_weight(w).shape
@@ -208,7 +208,7 @@ def quantize_gptq(w: np.ndarray, bits: int, block_size: int, symmetric: bool, he
     importance = diag if importance is None else importance
     order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
     if act_order:
-        _permute_symmetric(h, order)  # in place: h[np.ix_(order, order)] was another [K, K] copy (found in review)
+        _permute_symmetric(h, order)  # in place: h[np.ix_(order, order)] would be another [K, K] copy
     u = _inverse_hessian_cholesky(h, damp)  # float32 [K, K], sweep order; h is overwritten
     del h
     rows = max(1, _GPTQ_CHUNK_ELEMENTS // k)

@@ -78,7 +78,7 @@ STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)(?:-ref)?
 def _remove_stale(out: Path) -> None:
     """Delete the temporary folders of earlier builds in out's folder whose process is gone (SIGKILLed, the
     power cut): each holds up to a whole bundle (514 MB for SmolLM2 during GPTQ), and nothing else would ever
-    remove them. Any output's, not only out's: builds killed with other --out names piled up (found in review)."""
+    remove them. Any output's, not only out's: those of builds killed with other --out names would pile up."""
     for p in out.parent.glob(".*.*-*"):
         m = STALE.fullmatch(p.name)
         if m is None or not p.is_dir() or _alive(int(m["pid"])):
@@ -127,7 +127,7 @@ def _check_replaceable(out: Path, force: bool) -> None:
     `--out bundles --force` (the sub-folder forgotten) deleted every bundle and file in bundles/."""
     if not force:
         raise PackageError(f"{out} already exists (use --force to replace it)")
-    if os.path.ismount(out):  # found in review: the whole build ran, then renaming it aside failed (EBUSY)
+    if os.path.ismount(out):  # refused up front: renaming it aside fails (EBUSY), after the whole build ran
         raise PackageError(f"{out} is a mount point, which cannot be replaced: use a folder inside it as --out")
     if out.is_symlink() or not out.is_dir() or not ((out / wire.MANIFEST).is_file() or not any(out.iterdir())):
         raise PackageError(f"{out} exists and is not a model bundle: --force replaces only a bundle (or an empty "
@@ -195,8 +195,8 @@ def check_tokenizer(ckpt: Checkpoint) -> None:
 
 def golden_tokens(ckpt: Checkpoint, prompt_tokens: int) -> int:
     """Tokens of the golden continuation: GOLDEN_TOKENS, fewer when the context cannot hold them after the
-    smoke prompt (found in review: a 32-token context failed inside ONNX Runtime), never fewer than an
-    update's health check reads (MIN_GOLDEN_TOKENS)."""
+    smoke prompt (generating past the context, as a 32-token one would, fails inside ONNX Runtime), never
+    fewer than an update's health check reads (MIN_GOLDEN_TOKENS)."""
     n = min(GOLDEN_TOKENS, ckpt.geometry.context_length - prompt_tokens)
     if n < MIN_GOLDEN_TOKENS:
         raise PackageError(f"context_length {ckpt.geometry.context_length} is too small: the bundle's smoke test "
@@ -211,8 +211,8 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
     # its error being dominated by the int8 activations; GPTQ still helped (0.0040 -> 0.0037)
     if calib_ids and (spec.method == "gptq" or (spec.precision == "int4" and spec.method == "search")):
         progress("measuring activation statistics over the calibration text")
-        # its fp32 graph inside the build's folder: a SIGKILLed build (the OOM killer) left it in $TMPDIR for
-        # good (1.5 GB at SmolLM2-360M's size, found in review); the next build removes the folder
+        # its fp32 graph inside the build's folder, which the next build removes: in $TMPDIR, a SIGKILLed build
+        # (the OOM killer) would leave it there for good (1.5 GB at SmolLM2-360M's size)
         with calibration(ckpt, calib_ids, with_hessians=spec.method == "gptq", threads=threads, work_dir=tmp,
                          hessian_budget_mb=hessian_budget_mb) as calib:
             progress(f"building {spec.precision} graph")
@@ -221,15 +221,15 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
             progress(f"GPTQ's Hessians took {calib.hessians.passes} passes over the calibration text "
                      f"(--hessian-memory-mb {hessian_budget_mb})")
         # The Hessians (GBs past 1B parameters) end with the with block, not with this function: held any
-        # longer, they stayed through the KV calibration, the fp32 reference graph and evaluation (found in review)
+        # longer, they would stay through the KV calibration, the fp32 reference graph and evaluation
     else:
         progress(f"building {spec.precision} graph")
         report = write_graph(ckpt, spec, tmp, None, show_progress)
     (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
     (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)
     # Fields at their defaults are left out: those are the ones added after the first agents (attention_bias,
-    # sliding_window, rope_freq_factors), whose schema forbids unknown keys; written as null, every bundle
-    # failed their verification after the download (found in review).
+    # sliding_window, rope_freq_factors), whose schema forbids unknown keys: written as null, they would fail
+    # every bundle's verification after the download.
     config = model_config(ckpt, spec, name)
     (tmp / wire.MODEL_CONFIG).write_text(config.model_dump_json(indent=2, exclude_defaults=True))
     unverified = Bundle(tmp, None, wire.ModelConfig.read(tmp))  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ def hf_rope(config: dict, head_dim: int, where: str) -> tuple[float, Factors]:
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise CheckpointError(f"{where}: unsupported rope parameters {params!r} (one set for every layer is "
                               "supported)")
-    # transformers turns only this fraction of each head; the graph turns all of it (found in review)
+    # transformers turns only this fraction of each head; the graph turns all of it, so any other is refused
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial is not None and partial != 1:
         raise CheckpointError(f"{where}: unsupported partial_rotary_factor {partial!r} (rotary over the whole head "
