@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from agent.mqtt_link import Credentials
 from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, device_of, topic
-from fleet.mqtt import Credentials, Inbound, Link, Session
+from fleet.mqtt import Inbound, Link, Session
 
 CONNECT_TIMEOUT_S = 10.0
 

@@ -20,7 +20,6 @@ Example:
 """
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import random
@@ -38,6 +37,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
 from agent.config import MqttConfig
+from agent.mqtt_link import Backoff, Credentials, LinkState, LinkStateMachine
 from agent.link.store import OutboxRow, StoreFull, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, NO_MATCHING_SUBSCRIBERS, CommandRequest, CommandResponse,
                         DeviceState, TelemetryBatch, topic)
@@ -55,7 +55,6 @@ REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x8
 REFUSAL_LOG_EVERY_S = 3600.0  # a refusal that goes on is logged this often
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
-STABLE_CONNECTION_S = 60.0  # a connection that lasted this long resets the backoff; a shorter one does not
 JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status reported while away is not lost)
 # After a connection ended with batches unacknowledged, the next sends this many bytes at first and grows
 # the bytes in flight with each PUBACK (TCP's slow start), to at most what arrived within half a keepalive.
@@ -65,33 +64,6 @@ JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status report
 SLOW_START_BYTES = 8 << 10
 # {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
 EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())
-
-
-class LinkState(enum.Enum):
-    IDLE = "idle"
-    CONNECTING = "connecting"
-    CONNECTED = "connected"
-    BACKOFF = "backoff"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-_TRANSITIONS = {
-    LinkState.IDLE: {LinkState.CONNECTING, LinkState.STOPPING},
-    LinkState.CONNECTING: {LinkState.CONNECTED, LinkState.BACKOFF, LinkState.STOPPING},
-    LinkState.CONNECTED: {LinkState.BACKOFF, LinkState.STOPPING},
-    LinkState.BACKOFF: {LinkState.CONNECTING, LinkState.STOPPING},
-    LinkState.STOPPING: {LinkState.STOPPED},
-    LinkState.STOPPED: set(),
-}
-
-
-def backoff_delay_s(attempt: int, min_s: float, max_s: float, rng: random.Random) -> float:
-    """Delay before reconnect attempt `attempt` (0-based): "equal jitter", uniform in [cap/2, cap] with
-    cap = min(max_s, min_s * 2**attempt). Half the delay is fixed (no thundering retries), half spread
-    (a fleet that lost its broker together does not come back together)."""
-    cap = min(max_s, min_s * 2 ** min(attempt, 32))
-    return rng.uniform(cap / 2, cap)
 
 
 class _Connection:
@@ -118,18 +90,17 @@ class _Connection:
         return self.connack.is_set() and not self.reason.is_failure and not self.closed.is_set()
 
 
-class MqttLink:
+class MqttLink(LinkStateMachine):
     """The device's connection to the fleet broker. start() once, stop() once; thread-safe otherwise."""
 
     def __init__(self, config: MqttConfig, device_id: str, store: TelemetryStore,
                  describe: Callable[[], dict] = dict, handler: CommandHandler | None = None,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.time,
                  on_job: Callable[[bytes, int | None], None] | None = None):
+        super().__init__()
         self.config, self.device_id, self.store = config, device_id, store
         self.describe, self.clock = describe, clock
         self.rng = rng or random.Random()
-        self.state = LinkState.IDLE
-        self._state_lock = threading.Lock()
         self._stop = threading.Event()
         self._conn: _Connection | None = None
         self.outbox = _Outbox(store, device_id, config, self._stop)
@@ -139,21 +110,6 @@ class MqttLink:
         self._job_status: dict[str, str] = {}  # job id -> latest JobStatusUpdate JSON, re-sent on reconnect
         self._job_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-
-    # ---- state machine ----
-    def can_move(self, to: LinkState) -> bool:
-        return to in _TRANSITIONS[self.state]
-
-    def _move(self, to: LinkState) -> bool:
-        with self._state_lock:
-            if not self.can_move(to):
-                return False
-            self.state = to
-            return True
-
-    @property
-    def is_connected(self) -> bool:
-        return self.state is LinkState.CONNECTED
 
     def _current(self) -> _Connection | None:
         conn = self._conn
@@ -196,21 +152,19 @@ class MqttLink:
 
     # ---- the link thread: connect, watch, back off, again ----
     def _run(self) -> None:
-        attempt = 0
+        # Backoff starts over only after a connection that lasted: each retry costs a birth, a Will and a
+        # write to disk (the connection count).
+        backoff = Backoff(self.config.backoff_min_s, self.config.backoff_max_s, self.rng)
         while self._move(LinkState.CONNECTING):
             conn = self._attempt()
+            lasted_s = 0.0
             if conn is not None:
                 up_at = time.monotonic()
                 self._watch(conn)
-                # Only a connection that lasted resets the backoff: one the broker accepts and drops at once
-                # (a session taken over by a clone with our id, a packet over its limit) would otherwise be
-                # retried twice a second for good, each time with a birth, a Will and a write to disk.
-                if time.monotonic() - up_at >= STABLE_CONNECTION_S:
-                    attempt = 0
+                lasted_s = time.monotonic() - up_at
             if not self._move(LinkState.BACKOFF):
                 return  # stopping: stop() takes over the connection
-            delay = backoff_delay_s(attempt, self.config.backoff_min_s, self.config.backoff_max_s, self.rng)
-            attempt += 1
+            delay = backoff.next_delay_s(lasted_s)
             log.info("mqtt: reconnecting in %.1f s", delay)
             self._stop.wait(delay)
 
@@ -335,12 +289,9 @@ class MqttLink:
         client.on_connect, client.on_disconnect, client.on_subscribe = _on_connect, _on_disconnect, _on_subscribe
         client.on_publish, client.on_message = self.outbox.on_ack, self._route
         client.will_set(topic(self.device_id, "state"), self._state_json("offline", number), qos=1, retain=True)
-        if self.config.username is not None:
-            password = self.config.password.get_secret_value() if self.config.password else None
-            client.username_pw_set(self.config.username, password)
-        if self.config.uses_tls:
-            client.tls_set(ca_certs=_str(self.config.ca_file), certfile=_str(self.config.cert_file),
-                           keyfile=_str(self.config.key_file))
+        password = self.config.password.get_secret_value() if self.config.password else None
+        Credentials(self.config.username, password, self.config.ca_file, self.config.cert_file,
+                    self.config.key_file).apply(client, self.config.uses_tls)
         return conn
 
     def _state_json(self, status: str, number: int) -> str:
@@ -359,10 +310,6 @@ def _no_delay(client: paho.Client) -> None:
     sock = client.socket()
     if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _str(path) -> str | None:
-    return None if path is None else str(path)
 
 
 def _on_connect(client, conn: _Connection, flags, reason_code, properties) -> None:

@@ -33,7 +33,8 @@ from pydantic import ValidationError
 import agent.link.mqtt
 from agent.link.commands import CommandError, Commands, Device, LiveSettings
 from agent.config import AgentConfig, MqttConfig, TelemetryConfig
-from agent.link.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
+from agent.mqtt_link import LinkState
+from agent.link.mqtt import MqttLink, fit_batch
 from agent.link.store import OutboxRow, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, EventRecord,
                         TelemetryBatch, TelemetryRecord, topic)
@@ -186,17 +187,6 @@ def commands_for(config: MqttConfig, flush=None) -> Commands:
 
 
 # ---- pure pieces ------------------------------------------------------------------------------------------
-def test_backoff_doubles_up_to_the_cap_with_jitter():
-    import random
-
-    rng = random.Random(1)
-    for attempt in range(12):
-        cap = min(8.0, 0.5 * 2 ** attempt)
-        delays = [backoff_delay_s(attempt, 0.5, 8.0, rng) for _ in range(50)]
-        assert all(cap / 2 <= d <= cap for d in delays) and len(set(delays)) > 1
-    assert backoff_delay_s(10_000, 0.5, 8.0, rng) <= 8.0  # no overflow on a long outage
-
-
 def test_a_batch_stays_under_the_payload_limit():
     body = EventRecord(kind="tick", detail={"x": "y" * 100_000})
     text = TelemetryRecord(boot_id="b", seq=0, ts=0.0, kind="event", event=body).model_dump_json()
