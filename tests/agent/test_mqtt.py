@@ -30,11 +30,12 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
-import agent.link.mqtt
+import agent.link.outbox
 from agent.link.commands import CommandError, Commands, Device, LiveSettings
 from agent.config import AgentConfig, MqttConfig, TelemetryConfig
 from agent.mqtt_link import LinkState
-from agent.link.mqtt import MqttLink, fit_batch
+from agent.link.mqtt import MqttLink
+from agent.link.outbox import fit_batch
 from agent.link.store import OutboxRow, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, EventRecord,
                         TelemetryBatch, TelemetryRecord, topic)
@@ -474,7 +475,7 @@ def test_a_device_whose_disk_is_full_still_connects(broker, tmp_path):
 
 def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links, monkeypatch):
     """The rows stayed unsent until the next reconnect, weeks away on a steady link."""
-    monkeypatch.setattr(agent.link.mqtt, "REFUSED_PAUSE_S", 0.2)
+    monkeypatch.setattr(agent.link.outbox, "REFUSED_PAUSE_S", 0.2)
     fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-marksent")
     link = links(broker.url, "dev-m")
     assert wait_until(lambda: link.is_connected)
@@ -833,7 +834,7 @@ def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
     assert operator.call("dev-a", "ping").ok
 
     # A link posing as B with A's credentials: the broker refuses its batches, so they stay unsent
-    caplog.set_level(logging.WARNING, logger="agent.link.mqtt")
+    caplog.set_level(logging.WARNING, logger="agent.link.outbox")
     link.stop()
     impostor = links(acl_broker.url, "dev-b", username="dev-a", password="pw-a")
     for _ in range(3):
@@ -928,10 +929,10 @@ def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, 
     """Found in review: PUBACK 0x10 'no matching subscribers' (the fleet's session gone with a broker that lost
     its state) counted as delivered, and the rows were marked sent and lost. It was also logged at every retry
     (every 30 s, for good, while no fleet server ran): now once, then hourly."""
-    import agent.link.mqtt
+    import agent.link.outbox
 
-    monkeypatch.setattr(agent.link.mqtt, "REFUSED_PAUSE_S", 0.3)
-    caplog.set_level(logging.WARNING, logger="agent.link.mqtt")
+    monkeypatch.setattr(agent.link.outbox, "REFUSED_PAUSE_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="agent.link.outbox")
     link = links(broker.url, "dev-n")
     assert wait_until(lambda: link.is_connected)
     link.store.append(EventRecord(kind="tick"))
