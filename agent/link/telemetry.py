@@ -30,7 +30,8 @@ from pydantic import ValidationError
 from agent.link.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
 from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
-from agent.link.store import RetentionReport, StoreFull, TelemetryReader, TelemetryStore, max_file_bytes
+from agent.link.reader import TelemetryReader
+from agent.link.store import RetentionReport, StoreFull, TelemetryStore, max_file_bytes
 from agent.wire import (EventRecord, RequestFigures, RequestRecord, SampleRecord, decode_speed_samples, percentile,
                         ttft_samples)
 

@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from agent.link import migrations as migrations_module
+from agent.link import reader as reader_module
 from agent.link import store as store_module
 from agent.service.cli import cli
 from agent.config import TelemetryConfig
-from agent.link.store import (MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, max_file_bytes,
-                         migrate)
+from agent.link.migrations import ROW_OVERHEAD_BYTES, migrate
+from agent.link.reader import TelemetryReader
+from agent.link.store import MAX_RECORD_BYTES, TelemetryStore, max_file_bytes
 from agent.link.telemetry import DB_NAME, Telemetry, format_summary, parse_window, summary
 from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord, TelemetryRecord
 
@@ -46,7 +49,7 @@ def db_path(tmp_path) -> Path:
 def test_migrations_run_once_in_order_and_are_recorded(db_path):
     store = TelemetryStore(db_path, "dev-1")
     names = [r["name"] for r in store.db.query("SELECT name FROM migrations ORDER BY rowid")]
-    assert names == [name for name, _ in store_module.MIGRATIONS]
+    assert names == [name for name, _ in migrations_module.MIGRATIONS]
     assert migrate(store.db) == []  # nothing left to do
     assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     store.close()
@@ -60,7 +63,7 @@ def test_a_failing_migration_changes_nothing(db_path, monkeypatch):
         db.execute("CREATE TABLE half_done (x INTEGER)")
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", [*store_module.MIGRATIONS, ("0099_broken", broken)])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [*migrations_module.MIGRATIONS, ("0099_broken", broken)])
     with pytest.raises(RuntimeError, match="disk on fire"):
         TelemetryStore(db_path, "dev-1")
     conn = sqlite3.connect(db_path)
@@ -385,7 +388,7 @@ def test_stored_bytes_stays_the_sum_of_the_rows_through_every_change(db_path, mo
     """Kept by triggers since it cost a table scan per retention pass (found in review): appends, deliveries,
     a clock step that rewrites bodies, rows dropped as undeliverable, retention, and an upgrade of a
     database that older agents filled."""
-    monkeypatch.setattr(store_module, "MIGRATIONS", [m for m in store_module.MIGRATIONS if m[0] < "0004"])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [m for m in migrations_module.MIGRATIONS if m[0] < "0004"])
     old = TelemetryStore(db_path, "dev-1")
     for i in range(50):
         old.append(EventRecord(kind="tick", detail={"i": "x" * (i % 7)}))
@@ -606,15 +609,15 @@ def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkey
     for _ in range(3):
         running.append(EventRecord(kind="tick"))
     assert TelemetryReader(tmp_path / DB_NAME).counts()["records"] == 4  # writable: WAL and all
-    real_open = store_module._open_reading
+    real_open = reader_module._open_reading
 
     def as_on_a_read_only_disk(path, mode):
         if mode == "ro":  # what SQLite says there without the WAL index
             raise sqlite3.OperationalError("unable to open database file")
         return real_open(path, mode)
 
-    monkeypatch.setattr(store_module, "_open_reading", as_on_a_read_only_disk)
-    monkeypatch.setattr(store_module, "writable_dir", lambda d: Path(d) != tmp_path)
+    monkeypatch.setattr(reader_module, "_open_reading", as_on_a_read_only_disk)
+    monkeypatch.setattr(reader_module, "writable_dir", lambda d: Path(d) != tmp_path)
     result = summary(tmp_path, 3600)
     assert result["store"]["records"] == 1 and result["unread_wal_bytes"] > 0
     assert "not counted:" in format_summary(result)
