@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.5  # after a lasting connection, 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
 # A message publish_confirmed got no PUBACK for is waited on again, not published again, for this long: over a
-# link gone silent without closing, a rollout's pass published a new copy of a notice every 0.5 s (each given up
-# on after its wait), and paho sent them all after the reconnect: 8-9 copies reached the device (found in review).
+# link gone silent without closing, a rollout's pass every 0.5 s would publish a new copy of a notice each time
+# (each given up on after its wait), and paho would send them all after the reconnect (8-9 copies to a device).
 UNCONFIRMED_HOLD_S = 60.0
 PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)
 
@@ -155,8 +155,8 @@ class Link(LinkStateMachine):
                           unmatched: str | None = None) -> bool | str:
         """Publish at QoS 1 and wait for the broker's PUBACK: True if it took the message, False if it was not
         sent or no PUBACK came (try again), or the reason it refused (MQTT v5 3.4.2.1, e.g. "Not
-        authorized" from its ACL: trying again will not help). Found in review: a refused command or rollout
-        notice counted as sent, and surfaced only later as a device that never answered. `unmatched`: what to
+        authorized" from its ACL: trying again will not help), so that a refused command or rollout notice is
+        not counted as sent and then taken for a device that never answered. `unmatched`: what to
         return instead of True when the PUBACK says no subscriber matched (0x10: the broker dropped it)."""
         key = (topic, payload, response_topic, correlation_data)
         with self._puback_cond:
@@ -181,7 +181,7 @@ class Link(LinkStateMachine):
         """paho's message id of the queued message, or None if it was not queued."""
         if not self.is_connected:
             # paho would queue it anyway and send it after the reconnect, while our caller, told False,
-            # tries again: a rollout's notices piled up through an outage and went out as a burst of copies
+            # tries again: a rollout's notices would pile up through an outage and go out as a burst of copies
             return None
         props = Properties(PacketTypes.PUBLISH)
         if response_topic is not None:
@@ -267,9 +267,9 @@ class Link(LinkStateMachine):
     def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         refused = [f"{t} ({rc})" for (t, _), rc in zip(self.subscriptions, reason_codes) if rc.is_failure]
         if refused:
-            # Found in review: the link counted itself ready, so the consumer stored nothing of what devices
-            # sent (acknowledged to them by the broker) and said only this. Without its subscriptions it is
-            # deaf: drop the connection, so that it stays not ready and retries them after its backoff.
+            # Without its subscriptions the link is deaf: ready, the consumer would store nothing of what devices
+            # send (acknowledged to them by the broker). Drop the connection, so that it stays not ready and
+            # retries them after its backoff.
             self.refusal = "the broker refused the subscription to " + ", ".join(refused)
             log.error("%s: reconnecting to retry (check the broker's ACL for %s)", self.refusal,
                       self.credentials.username or self.session.client_id)
@@ -291,7 +291,7 @@ class Link(LinkStateMachine):
         self._ready.clear()
         if not self._stop.is_set() and self.connect_error is None:  # a refusal was said already, with its reason
             # Mosquitto closes the older of two connections with one client id ("session taken over", often
-            # without saying so): two `edge-fleet serve` with the default id flapped with only this line
+            # without saying so): two `edge-fleet serve` with the default id flap, and this line names the cause
             log.warning("disconnected from MQTT broker: %s (if this repeats every few seconds, another client "
                         "may be connecting as %r: give each its own --client-id, or its own broker user where the "
                         "user name is the client id, as in the shipped Mosquitto config)", reason_code,

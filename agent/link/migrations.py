@@ -65,10 +65,10 @@ def _m0003_requests_view(db: Database) -> None:
 
 
 def _m0004_stored_bytes(db: Database) -> None:
-    # The byte cap's measure, kept up to date by triggers in the same transactions as the rows: summed over
-    # the whole table at every retention pass it cost ~60 ms at 100,000 rows, under the lock every finishing
-    # request's append waits for (found in review). ROW_OVERHEAD_BYTES is written into the triggers: a new
-    # value needs a migration that makes them again.
+    # The byte cap's measure, kept up to date by triggers in the same transactions as the rows: a sum over
+    # the whole table at every retention pass costs ~60 ms at 100,000 rows, under the lock every finishing
+    # request's append waits for. ROW_OVERHEAD_BYTES is written into the triggers: a new value needs a
+    # migration that makes them again.
     size = "(length(CAST({}.body AS BLOB)) + " + str(ROW_OVERHEAD_BYTES) + ")"
     db.execute("INSERT INTO meta (key, value) SELECT 'stored_bytes', "
                f"COALESCE(SUM({size.format('records')}), 0) FROM records")
@@ -79,8 +79,8 @@ def _m0004_stored_bytes(db: Database) -> None:
     db.execute(f"CREATE TRIGGER records_bytes_delete AFTER DELETE ON records BEGIN {sub.format(old)} END")
     db.execute("CREATE TRIGGER records_bytes_update AFTER UPDATE OF body ON records BEGIN "
                f"{sub.format(old)} {add.format(new)} END")
-    # the oldest delivered rows, found without walking the undelivered ones (a device offline at its cap
-    # holds little else: found in review, a pass then stepped through all 120,000 rows)
+    # the oldest delivered rows, found without walking the undelivered ones: a device offline at its cap
+    # holds little else, and a pass would step through all of them (120,000 rows)
     db.execute("CREATE INDEX records_sent ON records (id) WHERE sent = 1")
 
 

@@ -220,8 +220,8 @@ class MqttLink(LinkStateMachine):
 
     def publish_state(self) -> None:
         """Publish our state again (retained) on the live connection, after what describe() says changed (a
-        model update or rollback). Found in review: the fleet's registry named the old model until the next
-        reconnect, and `edge-fleet deploy` picks the devices it skips by it. Offline, the next birth says it.
+        model update or rollback): the fleet's registry must name the model now, not the one at the last
+        reconnect, since `edge-fleet deploy` picks the devices it skips by it. Offline, the next birth says it.
         The Will registered at CONNECT still names the model of that moment (MQTT cannot change it)."""
         conn = self._conn if self.is_connected else None
         if conn is not None:
@@ -321,8 +321,8 @@ def _on_disconnect(client, conn: _Connection, flags, reason_code, properties) ->
 def _on_subscribe(client, conn: _Connection, mid, reason_codes, properties) -> None:
     refused = [code for code in reason_codes if code.is_failure]  # MQTT v5 §3.9.3: >= 0x80 is a refusal
     if refused:
-        # Found in review: the link stayed connected and "online" while deaf to commands and updates, and
-        # never asked again. Leave with the Will (the fleet sees it offline) and retry after the backoff.
+        # Without its subscriptions the link is deaf to commands and updates, so it must not stay connected
+        # and "online": leave with the Will (the fleet sees it offline) and retry after the backoff.
         log.error("mqtt: the broker refused our subscription to %s: %s (check its ACL); reconnecting to retry",
                   conn.subscriptions.get(mid, "a command topic"), refused[0])
         client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
@@ -360,11 +360,11 @@ class _CommandDesk:
             except queue.Empty:
                 continue
             # The broker sends what is left of the request's Message Expiry Interval (MQTT v5 §3.3.2.3.3), which
-            # `edge-fleet cmd` sets to its --timeout: past it, nobody waits for the answer. Found in review: a
-            # set_config queued behind a benchmark was applied after the operator had been told "no response"
-            # and moved on (or retried). Mosquitto sends whole seconds, rounded down, and leaves the property out
-            # in a message's last second: a request with a --timeout of a second or two may come without it, and
-            # is then run whatever its wait (measured in review with Mosquitto 2.0.11).
+            # `edge-fleet cmd` sets to its --timeout: past it, nobody waits for the answer, and a command (a
+            # set_config queued behind a benchmark) must not run after the operator was told "no response".
+            # Mosquitto sends whole seconds, rounded down, and leaves the property out in a message's last
+            # second: a request with a --timeout of a second or two may come without it, and is then run
+            # whatever its wait (measured with Mosquitto 2.0.11).
             expiry = getattr(msg.properties, "MessageExpiryInterval", None)
             if expiry is not None and time.monotonic() - arrived > expiry:
                 log.warning("mqtt: command %r expired while it waited for the one before; not run",

@@ -30,9 +30,9 @@ REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x8
 REFUSAL_LOG_EVERY_S = 3600.0  # a refusal that goes on is logged this often
 # After a connection ended with batches unacknowledged, the next sends this many bytes at first and grows
 # the bytes in flight with each PUBACK (TCP's slow start), to at most what arrived within half a keepalive.
-# Found in review: over an uplink of 600-1,000 B/s, enough for the backlog, a full window of 200-record
-# batches took longer than two keepalives to send, paho closed the connection for want of a PINGRESP queued
-# behind them, and the next connection sent the same batches first again: nothing was ever delivered.
+# Over an uplink of 600-1,000 B/s, enough for the backlog, a full window of 200-record batches takes longer
+# than two keepalives to send: paho closes the connection for want of a PINGRESP queued behind them, and
+# a next connection sending the same full window first again would never deliver anything.
 SLOW_START_BYTES = 8 << 10
 # {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
 EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())
@@ -130,10 +130,10 @@ class Outbox:
             size, published = self._sizes.pop(mid)
             # MQTT v5 §3.4.2.1: the broker did not accept it (e.g. 0x87 not authorized), or accepted it for no
             # one (0x10: the fleet server's session is gone, e.g. a broker restarted without persistence):
-            # found in review, those rows were marked sent and lost. Both keep the rows and retry later.
+            # neither is a delivery, so both keep the rows unsent and retry later.
             if reason.is_failure or reason.value == NO_MATCHING_SUBSCRIBERS:
-                # said once an hour while it lasts (found in review: every 30 s, for good, while no fleet server
-                # was subscribed); the retries go on every REFUSED_PAUSE_S
+                # said once an hour while it lasts (no fleet server subscribed can last for good); the retries
+                # go on every REFUSED_PAUSE_S
                 if time.monotonic() - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
                     self._refusal_logged_at = time.monotonic()
                     log.warning("mqtt: the broker %s a batch of %d records: %s; retrying every %.0f s%s",
@@ -150,8 +150,8 @@ class Outbox:
                 self._unmarked_logged_at = -float("inf")  # marked: the next failure is news
             except (sqlite3.Error, StoreFull, OSError) as e:
                 # Locked, full or read-only: they go again (the fleet drops replays), not weeks later, after a
-                # pause (found in review: on a card remounted read-only, the same batch went every second, for
-                # good, with a traceback each time), said once an hour while it lasts.
+                # pause (a card remounted read-only fails every mark, for good), said once an hour while it
+                # lasts.
                 self._cursor = min(self._cursor, rows[0] - 1)
                 self._paused_until = time.monotonic() + REFUSED_PAUSE_S
                 if time.monotonic() - self._unmarked_logged_at >= REFUSAL_LOG_EVERY_S:

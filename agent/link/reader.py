@@ -43,7 +43,7 @@ class TelemetryReader:
             self.db = _open_reading(path, "ro")
         except sqlite3.DatabaseError as e:  # "file is not a database" named no file
             # On a read-only file system SQLite cannot make the WAL index a reader needs ("unable to open
-            # database file", found in review: reported as not a telemetry database): read it as immutable
+            # database file", which is not "not a telemetry database"): read it as immutable
             # there, which sees what was checkpointed (all of it after a clean stop) and not what the WAL
             # still holds (an agent killed, or running, when the disk failed), which is said.
             if writable_dir(path.parent) or not isinstance(e, sqlite3.OperationalError):

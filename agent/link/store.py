@@ -106,8 +106,8 @@ def _connect(path: Path) -> Database:
         db.enable_wal()
         db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
         db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL is truncated back to this
-        # Damage inside the file (a power cut on an SD card) passes the header and schema reads: found only
-        # later, it failed every retention pass, so the file grew and records were lost unreported
+        # Damage inside the file (a power cut on an SD card) passes the header and schema reads; left to be
+        # met later, it fails every retention pass, the file grows and records are lost unreported
         problem = db.execute("PRAGMA quick_check(1)").fetchone()[0]
         if problem != "ok":
             err = sqlite3.DatabaseError(f"database disk image is malformed: {problem}")
@@ -122,8 +122,8 @@ def _connect(path: Path) -> Database:
 
 def writable_dir(directory: Path) -> bool:
     """Whether a file can be made in directory now, by making one. access(2) is not enough: ext4 remounted
-    read-only after an I/O error (errors=remount-ro, "emergency_ro" in /proc/mounts) still passes W_OK
-    (found in review). A full disk counts as writable here: StoreFull deals with that."""
+    read-only after an I/O error (errors=remount-ro, "emergency_ro" in /proc/mounts) still passes W_OK.
+    A full disk counts as writable here: StoreFull deals with that."""
     probe = Path(directory) / f".write-probe-{os.getpid()}-{threading.get_ident()}"
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -171,8 +171,8 @@ class TelemetryStore:
         hard_limit = max_file_bytes
         try:
             # Checked first: SQLite opens a WAL file in a read-only directory read-only without a word, and then
-            # every write fails. That is an SD card ext4 remounted read-only after an I/O error (found in review:
-            # every start failed, so the box served nothing though its model was there).
+            # every write fails. That is an SD card ext4 remounted read-only after an I/O error, and a start
+            # must still serve the model there (the store goes on in memory).
             if not writable_dir(path.parent):
                 raise sqlite3.OperationalError(f"{path.parent} is read-only")
             self.db = _connect(path)
@@ -212,8 +212,8 @@ class TelemetryStore:
 
     def move_to_memory(self, e: Exception) -> bool:
         """Go on in memory once the file's directory cannot be written any more (an SD card ext4 remounted
-        read-only under a running agent): found in review, every record after that was dropped and the fleet
-        never heard why. The undelivered rows come along with their ids (the outbox's cursor and in-flight
+        read-only under a running agent), so that records go on reaching the fleet, and with them the reason
+        (a store_in_memory event). The undelivered rows come along with their ids (the outbox's cursor and in-flight
         batches name them), as many as fit; those that do not stay in the file for the next start. False if
         the store was in memory already or the directory is writable (the failure is something else)."""
         with self._lock:
@@ -284,8 +284,8 @@ class TelemetryStore:
 
     def append_all(self, items: list[tuple[RequestRecord | SampleRecord | EventRecord, float]]) -> list[TelemetryRecord]:
         """Commit (record, age in seconds) pairs in one transaction, each stamped its age before now: samples
-        are committed a few at a time, one fsync for several (found in review: an idle agent, a sample and a
-        commit every 10 s, wrote ~250 MB a day to its SD card). All or none are written."""
+        are committed a few at a time, one fsync for several (an idle agent committing a sample every 10 s
+        writes ~250 MB a day to its SD card). All or none are written."""
         with self._lock:
             now = self._stamp()
             try:
@@ -331,8 +331,8 @@ class TelemetryStore:
 
     def next_connection(self) -> int:
         """Count one more connection attempt and return the count (the DeviceState `connection`), which only
-        grows within a run. On a full disk the count goes on in memory: found in review, the failed write failed
-        the attempt, so the device stayed off MQTT (a traceback every retry) for as long as the disk was full."""
+        grows within a run. On a full disk the count goes on in memory: a failed write must not fail the
+        connection attempt, or the device stays off MQTT for as long as the disk is full."""
         with self._lock:
             at_least = self._connections + 1
             try:

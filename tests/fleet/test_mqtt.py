@@ -62,7 +62,7 @@ def test_link_reconnects_after_the_broker_comes_back(broker):
 
 
 def test_a_publish_while_disconnected_is_refused_and_never_sent_later(broker):
-    """Found in review: paho queued what publish() reported as not sent and delivered it after the reconnect,
+    """paho queued what publish() reported as not sent and delivered it after the reconnect,
     while the rollout driver retried every pass: an outage's notices went out as a burst of copies."""
     import time
 
@@ -84,7 +84,7 @@ def test_a_publish_while_disconnected_is_refused_and_never_sent_later(broker):
 
 
 def test_refused_subscriptions_and_publishes_are_named(tmp_path):
-    """Found in review: a refused subscription counted as ready (the consumer then stored nothing devices sent)
+    """A refused subscription counted as ready (the consumer then stored nothing devices sent)
     and a refused publish as sent (a command or a rollout notice the ACL dropped looked like a silent device)."""
     from broker import acl_denying_broker
 
@@ -131,7 +131,7 @@ class Watcher:
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_a_notice_unconfirmed_over_a_silent_link_is_waited_on_not_published_again(broker, tmp_path, signed):
-    """Found in review: over a link gone silent without closing, each rollout pass published a new copy of a
+    """Over a link gone silent without closing, each rollout pass published a new copy of a
     notice (each given up on after its wait) and all of them reached the device once the link came back; with
     a job key each pass also signed it anew, so no two copies were the same message."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
