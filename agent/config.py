@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError,
                       field_validator, model_validator)
 
+from agent.mqtt_link import KEEPALIVE_S, parse_url
 from agent.wire import DEVICE_ID_PATTERN
 
 MAX_THREADS = 256  # ONNX Runtime thread pools: 100,000 threads took 17 GB in seconds
@@ -118,13 +119,7 @@ def _is_loopback(host: str) -> bool:
 
 # ---- Telemetry and the MQTT link (telemetry issue) ------------------------------------------------------
 def _check_mqtt_url(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname or not port_ok or parts.path or parts.query:
-        raise ValueError(f"url must be mqtt://HOST[:PORT] or mqtts://HOST[:PORT]; got {url!r}")
+    parse_url(url)  # LinkError, a ValueError, says what is wrong and the form expected
     return url
 
 
@@ -140,7 +135,7 @@ class MqttConfig(BaseModel):
     ca_file: Path | None = Field(None, description="mqtts: CA bundle; None: the system's trust store")
     cert_file: Path | None = Field(None, description="mqtts: client certificate (mutual TLS), with key_file")
     key_file: Path | None = Field(None, description="mqtts: the client certificate's private key")
-    keepalive_s: int = Field(30, ge=5, le=65535, description="MQTT keep alive (a dead link is noticed in 1.5x this)")
+    keepalive_s: int = Field(KEEPALIVE_S, ge=5, le=65535, description="MQTT keep alive (a dead link is noticed in 1.5x this)")
     session_expiry_s: int = Field(7 * 24 * 3600, ge=0, le=2**32 - 1,
                                   description="how long the broker keeps our session (and queued commands) offline")
     connect_timeout_s: float = Field(10.0, gt=0, description="TCP/TLS connect plus CONNACK")
@@ -163,15 +158,15 @@ class MqttConfig(BaseModel):
 
     @property
     def uses_tls(self) -> bool:
-        return self.url.startswith("mqtts://")
+        return parse_url(self.url).tls
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).hostname
+        return parse_url(self.url).host
 
     @property
     def port(self) -> int:
-        return urlsplit(self.url).port or (8883 if self.uses_tls else 1883)
+        return parse_url(self.url).port
 
 
 def default_state_dir() -> Path:

@@ -23,10 +23,10 @@ import click
 
 from agent import durable
 from agent.clikit import Seconds, run, setup_logging
+from agent.mqtt_link import LinkError
 from agent.wire import is_device_id
 from fleet import queries
 from fleet.commands import CommandError
-from fleet.mqtt import LinkError
 from fleet.queries import QueryError
 
 USER_ERRORS = (QueryError, CommandError, LinkError, OSError, sqlite3.Error, ValueError)  # BundleError is a ValueError
@@ -73,7 +73,7 @@ def broker_options(command):
 
 
 def credentials(username, password_file, ca_file):
-    from fleet.mqtt import Credentials
+    from agent.mqtt_link import Credentials
 
     return Credentials.from_files(username, password_file, ca_file)
 
@@ -175,7 +175,7 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     from fleet.artifacts import WILDCARD_HOSTS
     from fleet.consumer import Artifacts
     from fleet.consumer import serve as run
-    from fleet.mqtt import parse_url
+    from agent.mqtt_link import parse_url
     from fleet.signing import load_private_key
 
     parse_url(url)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from agent.mqtt_link import Credentials
 from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, device_of, topic
-from fleet.mqtt import Credentials, Inbound, Link, Session
+from fleet.mqtt import Inbound, Link, Session
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -45,7 +46,7 @@ def parse_assignments(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise CommandError(f"bad argument {pair!r}: expected KEY=VALUE")
-        try:  # NaN and Infinity are not JSON: Python's parser takes them, and NaN went out as null ("not given")
+        try:  # NaN and Infinity are not JSON: Python's parser takes them, and NaN would go out as null ("not given")
             args[key] = json.loads(value, parse_constant=_not_json)
         except json.JSONDecodeError:
             args[key] = value
@@ -117,8 +118,8 @@ class _Waiter:
 
 
 # Mosquitto answers a publish no subscription matched with PUBACK 0x10 and drops it: a device that has never
-# connected (a mistyped id) or whose session expired. Found in review: reported after the whole --timeout as
-# "no response"; an offline device's persistent session still matches, and its request waits there.
+# connected (a mistyped id) or whose session expired: said at once, rather than "no response" after the whole
+# --timeout. An offline device's persistent session still matches, and its request waits there.
 NO_SUCH_SESSION = "no device session subscribes to it (a mistyped device id, or a device whose session expired)"
 
 
@@ -128,15 +129,15 @@ def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: 
     cmd/res/{this run's id}, so concurrent runs never see each other's."""
     run_id = f"edge-fleet-cmd-{uuid.uuid4().hex[:12]}"
     request = CommandRequest(args=args).model_dump_json().encode()
-    if len(request) > MAX_PAYLOAD_BYTES:  # found in review: the broker dropped it, or cut the connection
+    if len(request) > MAX_PAYLOAD_BYTES:  # over it, the broker drops the request or cuts the connection
         raise CommandError(f"the request is {len(request)} bytes; the limit is {MAX_PAYLOAD_BYTES}")
     waiter = _Waiter(time.monotonic())
     link = Link(url, Session(run_id, persistent=False, manual_ack=False),
                 [(topic(d, "cmd", "res", run_id), 1) for d in devices], waiter.on_message, credentials).start()
     try:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while not link.wait_ready(0.05):  # a refusal or an unreachable broker ends it at once, as mosquitto_pub
-            if link.refusal or link.connect_error or time.monotonic() > deadline:  # does: --timeout 2 took 10 s
+        while not link.wait_ready(0.05):  # a refusal or an unreachable broker ends it at once (as mosquitto_pub
+            if link.refusal or link.connect_error or time.monotonic() > deadline:  # does), not at the deadline
                 raise CommandError(link.refusal or f"cannot reach the MQTT broker at {url}"
                                    + (f": {link.connect_error}" if link.connect_error else ""))
         waiter.sent_at = time.monotonic()
@@ -147,7 +148,7 @@ def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: 
                                           response_topic=topic(device_id, "cmd", "res", run_id),
                                           correlation_data=correlation, expiry_s=math.ceil(timeout_s),
                                           unmatched=NO_SUCH_SESSION)
-            if sent is not True:  # refused by the ACL (found in review: reported as a device that never answered)
+            if sent is not True:  # refused by the ACL: said as such, not as a device that never answered
                 waiter.fail(device_id, f"request not sent: {sent or 'the connection to the broker was lost'}")
         waiter.wait(len(devices), waiter.sent_at + timeout_s)
     finally:

@@ -27,8 +27,9 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
+from agent.mqtt_link import Credentials
 from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
-from fleet.mqtt import Credentials, Inbound, Link, Session
+from fleet.mqtt import Inbound, Link, Session
 from fleet.store import EXPIRED, TELEMETRY_TABLES, Committed, FleetStore, Ingest
 
 log = logging.getLogger(__name__)

@@ -1,99 +1,39 @@
 """The fleet's MQTT link: the only module in fleet/ that imports paho.
 
-A `Link` is one MQTT v5 client with its own reconnect loop (capped exponential backoff with jitter, reset
-after a successful CONNACK), its subscriptions renewed on every connect, and messages handed to a callback
-as plain `Inbound` values. The consumer uses it with a persistent session and manual acknowledgement; the
-`cmd` CLI uses it with a clean session for request/response. Nothing here knows the message formats.
+A `Link` is one MQTT v5 client with its own reconnect loop (capped exponential backoff with jitter, started
+over after a connection that lasted; the states and backoff are agent.mqtt_link's, shared with the device's
+link), its subscriptions renewed on every connect, and messages handed to a callback as plain `Inbound`
+values. The consumer uses it with a persistent session and manual acknowledgement; the `cmd` CLI uses it
+with a clean session for request/response. Nothing here knows the message formats.
 
     link = Link("mqtt://127.0.0.1:1883", Session("edge-fleet"), [("edge/v1/+/tele", 1)], on_message)
     link.start(); link.wait_ready(5); ...; link.ack(msg); ...; link.stop()
 """
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
-from urllib.parse import urlsplit
 
 import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from agent.mqtt_link import KEEPALIVE_S, Backoff, Credentials, LinkError, LinkState, LinkStateMachine, parse_url
 from agent.wire import MAX_EXPIRY_S, NO_MATCHING_SUBSCRIBERS
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_S = 30  # the broker drops us (and we notice a dead broker) after 1.5x this without traffic
-BACKOFF_BASE_S = 0.5  # first retry after 0.25-0.5 s: a broker restart is usually over within a second...
+BACKOFF_BASE_S = 0.5  # after a lasting connection, 0.25-0.5 s: a broker restart is usually over within a second...
 BACKOFF_CAP_S = 30.0  # ...but a fleet of consumers must not hammer a broker that is down for long
-STABLE_CONNECTION_S = 60.0  # only a connection that lasted this long starts the backoff over
 # A message publish_confirmed got no PUBACK for is waited on again, not published again, for this long: over a
-# link gone silent without closing, a rollout's pass published a new copy of a notice every 0.5 s (each given up
-# on after its wait), and paho sent them all after the reconnect: 8-9 copies reached the device (found in review).
+# link gone silent without closing, a rollout's pass every 0.5 s would publish a new copy of a notice each time
+# (each given up on after its wait), and paho would send them all after the reconnect (8-9 copies to a device).
 UNCONFIRMED_HOLD_S = 60.0
 PUBACK_RESULTS_KEPT = 4096  # PUBACK reason codes remembered for publish_confirmed (message ids wrap at 65535)
-
-
-class LinkError(ValueError):
-    """A bad broker URL or link setting (a user error)."""
-
-
-class LinkState(enum.Enum):
-    IDLE = "idle"  # not started
-    CONNECTING = "connecting"  # TCP connect sent, waiting for CONNACK
-    CONNECTED = "connected"  # CONNACK accepted; subscriptions (re)sent
-    BACKOFF = "backoff"  # waiting before the next attempt
-    STOPPED = "stopped"  # stop() was called; never leaves this state
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-    tls: bool = False
-
-
-def parse_url(url: str) -> Endpoint:
-    """mqtt://HOST[:PORT] (1883) or mqtts://HOST[:PORT] (TLS, 8883) -> Endpoint."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname or parts.path or parts.query:
-        raise LinkError(f"bad broker URL {url!r}: expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT]")
-    tls = parts.scheme == "mqtts"
-    try:
-        port = parts.port or (8883 if tls else 1883)
-    except ValueError as e:
-        raise LinkError(f"bad broker URL {url!r}: {e}") from e
-    return Endpoint(parts.hostname, port, tls)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """Who we are to the broker. The shipped broker config (systemd/mosquitto) makes the user name the client
-    id, so every concurrent fleet connection needs its own user."""
-
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ca_file: Path | None = None  # mqtts: the CA that signed the broker's certificate; None: the system's
-
-    @classmethod
-    def from_files(cls, username: str | None, password_file: Path | None, ca_file: Path | None) -> "Credentials":
-        """The password comes from a file, never the command line (where `ps` would show it)."""
-        if password_file is not None and username is None:
-            raise LinkError("a password file needs a user name")
-        password = password_file.read_text().rstrip("\n") if password_file is not None else None
-        return cls(username, password, ca_file)
-
-
-def backoff_s(attempt: int, rng: random.Random, base_s: float = BACKOFF_BASE_S, cap_s: float = BACKOFF_CAP_S) -> float:
-    """Delay before reconnect attempt `attempt` (0-based): "equal jitter", so replicas spread out but never
-    retry immediately."""
-    ceiling_s = min(cap_s, base_s * 2 ** min(attempt, 30))
-    return ceiling_s / 2 + rng.uniform(0, ceiling_s / 2)
 
 
 @dataclass(frozen=True)
@@ -131,12 +71,16 @@ class Inbound:
 OnMessage = Callable[[Inbound], None]
 
 
-class Link:
+class Link(LinkStateMachine):
     """One MQTT v5 client that keeps itself connected until stop(). Thread-safe: ack() and publish() may
-    be called from any thread; callbacks run on paho's network thread."""
+    be called from any thread; callbacks run on paho's network thread.
+
+    The shipped broker config (systemd/mosquitto) makes the user name the client id, so every concurrent
+    fleet connection needs its own user in `credentials`."""
 
     def __init__(self, url: str, session: Session, subscriptions: list[tuple[str, int]], on_message: OnMessage,
                  credentials: Credentials = Credentials(), seed: int | None = None):
+        super().__init__()
         self.endpoint = parse_url(url)
         if credentials.ca_file is not None and not self.endpoint.tls:
             raise LinkError("a CA file needs an mqtts:// broker URL")
@@ -145,8 +89,7 @@ class Link:
         self.subscriptions = list(subscriptions)
         self._on_message = on_message
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
-        self._state = LinkState.IDLE
+        self._lock = threading.Lock()  # the connection's generation, and the state beside it, as ack() reads them
         self._generation = 0
         self._dropped = threading.Event()
         self._ready = threading.Event()  # connected and SUBACK received on the current connection
@@ -167,27 +110,24 @@ class Link:
 
     # ---- public ---------------------------------------------------------------------------------------
     @property
-    def state(self) -> LinkState:
-        return self._state
-
-    @property
     def generation(self) -> int:
         return self._generation
 
     def start(self) -> "Link":
-        assert self._state is LinkState.IDLE, "a Link starts once"
+        assert self.state is LinkState.IDLE, "a Link starts once"
         self._thread = threading.Thread(target=self._supervise, name=f"mqtt-{self.session.client_id}", daemon=True)
         self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._set_state(LinkState.STOPPED)
+        self._move(LinkState.STOPPING)
         self._stop.set()
         self._ready.clear()
         self._client.disconnect()  # a clean DISCONNECT: no Will, the session stays for session_expiry_s
         self._dropped.set()
         if self._thread:
             self._thread.join(timeout_s)
+        self._move(LinkState.STOPPED)
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._ready.wait(timeout_s)
@@ -199,7 +139,7 @@ class Link:
         if msg.qos == 0 or not self.session.manual_ack:
             return True
         with self._lock:
-            if msg.generation != self._generation or self._state is not LinkState.CONNECTED:
+            if msg.generation != self._generation or not self.is_connected:
                 return False
             return self._client.ack(msg.mid, msg.qos) == paho.MQTT_ERR_SUCCESS
 
@@ -215,8 +155,8 @@ class Link:
                           unmatched: str | None = None) -> bool | str:
         """Publish at QoS 1 and wait for the broker's PUBACK: True if it took the message, False if it was not
         sent or no PUBACK came (try again), or the reason it refused (MQTT v5 3.4.2.1, e.g. "Not
-        authorized" from its ACL: trying again will not help). Found in review: a refused command or rollout
-        notice counted as sent, and surfaced only later as a device that never answered. `unmatched`: what to
+        authorized" from its ACL: trying again will not help), so that a refused command or rollout notice is
+        not counted as sent and then taken for a device that never answered. `unmatched`: what to
         return instead of True when the PUBACK says no subscriber matched (0x10: the broker dropped it)."""
         key = (topic, payload, response_topic, correlation_data)
         with self._puback_cond:
@@ -239,9 +179,9 @@ class Link:
 
     def _publish(self, topic, payload, qos, retain, response_topic, correlation_data, expiry_s) -> int | None:
         """paho's message id of the queued message, or None if it was not queued."""
-        if self._state is not LinkState.CONNECTED:
+        if not self.is_connected:
             # paho would queue it anyway and send it after the reconnect, while our caller, told False,
-            # tries again: a rollout's notices piled up through an outage and went out as a burst of copies
+            # tries again: a rollout's notices would pile up through an outage and go out as a burst of copies
             return None
         props = Properties(PacketTypes.PUBLISH)
         if response_topic is not None:
@@ -255,17 +195,16 @@ class Link:
 
     # ---- connection loop ------------------------------------------------------------------------------
     def _supervise(self) -> None:
-        attempt = 0
+        # before any connection has lasted, the first retry already waits 0.5-1 s (attempt 1)
+        backoff = Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S, self._rng, first_attempt=1)
         while not self._stop.is_set():
             began = time.monotonic()
             accepted = self._connect_once()
-            # a connection the broker accepts and drops at once (another consumer with our client id takes the
-            # session over) must back off too, or the two flap twice a second for good
-            attempt = 0 if accepted and time.monotonic() - began >= STABLE_CONNECTION_S else attempt + 1
+            lasted_s = time.monotonic() - began if accepted else 0.0
             if self._stop.is_set():
                 break
-            self._set_state(LinkState.BACKOFF)
-            self._stop.wait(backoff_s(attempt, self._rng))
+            self._move(LinkState.BACKOFF)
+            self._stop.wait(backoff.next_delay_s(lasted_s))
         self._client.disconnect()  # in case stop() raced with a connect in progress
         self._client.loop_stop()
 
@@ -276,7 +215,7 @@ class Link:
         if self._stop.is_set():  # stop() set _dropped just before the clear above: do not connect after it
             return False
         self._accepted = False
-        self._set_state(LinkState.CONNECTING)
+        self._move(LinkState.CONNECTING)
         try:
             self._client.connect(self.endpoint.host, self.endpoint.port, keepalive=KEEPALIVE_S,
                                  clean_start=not self.session.persistent, properties=self._connect_properties())
@@ -295,19 +234,11 @@ class Link:
         props.ReceiveMaximum = self.session.receive_maximum
         return props
 
-    def _set_state(self, state: LinkState) -> None:
-        with self._lock:
-            if self._state is not LinkState.STOPPED:
-                self._state = state
-
     # ---- paho callbacks (paho's network thread; they must not raise) ------------------------------------
     def _make_client(self) -> paho.Client:
         client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.session.client_id,
                              protocol=paho.MQTTv5, reconnect_on_failure=False, manual_ack=self.session.manual_ack)
-        if self.credentials.username is not None:
-            client.username_pw_set(self.credentials.username, self.credentials.password)
-        if self.endpoint.tls:  # verifies the broker's certificate and host name
-            client.tls_set(ca_certs=str(self.credentials.ca_file) if self.credentials.ca_file else None)
+        self.credentials.apply(client, self.endpoint.tls)
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_subscribe = self._handle_subscribe
@@ -324,8 +255,7 @@ class Link:
         self.connect_error = None
         with self._lock:
             self._generation += 1
-            if self._state is not LinkState.STOPPED:
-                self._state = LinkState.CONNECTED
+            self._move(LinkState.CONNECTED)
         self._accepted = True
         log.info("connected to %s:%d as %s (session present: %s)", self.endpoint.host, self.endpoint.port,
                  self.session.client_id, flags.session_present)
@@ -337,9 +267,9 @@ class Link:
     def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         refused = [f"{t} ({rc})" for (t, _), rc in zip(self.subscriptions, reason_codes) if rc.is_failure]
         if refused:
-            # Found in review: the link counted itself ready, so the consumer stored nothing of what devices
-            # sent (acknowledged to them by the broker) and said only this. Without its subscriptions it is
-            # deaf: drop the connection, so that it stays not ready and retries them after its backoff.
+            # Without its subscriptions the link is deaf: ready, the consumer would store nothing of what devices
+            # send (acknowledged to them by the broker). Drop the connection, so that it stays not ready and
+            # retries them after its backoff.
             self.refusal = "the broker refused the subscription to " + ", ".join(refused)
             log.error("%s: reconnecting to retry (check the broker's ACL for %s)", self.refusal,
                       self.credentials.username or self.session.client_id)
@@ -361,7 +291,7 @@ class Link:
         self._ready.clear()
         if not self._stop.is_set() and self.connect_error is None:  # a refusal was said already, with its reason
             # Mosquitto closes the older of two connections with one client id ("session taken over", often
-            # without saying so): two `edge-fleet serve` with the default id flapped with only this line
+            # without saying so): two `edge-fleet serve` with the default id flap, and this line names the cause
             log.warning("disconnected from MQTT broker: %s (if this repeats every few seconds, another client "
                         "may be connecting as %r: give each its own --client-id, or its own broker user where the "
                         "user name is the client id, as in the shipped Mosquitto config)", reason_code,

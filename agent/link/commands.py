@@ -88,8 +88,8 @@ class LiveSettings:
         return self._sampling
 
     def update_sampling(self, change: SamplingDefaults) -> SamplingDefaults:
-        """Merge change into the defaults; a field it sets to null is cleared (found in review: null was taken
-        as "not given", so a default once set could only be changed, never removed, short of a restart)."""
+        """Merge change into the defaults; a field it sets to null is cleared, a field it leaves out is kept:
+        null is how a default, once set, is removed without a restart."""
         cleared = {k for k in change.model_fields_set if getattr(change, k) is None}
         with self._lock:
             merged = {**self._sampling.given(), **change.given()}

@@ -4,9 +4,9 @@ Threads, one job each:
 - link ("mqtt-link"): connects, watches the connection, reconnects after capped exponential backoff with
   jitter. Each connection is a fresh paho client whose own network thread (loop_start) runs with
   reconnect_on_failure=False, so retry policy, the Will's counter and the session stay ours.
-- outbox ("mqtt-outbox"): publishes unsent store rows as TelemetryBatch (QoS 1) and marks them sent on
-  PUBACK only. Rows unacknowledged when a connection ends stay unsent and go again on the next one (the
-  fleet drops replays on (device, boot, seq)).
+- outbox ("mqtt-outbox", agent.link.outbox): publishes unsent store rows as TelemetryBatch (QoS 1) and marks
+  them sent on PUBACK only. Rows unacknowledged when a connection ends stay unsent and go again on the next
+  one (the fleet drops replays on (device, boot, seq)).
 - commands ("mqtt-commands"): validates cmd/req/{name} messages, calls the handler, answers on the
   request's Response Topic with its Correlation Data (MQTT v5 §4.10).
 
@@ -20,12 +20,10 @@ Example:
 """
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import random
 import socket
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -38,9 +36,10 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
 from agent.config import MqttConfig
-from agent.link.store import OutboxRow, StoreFull, TelemetryStore
-from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, NO_MATCHING_SUBSCRIBERS, CommandRequest, CommandResponse,
-                        DeviceState, TelemetryBatch, topic)
+from agent.mqtt_link import Backoff, Credentials, LinkState, LinkStateMachine
+from agent.link.outbox import Outbox
+from agent.link.store import TelemetryStore
+from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, topic
 
 log = logging.getLogger(__name__)
 
@@ -51,47 +50,9 @@ CommandHandler = Callable[[str, CommandRequest], CommandResponse]
 # answer; a bound so that no publisher can make the device buffer megabytes.
 MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
 COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
-REFUSED_PAUSE_S = 30.0  # after the broker refuses a batch (PUBACK reason >= 0x80), wait before trying again
-REFUSAL_LOG_EVERY_S = 3600.0  # a refusal that goes on is logged this often
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
-STABLE_CONNECTION_S = 60.0  # a connection that lasted this long resets the backoff; a shorter one does not
 JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status reported while away is not lost)
-# After a connection ended with batches unacknowledged, the next sends this many bytes at first and grows
-# the bytes in flight with each PUBACK (TCP's slow start), to at most what arrived within half a keepalive.
-# Found in review: over an uplink of 600-1,000 B/s, enough for the backlog, a full window of 200-record
-# batches took longer than two keepalives to send, paho closed the connection for want of a PINGRESP queued
-# behind them, and the next connection sent the same batches first again: nothing was ever delivered.
-SLOW_START_BYTES = 8 << 10
-# {"device_id": ..., "records": []} around a batch's records, at the longest device id (64 characters)
-EMPTY_BATCH_BYTES = len(TelemetryBatch.model_construct(device_id="d" * 64, records=[]).model_dump_json())
-
-
-class LinkState(enum.Enum):
-    IDLE = "idle"
-    CONNECTING = "connecting"
-    CONNECTED = "connected"
-    BACKOFF = "backoff"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-_TRANSITIONS = {
-    LinkState.IDLE: {LinkState.CONNECTING, LinkState.STOPPING},
-    LinkState.CONNECTING: {LinkState.CONNECTED, LinkState.BACKOFF, LinkState.STOPPING},
-    LinkState.CONNECTED: {LinkState.BACKOFF, LinkState.STOPPING},
-    LinkState.BACKOFF: {LinkState.CONNECTING, LinkState.STOPPING},
-    LinkState.STOPPING: {LinkState.STOPPED},
-    LinkState.STOPPED: set(),
-}
-
-
-def backoff_delay_s(attempt: int, min_s: float, max_s: float, rng: random.Random) -> float:
-    """Delay before reconnect attempt `attempt` (0-based): "equal jitter", uniform in [cap/2, cap] with
-    cap = min(max_s, min_s * 2**attempt). Half the delay is fixed (no thundering retries), half spread
-    (a fleet that lost its broker together does not come back together)."""
-    cap = min(max_s, min_s * 2 ** min(attempt, 32))
-    return rng.uniform(cap / 2, cap)
 
 
 class _Connection:
@@ -117,43 +78,32 @@ class _Connection:
     def is_up(self) -> bool:
         return self.connack.is_set() and not self.reason.is_failure and not self.closed.is_set()
 
+    def publish(self, topic: str, payload: str) -> int | None:
+        """A QoS 1 publish: paho's message id, or None if the connection is gone."""
+        info = self.client.publish(topic, payload, qos=1)
+        return info.mid if info.rc == paho.MQTT_ERR_SUCCESS else None
 
-class MqttLink:
+
+class MqttLink(LinkStateMachine):
     """The device's connection to the fleet broker. start() once, stop() once; thread-safe otherwise."""
 
     def __init__(self, config: MqttConfig, device_id: str, store: TelemetryStore,
                  describe: Callable[[], dict] = dict, handler: CommandHandler | None = None,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.time,
                  on_job: Callable[[bytes, int | None], None] | None = None):
+        super().__init__()
         self.config, self.device_id, self.store = config, device_id, store
         self.describe, self.clock = describe, clock
         self.rng = rng or random.Random()
-        self.state = LinkState.IDLE
-        self._state_lock = threading.Lock()
         self._stop = threading.Event()
         self._conn: _Connection | None = None
-        self.outbox = _Outbox(store, device_id, config, self._stop)
+        self.outbox = Outbox(store, device_id, config, self._stop)
         self.commands = _CommandDesk(device_id, handler or _no_handler, config.response_expiry_s, self._stop,
                                      self._current)
         self.on_job = on_job  # model-update job documents (jobs/notify), handed over raw
         self._job_status: dict[str, str] = {}  # job id -> latest JobStatusUpdate JSON, re-sent on reconnect
         self._job_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-
-    # ---- state machine ----
-    def can_move(self, to: LinkState) -> bool:
-        return to in _TRANSITIONS[self.state]
-
-    def _move(self, to: LinkState) -> bool:
-        with self._state_lock:
-            if not self.can_move(to):
-                return False
-            self.state = to
-            return True
-
-    @property
-    def is_connected(self) -> bool:
-        return self.state is LinkState.CONNECTED
 
     def _current(self) -> _Connection | None:
         conn = self._conn
@@ -196,21 +146,19 @@ class MqttLink:
 
     # ---- the link thread: connect, watch, back off, again ----
     def _run(self) -> None:
-        attempt = 0
+        # Backoff starts over only after a connection that lasted: each retry costs a birth, a Will and a
+        # write to disk (the connection count).
+        backoff = Backoff(self.config.backoff_min_s, self.config.backoff_max_s, self.rng)
         while self._move(LinkState.CONNECTING):
             conn = self._attempt()
+            lasted_s = 0.0
             if conn is not None:
                 up_at = time.monotonic()
                 self._watch(conn)
-                # Only a connection that lasted resets the backoff: one the broker accepts and drops at once
-                # (a session taken over by a clone with our id, a packet over its limit) would otherwise be
-                # retried twice a second for good, each time with a birth, a Will and a write to disk.
-                if time.monotonic() - up_at >= STABLE_CONNECTION_S:
-                    attempt = 0
+                lasted_s = time.monotonic() - up_at
             if not self._move(LinkState.BACKOFF):
                 return  # stopping: stop() takes over the connection
-            delay = backoff_delay_s(attempt, self.config.backoff_min_s, self.config.backoff_max_s, self.rng)
-            attempt += 1
+            delay = backoff.next_delay_s(lasted_s)
             log.info("mqtt: reconnecting in %.1f s", delay)
             self._stop.wait(delay)
 
@@ -272,8 +220,8 @@ class MqttLink:
 
     def publish_state(self) -> None:
         """Publish our state again (retained) on the live connection, after what describe() says changed (a
-        model update or rollback). Found in review: the fleet's registry named the old model until the next
-        reconnect, and `edge-fleet deploy` picks the devices it skips by it. Offline, the next birth says it.
+        model update or rollback): the fleet's registry must name the model now, not the one at the last
+        reconnect, since `edge-fleet deploy` picks the devices it skips by it. Offline, the next birth says it.
         The Will registered at CONNECT still names the model of that moment (MQTT cannot change it)."""
         conn = self._conn if self.is_connected else None
         if conn is not None:
@@ -335,12 +283,9 @@ class MqttLink:
         client.on_connect, client.on_disconnect, client.on_subscribe = _on_connect, _on_disconnect, _on_subscribe
         client.on_publish, client.on_message = self.outbox.on_ack, self._route
         client.will_set(topic(self.device_id, "state"), self._state_json("offline", number), qos=1, retain=True)
-        if self.config.username is not None:
-            password = self.config.password.get_secret_value() if self.config.password else None
-            client.username_pw_set(self.config.username, password)
-        if self.config.uses_tls:
-            client.tls_set(ca_certs=_str(self.config.ca_file), certfile=_str(self.config.cert_file),
-                           keyfile=_str(self.config.key_file))
+        password = self.config.password.get_secret_value() if self.config.password else None
+        Credentials(self.config.username, password, self.config.ca_file, self.config.cert_file,
+                    self.config.key_file).apply(client, self.config.uses_tls)
         return conn
 
     def _state_json(self, status: str, number: int) -> str:
@@ -361,10 +306,6 @@ def _no_delay(client: paho.Client) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _str(path) -> str | None:
-    return None if path is None else str(path)
-
-
 def _on_connect(client, conn: _Connection, flags, reason_code, properties) -> None:
     conn.reason = reason_code
     conn.max_packet = getattr(properties, "MaximumPacketSize", None)
@@ -380,8 +321,8 @@ def _on_disconnect(client, conn: _Connection, flags, reason_code, properties) ->
 def _on_subscribe(client, conn: _Connection, mid, reason_codes, properties) -> None:
     refused = [code for code in reason_codes if code.is_failure]  # MQTT v5 §3.9.3: >= 0x80 is a refusal
     if refused:
-        # Found in review: the link stayed connected and "online" while deaf to commands and updates, and
-        # never asked again. Leave with the Will (the fleet sees it offline) and retry after the backoff.
+        # Without its subscriptions the link is deaf to commands and updates, so it must not stay connected
+        # and "online": leave with the Will (the fleet sees it offline) and retry after the backoff.
         log.error("mqtt: the broker refused our subscription to %s: %s (check its ACL); reconnecting to retry",
                   conn.subscriptions.get(mid, "a command topic"), refused[0])
         client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
@@ -389,149 +330,6 @@ def _on_subscribe(client, conn: _Connection, mid, reason_codes, properties) -> N
 
 def _no_handler(name: str, request: CommandRequest) -> CommandResponse:
     return CommandResponse(command=name, ok=False, error="this agent does not handle commands")
-
-
-# ---- the outbox ---------------------------------------------------------------------------------------
-class _Outbox:
-    """Unsent rows -> TelemetryBatch -> QoS 1 publish -> PUBACK -> mark_sent.
-
-    Only the outbox thread touches `_inflight` (message id -> row ids) and `_cursor`: paho's thread only
-    queues acks. The ack of a batch can arrive before publish() returns; it is then still queued until
-    this thread has recorded the mapping, so it is never lost. (Holding a lock across publish() instead
-    would deadlock: paho calls on_publish while holding the lock publish() needs.)
-    """
-
-    def __init__(self, store: TelemetryStore, device_id: str, config: MqttConfig, stop: threading.Event):
-        self.store, self.device_id, self.config, self._stop = store, device_id, config, stop
-        self.topic = topic(device_id, "tele")
-        self._acks: queue.SimpleQueue = queue.SimpleQueue()  # (connection, mid, reason code)
-        self._wake = threading.Event()
-        self._target: _Connection | None = None  # set by the link thread
-        self._conn: _Connection | None = None  # the connection _inflight belongs to
-        self._inflight: dict[int, list[int]] = {}
-        self._sizes: dict[int, tuple[int, float]] = {}  # message id -> (payload bytes, when published)
-        self._window: int | None = None  # payload bytes allowed in flight; None: as many batches as configured
-        self._cursor = 0  # the last row id published on this connection
-        self._paused_until = 0.0
-        self._refusal_logged_at = -float("inf")  # when a refused batch was last logged; reset by an accepted one
-        self._unmarked_logged_at = -float("inf")  # when delivered rows that could not be marked sent were logged
-
-    def attach(self, conn: _Connection | None) -> None:
-        self._target = conn
-        self.wake()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def on_ack(self, client, conn: _Connection, mid: int, reason_code, properties) -> None:
-        self._acks.put((conn, mid, reason_code))  # paho's thread: queue it, touch nothing else
-        self._wake.set()
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.config.outbox_poll_s)
-            self._wake.clear()
-            try:
-                self._pass()
-            except Exception:  # a database error must not end delivery for good; the next pass retries
-                log.exception("mqtt: outbox pass failed")
-
-    def _pass(self) -> None:
-        self._drain_acks()  # acks that came before a disconnect still count
-        if self._target is not self._conn:  # a new connection (or none): unacked rows go again from the start
-            if self._inflight:  # and this one ended with batches unacknowledged: the link may be too slow for them
-                self._window = SLOW_START_BYTES
-            self._conn, self._inflight, self._sizes, self._cursor = self._target, {}, {}, 0
-        while self._can_publish() and self._publish_batch():
-            self._drain_acks()
-
-    def _can_publish(self) -> bool:
-        return (self._conn is not None and self._conn.is_up and not self._stop.is_set()
-                and len(self._inflight) < self.config.max_inflight_batches and time.monotonic() >= self._paused_until
-                and (self._window is None or self._bytes_in_flight() < self._window))
-
-    def _bytes_in_flight(self) -> int:
-        return sum(size for size, _ in self._sizes.values())
-
-    def _grow_window(self, size: int, published: float) -> None:
-        """An acknowledged batch of `size` bytes: double the window, to at most what this link carried in half
-        a keepalive; past a full window of the largest batches, no limit again."""
-        rate = size / max(time.monotonic() - published, 1e-3)
-        grown = min(2 * self._window, max(SLOW_START_BYTES, int(rate * self.config.keepalive_s / 2)))
-        self._window = None if grown >= self.config.max_inflight_batches * MAX_PAYLOAD_BYTES else grown
-
-    def _drain_acks(self) -> None:
-        while True:
-            try:
-                conn, mid, reason = self._acks.get_nowait()
-            except queue.Empty:
-                return
-            rows = self._inflight.pop(mid, None) if conn is self._conn else None
-            if rows is None:
-                continue  # a state or response publish, or an ack from an earlier connection
-            size, published = self._sizes.pop(mid)
-            # MQTT v5 §3.4.2.1: the broker did not accept it (e.g. 0x87 not authorized), or accepted it for no
-            # one (0x10: the fleet server's session is gone, e.g. a broker restarted without persistence):
-            # found in review, those rows were marked sent and lost. Both keep the rows and retry later.
-            if reason.is_failure or reason.value == NO_MATCHING_SUBSCRIBERS:
-                # said once an hour while it lasts (found in review: every 30 s, for good, while no fleet server
-                # was subscribed); the retries go on every REFUSED_PAUSE_S
-                if time.monotonic() - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
-                    self._refusal_logged_at = time.monotonic()
-                    log.warning("mqtt: the broker %s a batch of %d records: %s; retrying every %.0f s%s",
-                                "refused" if reason.is_failure else "delivered to no one", len(rows), reason,
-                                REFUSED_PAUSE_S, "" if reason.is_failure else " (is the fleet server running?)")
-                self._cursor = min(self._cursor, rows[0] - 1)
-                self._paused_until = time.monotonic() + REFUSED_PAUSE_S
-                continue
-            self._refusal_logged_at = -float("inf")  # accepted: the next refusal is news
-            if self._window is not None:
-                self._grow_window(size, published)
-            try:
-                self.store.mark_sent(rows)
-                self._unmarked_logged_at = -float("inf")  # marked: the next failure is news
-            except (sqlite3.Error, StoreFull, OSError) as e:
-                # Locked, full or read-only: they go again (the fleet drops replays), not weeks later, after a
-                # pause (found in review: on a card remounted read-only, the same batch went every second, for
-                # good, with a traceback each time), said once an hour while it lasts.
-                self._cursor = min(self._cursor, rows[0] - 1)
-                self._paused_until = time.monotonic() + REFUSED_PAUSE_S
-                if time.monotonic() - self._unmarked_logged_at >= REFUSAL_LOG_EVERY_S:
-                    self._unmarked_logged_at = time.monotonic()
-                    log.warning("mqtt: delivered %d records but cannot mark them sent (%s); they go again in "
-                                "%.0f s (the fleet keeps one copy)", len(rows), e, REFUSED_PAUSE_S)
-
-    def _publish_batch(self) -> bool:
-        rows = self.store.unsent(self.config.batch_max_records, after=self._cursor)
-        if not rows:
-            return False
-        limit = self._conn.payload_limit
-        window = limit if self._window is None else max(self._window - self._bytes_in_flight(), 1)
-        rows = fit_batch(rows, min(limit, window))  # at least one record, whatever the window
-        payload = TelemetryBatch(device_id=self.device_id, records=[r.record for r in rows]).model_dump_json()
-        if len(payload.encode()) > limit:  # one record alone is over this broker's limit: it can never go
-            log.warning("mqtt: a %d-byte record is over the broker's packet limit (%d): dropped", len(payload), limit)
-            self.store.drop_undeliverable([rows[0].row_id], "too_large")
-            return True
-        info = self._conn.client.publish(self.topic, payload, qos=1)
-        if info.rc != paho.MQTT_ERR_SUCCESS:
-            return False  # the connection just went; the link thread will notice
-        self._inflight[info.mid] = [r.row_id for r in rows]
-        self._sizes[info.mid] = (len(payload.encode()), time.monotonic())
-        self._cursor = rows[-1].row_id
-        return True
-
-
-def fit_batch(rows: list[OutboxRow], max_bytes: int = MAX_PAYLOAD_BYTES) -> list[OutboxRow]:
-    """The longest prefix of rows whose batch stays under max_bytes, at least one row.
-
-    Measured as sent, not as stored: a row an older agent wrote gains this one's new default fields."""
-    total = EMPTY_BATCH_BYTES
-    for i, row in enumerate(rows):
-        total += len(row.record.model_dump_json().encode()) + 1
-        if total > max_bytes:
-            return rows[:max(i, 1)]
-    return rows
 
 
 # ---- commands -----------------------------------------------------------------------------------------
@@ -562,11 +360,11 @@ class _CommandDesk:
             except queue.Empty:
                 continue
             # The broker sends what is left of the request's Message Expiry Interval (MQTT v5 §3.3.2.3.3), which
-            # `edge-fleet cmd` sets to its --timeout: past it, nobody waits for the answer. Found in review: a
-            # set_config queued behind a benchmark was applied after the operator had been told "no response"
-            # and moved on (or retried). Mosquitto sends whole seconds, rounded down, and leaves the property out
-            # in a message's last second: a request with a --timeout of a second or two may come without it, and
-            # is then run whatever its wait (measured in review with Mosquitto 2.0.11).
+            # `edge-fleet cmd` sets to its --timeout: past it, nobody waits for the answer, and a command (a
+            # set_config queued behind a benchmark) must not run after the operator was told "no response".
+            # Mosquitto sends whole seconds, rounded down, and leaves the property out in a message's last
+            # second: a request with a --timeout of a second or two may come without it, and is then run
+            # whatever its wait (measured with Mosquitto 2.0.11).
             expiry = getattr(msg.properties, "MessageExpiryInterval", None)
             if expiry is not None and time.monotonic() - arrived > expiry:
                 log.warning("mqtt: command %r expired while it waited for the one before; not run",

@@ -1,12 +1,14 @@
 """The device's telemetry store and outbox: every record is committed to SQLite before anything sends it.
 
-One table of records (request, sample and event TelemetryRecords as JSON, each with its delivery flag), a
-meta table of counters, and the migrations that built them. `append()` returns only once the row is
-committed (durable before delivered); agent.link.mqtt reads `unsent()` rows, publishes them and calls
+One table of records (request, sample and event TelemetryRecords as JSON, each with its delivery flag) and
+a meta table of counters, built by agent.link.migrations. `append()` returns only once the row is
+committed (durable before delivered); agent.link.outbox reads `unsent()` rows, publishes them and calls
 `mark_sent()` on PUBACK. `enforce()` keeps the file inside its age and byte caps, deleting delivered rows
 first; undelivered rows it must drop are counted and reported as a `dropped_rows` event, so the loss is
 itself delivered. A full disk (or the file's hard limit, `max_file_bytes`) makes `append()` raise StoreFull; a record
-given up on is counted (`count_unwritten()`) and the next `enforce()` reports it with the others. The schema, for `sqlite-utils query telemetry.db "..."`, is documented in docs/telemetry.md.
+given up on is counted (`count_unwritten()`) and the next `enforce()` reports it with the others. The
+read side, for `edge-agent telemetry`, is agent.link.reader; the schema, for `sqlite-utils query
+telemetry.db "..."`, is documented in docs/telemetry.md.
 
 Example:
     store = TelemetryStore(Path("/var/lib/edge-agent/telemetry.db"), "dev-1")
@@ -31,6 +33,7 @@ from pydantic import ValidationError
 from sqlite_utils import Database
 
 from agent import durable
+from agent.link.migrations import ROW_OVERHEAD_BYTES, migrate
 from agent.wire import MAX_PAYLOAD_BYTES, EventRecord, RequestRecord, SampleRecord, TelemetryRecord
 
 log = logging.getLogger(__name__)
@@ -38,10 +41,6 @@ log = logging.getLogger(__name__)
 # WAL + synchronous=FULL: a committed record survives a power cut, not just a crash, at one fsync per
 # append; requests finish seconds apart and samples come every ~10 s, so the cost is small on a device.
 SYNCHRONOUS = "FULL"
-# What a row costs beyond its JSON body (columns, rowid, two index entries), in bytes: the byte cap
-# counts body + this, an estimate of the pages the row holds. Freed pages are reused, so the file stays
-# near its high-water mark rather than growing past the cap.
-ROW_OVERHEAD_BYTES = 64
 ENVELOPE_BYTES = 4096  # room a TelemetryBatch envelope needs around its records
 MAX_RECORD_BYTES = MAX_PAYLOAD_BYTES - ENVELOPE_BYTES  # a record must fit one batch on its own
 BUSY_TIMEOUT_S = 10.0  # another process (the CLI, a backup) may hold the write lock briefly
@@ -72,92 +71,6 @@ def max_file_bytes(max_bytes: int) -> int:
 def is_full(e: sqlite3.Error) -> bool:
     """SQLITE_FULL: what SQLite says both for a full disk and for a file at its max_page_count."""
     return _primary_code(e) == SQLITE_FULL
-
-
-# ---- migrations: ordered, named, each run once in its own transaction; never edit a shipped one ------------
-def _m0001_records(db: Database) -> None:
-    # AUTOINCREMENT: row ids never repeat, even after retention empties the table, so the outbox's
-    # "after this id" cursor can never skip a new row.
-    db.execute("""
-        CREATE TABLE records (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            device_id TEXT NOT NULL,
-            boot_id TEXT NOT NULL,
-            seq INTEGER NOT NULL,
-            ts REAL NOT NULL,
-            kind TEXT NOT NULL CHECK (kind IN ('request', 'sample', 'event')),
-            body TEXT NOT NULL,
-            sent INTEGER NOT NULL DEFAULT 0 CHECK (sent IN (0, 1)),
-            sent_at REAL
-        )""")
-    db.execute("CREATE UNIQUE INDEX records_boot_seq ON records (boot_id, seq)")
-    db.execute("CREATE INDEX records_unsent ON records (id) WHERE sent = 0")
-    db.execute("CREATE INDEX records_ts ON records (ts)")
-
-
-def _m0002_meta(db: Database) -> None:
-    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)")
-    db.execute("INSERT INTO meta (key, value) VALUES ('dropped_undelivered', 0), ('connections', 0)")
-
-
-def _m0003_requests_view(db: Database) -> None:
-    f = "json_extract(body, '$.request.figures.{}')".format
-    db.execute(f"""
-        CREATE VIEW requests AS SELECT
-            id, device_id, boot_id, seq, ts, sent,
-            json_extract(body, '$.request.model') AS model,
-            json_extract(body, '$.request.version') AS version,
-            {f('finish_reason')} AS finish_reason,
-            {f('prompt_tokens')} AS prompt_tokens,
-            {f('completion_tokens')} AS completion_tokens,
-            {f('ttft_ms')} AS ttft_ms,
-            {f('decode_tokens_per_s')} AS decode_tokens_per_s,
-            {f('prefill_tokens_per_s')} AS prefill_tokens_per_s,
-            {f('e2e_ms')} AS e2e_ms
-        FROM records WHERE kind = 'request'""")
-
-
-def _m0004_stored_bytes(db: Database) -> None:
-    # The byte cap's measure, kept up to date by triggers in the same transactions as the rows: summed over
-    # the whole table at every retention pass it cost ~60 ms at 100,000 rows, under the lock every finishing
-    # request's append waits for (found in review). ROW_OVERHEAD_BYTES is written into the triggers: a new
-    # value needs a migration that makes them again.
-    size = "(length(CAST({}.body AS BLOB)) + " + str(ROW_OVERHEAD_BYTES) + ")"
-    db.execute("INSERT INTO meta (key, value) SELECT 'stored_bytes', "
-               f"COALESCE(SUM({size.format('records')}), 0) FROM records")
-    add = "UPDATE meta SET value = value + {} WHERE key = 'stored_bytes';"
-    sub = "UPDATE meta SET value = value - {} WHERE key = 'stored_bytes';"
-    new, old = size.format("NEW"), size.format("OLD")
-    db.execute(f"CREATE TRIGGER records_bytes_insert AFTER INSERT ON records BEGIN {add.format(new)} END")
-    db.execute(f"CREATE TRIGGER records_bytes_delete AFTER DELETE ON records BEGIN {sub.format(old)} END")
-    db.execute("CREATE TRIGGER records_bytes_update AFTER UPDATE OF body ON records BEGIN "
-               f"{sub.format(old)} {add.format(new)} END")
-    # the oldest delivered rows, found without walking the undelivered ones (a device offline at its cap
-    # holds little else: found in review, a pass then stepped through all 120,000 rows)
-    db.execute("CREATE INDEX records_sent ON records (id) WHERE sent = 1")
-
-
-MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [
-    ("0001_records", _m0001_records),
-    ("0002_meta", _m0002_meta),
-    ("0003_requests_view", _m0003_requests_view),
-    ("0004_stored_bytes", _m0004_stored_bytes),
-]
-
-
-def migrate(db: Database) -> list[str]:
-    """Apply the migrations this database lacks, in order; returns the names applied."""
-    db.execute("CREATE TABLE IF NOT EXISTS migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
-    done = {row["name"] for row in db.query("SELECT name FROM migrations")}
-    applied = []
-    for name, step in MIGRATIONS:
-        if name in done:
-            continue
-        with db.atomic():
-            step(db)
-            db.execute("INSERT INTO migrations (name, applied_at) VALUES (?, ?)", [name, time.time()])
-        applied.append(name)
-    return applied
 
 
 # ---- the store --------------------------------------------------------------------------------------
@@ -193,8 +106,8 @@ def _connect(path: Path) -> Database:
         db.enable_wal()
         db.execute(f"PRAGMA synchronous = {SYNCHRONOUS}")
         db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL is truncated back to this
-        # Damage inside the file (a power cut on an SD card) passes the header and schema reads: found only
-        # later, it failed every retention pass, so the file grew and records were lost unreported
+        # Damage inside the file (a power cut on an SD card) passes the header and schema reads; left to be
+        # met later, it fails every retention pass, the file grows and records are lost unreported
         problem = db.execute("PRAGMA quick_check(1)").fetchone()[0]
         if problem != "ok":
             err = sqlite3.DatabaseError(f"database disk image is malformed: {problem}")
@@ -209,8 +122,8 @@ def _connect(path: Path) -> Database:
 
 def writable_dir(directory: Path) -> bool:
     """Whether a file can be made in directory now, by making one. access(2) is not enough: ext4 remounted
-    read-only after an I/O error (errors=remount-ro, "emergency_ro" in /proc/mounts) still passes W_OK
-    (found in review). A full disk counts as writable here: StoreFull deals with that."""
+    read-only after an I/O error (errors=remount-ro, "emergency_ro" in /proc/mounts) still passes W_OK.
+    A full disk counts as writable here: StoreFull deals with that."""
     probe = Path(directory) / f".write-probe-{os.getpid()}-{threading.get_ident()}"
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -223,18 +136,6 @@ def writable_dir(directory: Path) -> bool:
     except OSError as e:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     return True
-
-
-def _open_reading(path: Path, mode: str) -> Database:
-    """A read-only connection to a telemetry database; sqlite3.DatabaseError if it is not one."""
-    db = Database(sqlite3.connect(f"file:{path}?mode={mode}", uri=True, timeout=BUSY_TIMEOUT_S))
-    try:
-        if "records" not in db.table_names():
-            raise sqlite3.DatabaseError("no records table")
-    except sqlite3.DatabaseError:
-        db.close()
-        raise
-    return db
 
 
 def _move_aside(path: Path) -> Path:
@@ -270,8 +171,8 @@ class TelemetryStore:
         hard_limit = max_file_bytes
         try:
             # Checked first: SQLite opens a WAL file in a read-only directory read-only without a word, and then
-            # every write fails. That is an SD card ext4 remounted read-only after an I/O error (found in review:
-            # every start failed, so the box served nothing though its model was there).
+            # every write fails. That is an SD card ext4 remounted read-only after an I/O error, and a start
+            # must still serve the model there (the store goes on in memory).
             if not writable_dir(path.parent):
                 raise sqlite3.OperationalError(f"{path.parent} is read-only")
             self.db = _connect(path)
@@ -311,8 +212,8 @@ class TelemetryStore:
 
     def move_to_memory(self, e: Exception) -> bool:
         """Go on in memory once the file's directory cannot be written any more (an SD card ext4 remounted
-        read-only under a running agent): found in review, every record after that was dropped and the fleet
-        never heard why. The undelivered rows come along with their ids (the outbox's cursor and in-flight
+        read-only under a running agent), so that records go on reaching the fleet, and with them the reason
+        (a store_in_memory event). The undelivered rows come along with their ids (the outbox's cursor and in-flight
         batches name them), as many as fit; those that do not stay in the file for the next start. False if
         the store was in memory already or the directory is writable (the failure is something else)."""
         with self._lock:
@@ -383,8 +284,8 @@ class TelemetryStore:
 
     def append_all(self, items: list[tuple[RequestRecord | SampleRecord | EventRecord, float]]) -> list[TelemetryRecord]:
         """Commit (record, age in seconds) pairs in one transaction, each stamped its age before now: samples
-        are committed a few at a time, one fsync for several (found in review: an idle agent, a sample and a
-        commit every 10 s, wrote ~250 MB a day to its SD card). All or none are written."""
+        are committed a few at a time, one fsync for several (an idle agent committing a sample every 10 s
+        writes ~250 MB a day to its SD card). All or none are written."""
         with self._lock:
             now = self._stamp()
             try:
@@ -430,8 +331,8 @@ class TelemetryStore:
 
     def next_connection(self) -> int:
         """Count one more connection attempt and return the count (the DeviceState `connection`), which only
-        grows within a run. On a full disk the count goes on in memory: found in review, the failed write failed
-        the attempt, so the device stayed off MQTT (a traceback every retry) for as long as the disk was full."""
+        grows within a run. On a full disk the count goes on in memory: a failed write must not fail the
+        connection attempt, or the device stays off MQTT for as long as the disk is full."""
         with self._lock:
             at_least = self._connections + 1
             try:
@@ -579,51 +480,3 @@ class TelemetryStore:
         total = self._meta_add("dropped_undelivered", count - already_counted)
         detail = {"count": count, "total": total, "unwritten": unwritten} | (undeliverable or {})
         self.append(EventRecord(kind="dropped_rows", detail=detail))
-
-
-# ---- the read side, for `edge-agent telemetry` ------------------------------------------------------------
-class TelemetryReader:
-    """Read-only queries over a telemetry.db (the agent may be writing it meanwhile: WAL readers don't block)."""
-
-    def __init__(self, path: Path):
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"no telemetry database at {path}")
-        self.unread_wal_bytes = 0
-        try:
-            self.db = _open_reading(path, "ro")
-        except sqlite3.DatabaseError as e:  # "file is not a database" named no file
-            # On a read-only file system SQLite cannot make the WAL index a reader needs ("unable to open
-            # database file", found in review: reported as not a telemetry database): read it as immutable
-            # there, which sees what was checkpointed (all of it after a clean stop) and not what the WAL
-            # still holds (an agent killed, or running, when the disk failed), which is said.
-            if writable_dir(path.parent) or not isinstance(e, sqlite3.OperationalError):
-                raise ValueError(f"{path} is not a telemetry database ({e})") from None
-            wal = path.with_name(path.name + "-wal")
-            self.unread_wal_bytes = wal.stat().st_size if wal.exists() else 0
-            try:
-                self.db = _open_reading(path, "ro&immutable=1")
-            except sqlite3.DatabaseError as e:
-                unread = f"; its {wal.name} cannot be read there" if self.unread_wal_bytes else ""
-                raise ValueError(f"{path} is not a telemetry database (on a read-only file system: {e}{unread})"
-                                 ) from None
-
-    def request_rows(self, since_ts: float) -> list[dict]:
-        """One row per request since since_ts: model, version, hour (UTC), ttft_ms, decode_tokens_per_s,
-        completion_tokens."""
-        return list(self.db.query(
-            "SELECT model, version, strftime('%Y-%m-%dT%H:00Z', ts, 'unixepoch') AS hour, ttft_ms, "
-            "decode_tokens_per_s, completion_tokens FROM requests WHERE ts >= ? ORDER BY model, version, hour", [since_ts]))
-
-    def finish_reasons(self, since_ts: float) -> dict[str, int]:
-        return {row["finish_reason"]: row["n"] for row in self.db.query(
-            "SELECT finish_reason, count(*) AS n FROM requests WHERE ts >= ? GROUP BY finish_reason "
-            "ORDER BY n DESC", [since_ts])}
-
-    def counts(self) -> dict[str, int]:
-        row = next(self.db.query("SELECT count(*) AS records, COALESCE(SUM(sent = 0), 0) AS unsent FROM records"))
-        dropped = next(self.db.query("SELECT value FROM meta WHERE key = 'dropped_undelivered'"))["value"]
-        return {**row, "dropped_undelivered": dropped}
-
-    def close(self) -> None:
-        self.db.close()

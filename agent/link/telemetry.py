@@ -30,7 +30,8 @@ from pydantic import ValidationError
 from agent.link.commands import BenchmarkArgs, CommandError, Commands, Device, LiveSettings, run_benchmark
 from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
-from agent.link.store import RetentionReport, StoreFull, TelemetryReader, TelemetryStore, max_file_bytes
+from agent.link.reader import TelemetryReader
+from agent.link.store import RetentionReport, StoreFull, TelemetryStore, max_file_bytes
 from agent.wire import (EventRecord, RequestFigures, RequestRecord, SampleRecord, decode_speed_samples, percentile,
                         ttft_samples)
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 DB_NAME = "telemetry.db"
 MB = 1 << 20
 # Samples are committed this many at a time (a minute's at the default interval): each commit is an fsync of
-# ~5 pages, and one per sample was ~250 MB a day written to an idle box's SD card. A crash loses at most these.
+# ~5 pages, and one per sample would write ~250 MB a day to an idle box's SD card. A crash loses at most these.
 SAMPLES_PER_COMMIT = 6
 FAILURE_LOG_EVERY_S = 3600.0  # records that cannot be stored are logged at most this often while it lasts
 
@@ -221,16 +222,16 @@ class Telemetry:
                     if len(self._pending_samples) >= SAMPLES_PER_COMMIT:
                         self._commit_samples()
                 if now - last_retention >= self.config.retention_interval_s:
-                    last_retention = now  # a pass that fails waits for the next interval (found in review: retried
-                    self.enforce_retention()  # every second, with a traceback each, on a read-only card)
+                    last_retention = now  # a pass that fails waits for the next interval, not the next second
+                    self.enforce_retention()  # (a read-only card fails every pass)
             except (sqlite3.Error, OSError) as e:  # a full or read-only disk, a locked database: keep sampling
                 self._say_failure("sampling or retention failed", e)
             except Exception:
                 log.exception("telemetry: sampling or retention failed")
 
     def _say_failure(self, what: str, e: Exception) -> None:
-        """Log a failure once an hour while it lasts (found in review: on a card gone read-only, a traceback
-        for every request and every retention pass), each kind of failure on its own clock, so that one does
+        """Log a failure once an hour while it lasts (a card gone read-only fails every request and every
+        retention pass), each kind of failure on its own clock, so that one does
         not hide the first of another; a traceback only for what is not SQLite's or the OS's own report."""
         kind = f"{what.lstrip('0123456789 ')}|{type(e).__name__}|{e}"[:200]  # a count in `what` is not the kind
         now = time.monotonic()
@@ -272,7 +273,7 @@ class Telemetry:
                             self.store.dropped_total)
             return None
         if report.dropped_undelivered:
-            # both causes in one count (found in review: a full disk's refusals were blamed on the byte cap)
+            # both causes in one count, so the message names both: a full disk's refusals are not the byte cap's
             log.warning("telemetry: dropped %d undelivered records, deleted to stay under max_bytes (%d) or "
                         "refused by a full disk", report.dropped_undelivered, self.config.max_bytes)
             if self.link is not None:

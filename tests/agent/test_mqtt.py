@@ -30,10 +30,12 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
-import agent.link.mqtt
+import agent.link.outbox
 from agent.link.commands import CommandError, Commands, Device, LiveSettings
 from agent.config import AgentConfig, MqttConfig, TelemetryConfig
-from agent.link.mqtt import LinkState, MqttLink, backoff_delay_s, fit_batch
+from agent.mqtt_link import LinkState
+from agent.link.mqtt import MqttLink
+from agent.link.outbox import fit_batch
 from agent.link.store import OutboxRow, TelemetryStore
 from agent.wire import (COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, EventRecord,
                         TelemetryBatch, TelemetryRecord, topic)
@@ -186,17 +188,6 @@ def commands_for(config: MqttConfig, flush=None) -> Commands:
 
 
 # ---- pure pieces ------------------------------------------------------------------------------------------
-def test_backoff_doubles_up_to_the_cap_with_jitter():
-    import random
-
-    rng = random.Random(1)
-    for attempt in range(12):
-        cap = min(8.0, 0.5 * 2 ** attempt)
-        delays = [backoff_delay_s(attempt, 0.5, 8.0, rng) for _ in range(50)]
-        assert all(cap / 2 <= d <= cap for d in delays) and len(set(delays)) > 1
-    assert backoff_delay_s(10_000, 0.5, 8.0, rng) <= 8.0  # no overflow on a long outage
-
-
 def test_a_batch_stays_under_the_payload_limit():
     body = EventRecord(kind="tick", detail={"x": "y" * 100_000})
     text = TelemetryRecord(boot_id="b", seq=0, ts=0.0, kind="event", event=body).model_dump_json()
@@ -340,7 +331,7 @@ def test_birth_is_retained_the_will_says_offline_and_a_clean_stop_says_stopped(b
 
 
 def test_the_state_is_published_again_when_the_model_changes(broker, tmp_path):
-    """Found in review: after an update the fleet's registry named the old model until the device reconnected,
+    """After an update the fleet's registry named the old model until the device reconnected,
     and `edge-fleet deploy` skips the devices it says are already on the target."""
     fleet = Fleet(broker, subscribe=["edge/v1/+/state"])
     described = {"model": "smollm2", "version": "int4-a"}
@@ -363,7 +354,7 @@ def test_the_state_is_published_again_when_the_model_changes(broker, tmp_path):
 
 
 def test_a_command_that_expires_behind_a_slow_one_is_not_run(broker, links):
-    """Found in review: the desk ran commands in turn whatever their age, so a set_config queued behind a
+    """The desk ran commands in turn whatever their age, so a set_config queued behind a
     benchmark was applied after `edge-fleet cmd` had told the operator "no response" and exited 1."""
     ran = []
 
@@ -393,7 +384,7 @@ def test_commands_round_trip_with_correlation_data(broker, links):
     # telemetry too: a batch nobody subscribes to is kept (PUBACK "no matching subscribers")
     fleet = Fleet(broker, subscribe=["edge/v1/dev-c/cmd/res/#", "edge/v1/dev-c/tele", "edge/v1/dev-c/state"])
     # "online" follows the command subscription on the same connection, so the broker has it: a request sent
-    # on is_connected alone could reach the broker first and be lost (seen under load in review)
+    # on is_connected alone could reach the broker first and be lost (seen under load)
     assert fleet.wait(lambda f: (s := f.last_state("dev-c")) is not None and s.status == "online")
 
     fleet.request("dev-c", "ping", b"{}", correlation=b"\x00\xffcorr")
@@ -441,7 +432,7 @@ def test_a_retained_command_is_not_run_on_connect(broker, links):
     fleet.close()
 
 
-# ---- found in review (2026-12-04): each of these left a device offline or its telemetry stuck -------------
+# ---- regressions: each of these left a device offline or its telemetry stuck ------------------------------
 def fail_once(obj, name: str, error: Exception) -> list[int]:
     """Make obj.name raise `error` on its first call; returns the list its calls are counted in."""
     real, calls = getattr(obj, name), []
@@ -484,7 +475,7 @@ def test_a_device_whose_disk_is_full_still_connects(broker, tmp_path):
 
 def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, links, monkeypatch):
     """The rows stayed unsent until the next reconnect, weeks away on a steady link."""
-    monkeypatch.setattr(agent.link.mqtt, "REFUSED_PAUSE_S", 0.2)
+    monkeypatch.setattr(agent.link.outbox, "REFUSED_PAUSE_S", 0.2)
     fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-marksent")
     link = links(broker.url, "dev-m")
     assert wait_until(lambda: link.is_connected)
@@ -498,7 +489,7 @@ def test_a_failed_mark_sent_sends_the_rows_again_on_the_same_connection(broker, 
 
 
 def test_rows_that_cannot_be_marked_sent_go_again_after_a_pause_said_once(broker, links, caplog):
-    """Found in review, on a card remounted read-only: mark_sent failed after every PUBACK and the same batch
+    """On a card remounted read-only: mark_sent failed after every PUBACK and the same batch
     went again every second, for good, with a traceback each time (a cellular link pays for each copy)."""
     fleet = Fleet(broker, subscribe=["edge/v1/+/tele"], client_id="fleet-readonly")
     link = links(broker.url, "dev-ro")
@@ -578,7 +569,7 @@ def test_a_record_over_the_brokers_packet_limit_is_dropped_and_the_rest_delivere
 
 
 def test_a_backlog_drains_over_an_uplink_too_slow_for_full_batches_within_a_keepalive(broker, links):
-    """Found in review: over a 600-1,000 B/s uplink (enough for the backlog) a window of full batches took
+    """Over a 600-1,000 B/s uplink (enough for the backlog) a window of full batches took
     longer than two keepalives to send, paho closed the connection for want of a PINGRESP queued behind them,
     and the next connection sent the same batches first: nothing was delivered, for as long as it lasted.
     Here 60 kB wait behind a 3 kB/s uplink with a 5 s keepalive: the first connection dies under its full
@@ -604,7 +595,7 @@ def test_a_backlog_drains_over_an_uplink_too_slow_for_full_batches_within_a_keep
 
 
 def test_only_recent_job_statuses_are_kept_for_a_reconnect_and_the_latest_goes_last(tmp_path):
-    """Found in review: every job's status was kept for good and re-sent at every reconnect, in the order the
+    """Every job's status was kept for good and re-sent at every reconnect, in the order the
     jobs first reported, so the retained one could be an old job's."""
     from agent.link.mqtt import JOB_STATUSES_KEPT
 
@@ -619,7 +610,7 @@ def test_only_recent_job_statuses_are_kept_for_a_reconnect_and_the_latest_goes_l
 
 
 def test_an_oversized_job_document_is_dropped_with_a_log_line(broker, tmp_path, caplog):
-    """Found in review: it was dropped without a word."""
+    """It was dropped without a word."""
     from agent.wire import MAX_PAYLOAD_BYTES
 
     got = []
@@ -666,18 +657,18 @@ def test_commands_dispatch_without_an_engine():
     same = commands("set_config", CommandRequest(args={"threads": None, "memory_budget_mb": 1024}))
     assert same.ok and same.result["applied"] == {"memory_budget_mb": 1024}  # already so: nothing to refuse
     assert not commands("set_config", CommandRequest(args={})).ok
-    unknown = commands("set_config", CommandRequest(args={"max_batch": 8})).error  # found in review: the
+    unknown = commands("set_config", CommandRequest(args={"max_batch": 8})).error  # the
     assert "'max_batch'" in unknown and "memory_budget_mb, threads, sampling" in unknown  # help's own example
     commands("set_config", CommandRequest(args={"sampling": {"temperature": 0.5}}))
     commands("set_config", CommandRequest(args={"sampling": {"top_k": 40}}))
     assert settings_.sampling.given() == {"temperature": 0.5, "top_k": 40}  # updates merge
     cleared = commands("set_config", CommandRequest(args={"sampling": {"temperature": None}}))
-    assert cleared.ok and settings_.sampling.given() == {"top_k": 40}  # null clears (found in review: ignored)
+    assert cleared.ok and settings_.sampling.given() == {"top_k": 40}  # null clears (not ignored)
     assert "no broker" in commands("telemetry_flush", CommandRequest()).error
     assert "no model" in Commands(Device(AgentConfig(), LiveSettings()))("benchmark", CommandRequest()).error
     wired = Commands(Device(AgentConfig(), LiveSettings(), rollback=lambda: {"queued": True}))
     assert wired("rollback", CommandRequest()).result == {"queued": True}
-    assert "bad args" in wired("rollback", CommandRequest(args={"why": "test"})).error  # found in review: ignored
+    assert "bad args" in wired("rollback", CommandRequest(args={"why": "test"})).error  # refused, not ignored
 
     def refuse():
         raise CommandError("no previous model to roll back to")
@@ -843,7 +834,7 @@ def test_the_acl_keeps_each_device_to_its_own_topics(acl_broker, links, caplog):
     assert operator.call("dev-a", "ping").ok
 
     # A link posing as B with A's credentials: the broker refuses its batches, so they stay unsent
-    caplog.set_level(logging.WARNING, logger="agent.link.mqtt")
+    caplog.set_level(logging.WARNING, logger="agent.link.outbox")
     link.stop()
     impostor = links(acl_broker.url, "dev-b", username="dev-a", password="pw-a")
     for _ in range(3):
@@ -935,13 +926,13 @@ if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
 # ---- (e) a broker that refuses or delivers to no one ---------------------------------------------------------
 
 def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, monkeypatch, caplog):
-    """Found in review: PUBACK 0x10 'no matching subscribers' (the fleet's session gone with a broker that lost
+    """PUBACK 0x10 'no matching subscribers' (the fleet's session gone with a broker that lost
     its state) counted as delivered, and the rows were marked sent and lost. It was also logged at every retry
     (every 30 s, for good, while no fleet server ran): now once, then hourly."""
-    import agent.link.mqtt
+    import agent.link.outbox
 
-    monkeypatch.setattr(agent.link.mqtt, "REFUSED_PAUSE_S", 0.3)
-    caplog.set_level(logging.WARNING, logger="agent.link.mqtt")
+    monkeypatch.setattr(agent.link.outbox, "REFUSED_PAUSE_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="agent.link.outbox")
     link = links(broker.url, "dev-n")
     assert wait_until(lambda: link.is_connected)
     link.store.append(EventRecord(kind="tick"))
@@ -956,7 +947,7 @@ def test_a_batch_no_one_subscribes_to_is_kept_until_someone_does(broker, links, 
 
 
 def test_a_refused_subscription_takes_the_device_offline_and_is_retried(tmp_path, links, caplog):
-    """Found in review: with its command subscription refused the link stayed connected and 'online', deaf to
+    """With its command subscription refused the link stayed connected and 'online', deaf to
     commands and updates, and never subscribed again."""
     from broker import acl_denying_broker
 

@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from agent.link import migrations as migrations_module
+from agent.link import reader as reader_module
 from agent.link import store as store_module
 from agent.service.cli import cli
 from agent.config import TelemetryConfig
-from agent.link.store import (MAX_RECORD_BYTES, ROW_OVERHEAD_BYTES, TelemetryReader, TelemetryStore, max_file_bytes,
-                         migrate)
+from agent.link.migrations import ROW_OVERHEAD_BYTES, migrate
+from agent.link.reader import TelemetryReader
+from agent.link.store import MAX_RECORD_BYTES, TelemetryStore, max_file_bytes
 from agent.link.telemetry import DB_NAME, Telemetry, format_summary, parse_window, summary
 from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord, TelemetryRecord
 
@@ -46,7 +49,7 @@ def db_path(tmp_path) -> Path:
 def test_migrations_run_once_in_order_and_are_recorded(db_path):
     store = TelemetryStore(db_path, "dev-1")
     names = [r["name"] for r in store.db.query("SELECT name FROM migrations ORDER BY rowid")]
-    assert names == [name for name, _ in store_module.MIGRATIONS]
+    assert names == [name for name, _ in migrations_module.MIGRATIONS]
     assert migrate(store.db) == []  # nothing left to do
     assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     store.close()
@@ -60,7 +63,7 @@ def test_a_failing_migration_changes_nothing(db_path, monkeypatch):
         db.execute("CREATE TABLE half_done (x INTEGER)")
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", [*store_module.MIGRATIONS, ("0099_broken", broken)])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [*migrations_module.MIGRATIONS, ("0099_broken", broken)])
     with pytest.raises(RuntimeError, match="disk on fire"):
         TelemetryStore(db_path, "dev-1")
     conn = sqlite3.connect(db_path)
@@ -70,7 +73,7 @@ def test_a_failing_migration_changes_nothing(db_path, monkeypatch):
 
 # ---- appending and the outbox ------------------------------------------------------------------------------
 def test_a_corrupt_database_is_set_aside_and_a_new_one_started(db_path):
-    """Found in review: a damaged telemetry.db (a power cut on an SD card) kept the agent from ever starting."""
+    """A damaged telemetry.db (a power cut on an SD card) kept the agent from ever starting."""
     garbage = bytes(range(256)) * 32
     db_path.write_bytes(garbage)
     store = TelemetryStore(db_path, "dev-1")
@@ -83,7 +86,7 @@ def test_a_corrupt_database_is_set_aside_and_a_new_one_started(db_path):
 
 
 def test_damage_inside_the_file_is_found_at_start(db_path):
-    """Found in review: damage past the header and schema (8 kB overwritten mid-file) opened without a word,
+    """Damage past the header and schema (8 kB overwritten mid-file) opened without a word,
     then failed every retention pass, so the file grew, and records were lost unreported."""
     store = TelemetryStore(db_path, "dev-1")
     for i in range(3000):
@@ -100,7 +103,7 @@ def test_damage_inside_the_file_is_found_at_start(db_path):
 
 
 def test_retention_never_waits_for_a_reader_holding_the_wal(db_path):
-    """Found in review: the WAL checkpoint waited out the 10 s busy timeout behind a reader (a sqlite3 shell),
+    """The WAL checkpoint waited out the 10 s busy timeout behind a reader (a sqlite3 shell),
     holding the store's lock, so every append (one on the API's event loop) waited too."""
     import time
 
@@ -168,7 +171,7 @@ def test_connection_counter_persists_across_starts(db_path):
 
 
 def test_connections_are_counted_in_memory_while_the_file_takes_no_writes(db_path):
-    """Found in review: on a full disk the count's write failed the connection attempt, so the device stayed
+    """On a full disk the count's write failed the connection attempt, so the device stayed
     off MQTT for as long as the disk was full. The number still only grows within the run."""
     store = TelemetryStore(db_path, "dev-1")
     assert [store.next_connection() for _ in range(2)] == [1, 2]
@@ -230,7 +233,7 @@ def test_retention_drops_undelivered_rows_only_when_over_the_cap_and_reports_it(
 
 
 def test_rows_an_older_agent_wrote_that_no_longer_parse_are_dropped_counted_and_do_not_block(db_path):
-    """Found in review: a row this agent's schema refuses (here a NaN figure, accepted before 2026-12-03)
+    """A row this agent's schema refuses (here a NaN figure, accepted before 2026-12-03)
     raised in the outbox on every pass, so nothing after it was ever delivered."""
     store = TelemetryStore(db_path, "dev-1")
     for i in range(6):
@@ -287,7 +290,7 @@ def test_a_full_disk_drops_records_counts_them_and_reports_them_when_room_return
 
 
 def test_records_a_full_file_refused_stay_counted_across_a_restart(tmp_path):
-    """Found in review: the count of refused records lived only in memory until the next retention pass, so a
+    """The count of refused records lived only in memory until the next retention pass, so a
     restart before it lost the count and the fleet never heard of those records."""
     config = TelemetryConfig(state_dir=tmp_path)
     telemetry = Telemetry(TelemetryStore(tmp_path / DB_NAME, "dev-1"), config)
@@ -382,10 +385,10 @@ def summed_bytes(store: TelemetryStore) -> int:
 
 
 def test_stored_bytes_stays_the_sum_of_the_rows_through_every_change(db_path, monkeypatch):
-    """Kept by triggers since it cost a table scan per retention pass (found in review): appends, deliveries,
+    """Kept by triggers since it cost a table scan per retention pass: appends, deliveries,
     a clock step that rewrites bodies, rows dropped as undeliverable, retention, and an upgrade of a
     database that older agents filled."""
-    monkeypatch.setattr(store_module, "MIGRATIONS", [m for m in store_module.MIGRATIONS if m[0] < "0004"])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [m for m in migrations_module.MIGRATIONS if m[0] < "0004"])
     old = TelemetryStore(db_path, "dev-1")
     for i in range(50):
         old.append(EventRecord(kind="tick", detail={"i": "x" * (i % 7)}))
@@ -425,7 +428,7 @@ def retention_steps(path: Path, rows: int, delivered: int) -> int:
 
 @pytest.mark.parametrize("delivered", [0, 100])
 def test_a_retention_pass_costs_the_same_at_any_size(tmp_path, delivered):
-    """Found in review: each pass summed every row's size, twice, and ran a window over the whole table, under
+    """Each pass summed every row's size, twice, and ran a window over the whole table, under
     the lock appends wait for (0.4-0.6 s at the cap, requests' replies held meanwhile); then, on a device
     offline at its cap (nothing delivered), the oldest delivered row was looked for through every row.
     A pass over 10x the rows takes about the same number of steps."""
@@ -464,7 +467,7 @@ def test_summary_gives_percentiles_by_model_version_and_hour_and_finish_reasons(
 
 
 def test_requests_without_a_token_count_in_no_ttft_or_speed_percentile(db_path):
-    """Found in review: a shed request (no token, ttft_ms 0) counted as a 0 ms TTFT and a 0 tok/s decode, so the
+    """A shed request (no token, ttft_ms 0) counted as a 0 ms TTFT and a 0 tok/s decode, so the
     more a device refused the faster it looked. A model with only such requests shows '-'."""
     now = 1_700_000_000.0
     store = TelemetryStore(db_path, "dev-1")
@@ -527,7 +530,7 @@ def test_the_documented_queries_run(db_path):
 
 
 def test_samples_are_committed_a_few_at_a_time_each_stamped_when_taken(tmp_path, monkeypatch):
-    """Found in review: a commit (an fsync of ~5 pages) per sample wrote ~250 MB a day to an idle box's SD
+    """A commit (an fsync of ~5 pages) per sample wrote ~250 MB a day to an idle box's SD
     card. Samples now wait for SAMPLES_PER_COMMIT of them (or the stop), each stamped when it was taken."""
     import time
 
@@ -554,7 +557,7 @@ def test_samples_are_committed_a_few_at_a_time_each_stamped_when_taken(tmp_path,
 
 
 def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_interval(tmp_path, caplog):
-    """Found in review, on a card remounted read-only: a traceback for every request recorded, and a failed
+    """On a card remounted read-only: a traceback for every request recorded, and a failed
     retention pass retried every second, each with a traceback (~86,000 a day)."""
     import time
 
@@ -586,14 +589,14 @@ def test_a_store_that_cannot_be_written_is_said_once_and_retention_waits_its_int
     def too_big(*args, **kwargs):
         raise ValueError("a request record of 300000 bytes exceeds the limit")
 
-    store.append_all = too_big  # another kind of failure (found in the review of this fix: hidden by the first's hour)
+    store.append_all = too_big  # another kind of failure, not hidden by the first's hour
     telemetry.record_request("m", "v", figures)
     assert sum("could not be stored" in r.getMessage() for r in caplog.records) == 2
     assert 2 <= len(passes) <= 4, passes  # once a retention interval (1 s here), not at every 1 s wake-up only
 
 
 def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkeypatch):
-    """Found in review: `edge-agent telemetry` on a card remounted read-only said "not a telemetry database
+    """`edge-agent telemetry` on a card remounted read-only said "not a telemetry database
     (unable to open database file)": SQLite cannot make the WAL index there. It reads the file as immutable
     then, and says how much of the WAL it could not read; anywhere else it reads as before (a user who may
     not write the directory still sees the WAL's rows)."""
@@ -606,15 +609,15 @@ def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkey
     for _ in range(3):
         running.append(EventRecord(kind="tick"))
     assert TelemetryReader(tmp_path / DB_NAME).counts()["records"] == 4  # writable: WAL and all
-    real_open = store_module._open_reading
+    real_open = reader_module._open_reading
 
     def as_on_a_read_only_disk(path, mode):
         if mode == "ro":  # what SQLite says there without the WAL index
             raise sqlite3.OperationalError("unable to open database file")
         return real_open(path, mode)
 
-    monkeypatch.setattr(store_module, "_open_reading", as_on_a_read_only_disk)
-    monkeypatch.setattr(store_module, "writable_dir", lambda d: Path(d) != tmp_path)
+    monkeypatch.setattr(reader_module, "_open_reading", as_on_a_read_only_disk)
+    monkeypatch.setattr(reader_module, "writable_dir", lambda d: Path(d) != tmp_path)
     result = summary(tmp_path, 3600)
     assert result["store"]["records"] == 1 and result["unread_wal_bytes"] > 0
     assert "not counted:" in format_summary(result)
@@ -625,7 +628,7 @@ def test_the_reader_reads_a_database_on_a_read_only_file_system(tmp_path, monkey
 
 
 def test_a_store_whose_disk_goes_read_only_goes_on_in_memory_with_its_undelivered_rows(tmp_path, monkeypatch):
-    """Found in review: when the card went read-only under a running agent, every record after that was
+    """When the card went read-only under a running agent, every record after that was
     dropped and the fleet never learned why. The store moves to memory with the file's undelivered rows (their
     ids kept: the outbox names them) and the fleet gets a store_in_memory event."""
     from sqlite_utils import Database
@@ -654,7 +657,7 @@ def test_a_store_whose_disk_goes_read_only_goes_on_in_memory_with_its_undelivere
 
 
 def test_writable_dir_makes_a_file_to_know(tmp_path, monkeypatch):
-    """access(2) says W_OK on ext4 remounted read-only after an error ("emergency_ro"): found in review."""
+    """access(2) says W_OK on ext4 remounted read-only after an error ("emergency_ro")."""
     import errno
     import os
 

@@ -1,4 +1,5 @@
-"""The MQTT link's pure parts (URLs, backoff, subscriptions) and its reconnect loop against a real broker."""
+"""The fleet's MQTT link: its pure parts (credentials, backoff, subscriptions) and its reconnect loop against a
+real broker. The parts it shares with the device's link are tested in tests/agent/test_mqtt_link.py."""
 from __future__ import annotations
 
 import random
@@ -10,20 +11,8 @@ from hypothesis import strategies as st
 
 from fleet_support import wait_until
 from fleet.consumer import subscriptions
-from fleet.mqtt import BACKOFF_CAP_S, Credentials, Endpoint, Link, LinkError, LinkState, Session, backoff_s, parse_url
-
-
-@pytest.mark.parametrize("url, endpoint", [("mqtt://broker.lan:1884", Endpoint("broker.lan", 1884)),
-                                           ("mqtt://10.0.0.2", Endpoint("10.0.0.2", 1883)),
-                                           ("mqtts://broker.lan", Endpoint("broker.lan", 8883, tls=True))])
-def test_urls(url, endpoint):
-    assert parse_url(url) == endpoint
-
-
-@pytest.mark.parametrize("url", ["http://broker", "broker:1883", "mqtt://", "mqtt://h:notaport", "mqtt://h/x"])
-def test_bad_urls(url):
-    with pytest.raises(LinkError, match="bad broker URL"):
-        parse_url(url)
+from agent.mqtt_link import Credentials, LinkError, LinkState, backoff_delay_s
+from fleet.mqtt import BACKOFF_BASE_S, BACKOFF_CAP_S, Link, Session
 
 
 def test_credentials(tmp_path):
@@ -38,13 +27,13 @@ def test_credentials(tmp_path):
 
 @given(st.integers(0, 1000), st.integers(0, 2**32))
 def test_backoff_is_jittered_capped_and_never_zero(attempt, seed):
-    delay = backoff_s(attempt, random.Random(seed))
+    delay = backoff_delay_s(attempt, BACKOFF_BASE_S, BACKOFF_CAP_S, random.Random(seed))
     ceiling = min(BACKOFF_CAP_S, 0.5 * 2 ** min(attempt, 30))
     assert ceiling / 2 <= delay <= ceiling
 
 
 def test_backoff_spreads_replicas():
-    delays = {round(backoff_s(5, random.Random(seed)), 3) for seed in range(20)}
+    delays = {round(backoff_delay_s(5, BACKOFF_BASE_S, BACKOFF_CAP_S, random.Random(seed)), 3) for seed in range(20)}
     assert len(delays) > 15
 
 
@@ -73,7 +62,7 @@ def test_link_reconnects_after_the_broker_comes_back(broker):
 
 
 def test_a_publish_while_disconnected_is_refused_and_never_sent_later(broker):
-    """Found in review: paho queued what publish() reported as not sent and delivered it after the reconnect,
+    """paho queued what publish() reported as not sent and delivered it after the reconnect,
     while the rollout driver retried every pass: an outage's notices went out as a burst of copies."""
     import time
 
@@ -95,7 +84,7 @@ def test_a_publish_while_disconnected_is_refused_and_never_sent_later(broker):
 
 
 def test_refused_subscriptions_and_publishes_are_named(tmp_path):
-    """Found in review: a refused subscription counted as ready (the consumer then stored nothing devices sent)
+    """A refused subscription counted as ready (the consumer then stored nothing devices sent)
     and a refused publish as sent (a command or a rollout notice the ACL dropped looked like a silent device)."""
     from broker import acl_denying_broker
 
@@ -142,7 +131,7 @@ class Watcher:
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_a_notice_unconfirmed_over_a_silent_link_is_waited_on_not_published_again(broker, tmp_path, signed):
-    """Found in review: over a link gone silent without closing, each rollout pass published a new copy of a
+    """Over a link gone silent without closing, each rollout pass published a new copy of a
     notice (each given up on after its wait) and all of them reached the device once the link came back; with
     a job key each pass also signed it anew, so no two copies were the same message."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

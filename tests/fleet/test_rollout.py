@@ -464,7 +464,7 @@ def test_reports_sent_while_the_fleet_is_down_are_all_recorded_when_it_returns(t
 
     from agent.wire import JobStatusUpdate, topic
     from fleet.consumer import jobs_link
-    from fleet.mqtt import Credentials
+    from agent.mqtt_link import Credentials
     from fleet.updates import RolloutDriver, create_job
 
     store = published_store(tmp_path)
