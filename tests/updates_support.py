@@ -11,7 +11,8 @@ from pathlib import Path
 from agent import wire
 from agent.engine.bundle import Bundle, open_bundle
 from agent.updates.trust import load_trusted_keys
-from agent.updates.jobs import ModelStore, UpdateContext
+from agent.updates.jobs import UpdateContext
+from agent.updates.model_store import ModelStore
 from agent.wire import JobDocument
 from fleet.signing import keygen, load_private_key, sign_manifest
 from quantize.package import build_bundle

@@ -42,7 +42,9 @@ from agent.api.metrics import Metrics
 from agent.process import memory_limit_bytes, trim_heap
 from agent.link.telemetry import Telemetry
 from agent.updates.trust import load_trusted_keys
-from agent.updates.jobs import ModelStore, UpdateContext, UpdateService
+from agent.updates.jobs import UpdateContext
+from agent.updates.model_store import ModelStore
+from agent.updates.service import UpdateService
 from agent.wire import JobDocument, Manifest, ModelConfig
 
 AGENT_VERSION = "0.1.0"

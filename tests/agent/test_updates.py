@@ -15,7 +15,10 @@ import pytest
 
 from agent import wire
 from agent.updates.trust import load_trusted_keys, verify_job
-from agent.updates.jobs import ModelStore, UpdateJob, UpdateService, recover
+from agent.updates import download
+from agent.updates.jobs import UpdateJob
+from agent.updates.model_store import ModelStore
+from agent.updates.service import UpdateService, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
 from fleet.signing import keygen, load_private_key, sign_job
@@ -120,9 +123,7 @@ class TruncatingHandler(RangeHandler):
 
 @pytest.mark.parametrize("case", list(NEGATIVE))
 def test_negative_matrix_leaves_the_old_model_serving(case, tmp_path, bundles, keys, server, monkeypatch):
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
     how, expected, words = NEGATIVE[case]
     dev = Device(tmp_path, v1, keys, budget_mb=1 if how == "small_budget" else 4096)
@@ -254,9 +255,7 @@ def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_
                                                                                            outage, monkeypatch):
     """Found in review: a job that failed on the network, or was cut off by a restart, deleted what it had
     downloaded, and the next job for the same model fetched it all again (Ollama and Mender resume)."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     first = job(v2.manifest, keys / "fleet.key", outage, job_id="first", min_tokens_per_s=0)
@@ -317,7 +316,8 @@ sys.path.insert(0, sys.argv[4])
 from agent import wire
 from agent.engine.bundle import open_bundle
 from agent.updates.trust import load_trusted_keys
-from agent.updates.jobs import ModelStore, UpdateContext, UpdateJob
+from agent.updates.jobs import UpdateContext, UpdateJob
+from agent.updates.model_store import ModelStore
 store = ModelStore(Path(sys.argv[1]))
 doc = wire.JobDocument.model_validate_json(Path(sys.argv[2]).read_text())
 crash_at = sys.argv[3]
@@ -505,7 +505,6 @@ def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_pat
 def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
     """Found in review: QoS 1 redelivery queued the job twice; the second run reported REJECTED ('already the
     current model') after the first SUCCEEDED, and the fleet kept that."""
-    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -595,11 +594,9 @@ class TricklingHandler(RangeHandler):
 @pytest.mark.parametrize("forever", [False, True])
 def test_a_trickling_server_is_cut_off_and_resumed_or_given_up_on(forever, tmp_path, bundles, keys, monkeypatch):
     """A server sending a byte every few seconds held the update thread (and every job behind it) for days."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
-    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt is cut after its window
-    monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 5.0)
+    monkeypatch.setattr(download, "LOW_SPEED_WINDOW_S", 1.0)
+    monkeypatch.setattr(download, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt is cut after its window
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 5.0)
     TricklingHandler.forever, TricklingHandler.requests = forever, 0
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -629,11 +626,9 @@ def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tm
     file, so a 51 MB download crawling at 200 B/s held the updater (and every job behind it) for ~52 minutes,
     reporting 0% all along. Scaled down here: a 1 MB/s floor over 1 s windows, a 40 MB file at 80 kB/s. The
     old rule allowed this attempt 40 s; now it ends within its first window, with progress reported by time."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
-    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 20)
-    monkeypatch.setattr(updates, "PROGRESS_EVERY_S", 0.3)
+    monkeypatch.setattr(download, "LOW_SPEED_WINDOW_S", 1.0)
+    monkeypatch.setattr(download, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 20)
+    monkeypatch.setattr(download, "PROGRESS_EVERY_S", 0.3)
     size = 40 << 20
     (tmp_path / "files").mkdir()
     with open(tmp_path / "files" / "big.bin", "wb") as f:
@@ -642,7 +637,7 @@ def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tm
     reports = []
     try:
         with pytest.raises(TimeoutError, match="slower than 1024 kB/s"):
-            UpdateJob._get(f"{server.base_url}/big.bin", tmp_path / "big.part", 0, size, reports.append)
+            download.fetch_attempt(f"{server.base_url}/big.bin", tmp_path / "big.part", 0, size, reports.append)
     finally:
         server.stop()
     got = (tmp_path / "big.part").stat().st_size
@@ -656,14 +651,14 @@ def test_a_body_cut_off_mid_chunk_is_resumed(tmp_path, bundles, keys, server, mo
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
-    get, failures = UpdateJob._get, [http.client.IncompleteRead(b"x" * 10), http.client.BadStatusLine("garbage")]
+    get, failures = download.fetch_attempt, [http.client.IncompleteRead(b"x" * 10), http.client.BadStatusLine("garbage")]
 
     def flaky(url, path, have, size, progress, stopped):
         if failures:
             raise failures.pop()
         return get(url, path, have, size, progress, stopped)
 
-    monkeypatch.setattr(UpdateJob, "_get", staticmethod(flaky))
+    monkeypatch.setattr(download, "fetch_attempt", flaky)
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
     assert not failures
@@ -686,9 +681,7 @@ class OftenDroppingHandler(RangeHandler):
 
 def test_a_download_that_keeps_progressing_is_not_cut_at_five_attempts(tmp_path, bundles, keys, monkeypatch):
     """Five attempts a file were allowed even when each got further than the last: a flaky link failed."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "CHUNK_BYTES", 1024)  # so that an attempt adding 2 kB made progress
+    monkeypatch.setattr(download, "CHUNK_BYTES", 1024)  # so that an attempt adding 2 kB made progress
     v1, v2 = bundles
     assert v2.manifest.files[wire.GRAPH_DATA].size_bytes > 9 * 2048
     dev = Device(tmp_path, v1, keys)
@@ -917,7 +910,6 @@ def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, ke
 def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, keys, server):
     """Found in review: a job document was acknowledged to the broker as soon as it was queued in memory, so
     jobs waiting behind a running one were lost by a restart (or power cut), and the fleet timed them out."""
-    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -1275,7 +1267,6 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
     from pathlib import Path as P
 
     from agent import durable
-    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -1286,7 +1277,7 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
         raise read_only
 
     with monkeypatch.context() as m:  # the download's writes
-        m.setattr(UpdateJob, "_get", staticmethod(refuse))
+        m.setattr(download, "fetch_attempt", refuse)
         assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
     assert "cannot write" in dev.reports[-1].reason and "Read-only" in dev.reports[-1].reason
 
