@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from agent import durable, wire
 from agent.engine.bundle import Bundle, BundleError, open_bundle, safe_member
 from agent.engine.memory import MB
@@ -50,33 +48,19 @@ class UpdateContext:
     # memory; then check(bundle), if given, runs and the new one loads. If check raises, the old one serves
     # again and the exception propagates.
     swap: Callable[..., None]
-    threads: int | None = None
+    # measure(bundle, n_tokens) -> (golden ids, decode tokens/s): the manifest's golden prompt continued greedily
+    # for n_tokens on this device (agent.engine.golden.measure_golden, bound to the engine's threads)
+    measure: Callable[[Bundle, int], tuple[list[int], float]]
     health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
     allow_downgrade: bool = True  # config [updates]: False refuses an older model whatever the job says
     min_tokens_per_s: float = 0.0  # config [updates]: the least decode speed a new model must reach, whatever the job says
     artifacts_url: str | None = None  # config [updates]: downloads only from under this URL
     job_keys: dict = field(default_factory=dict)  # config [updates]: the jobs' signers; empty: jobs need no signature
-    measure: Callable[[Bundle, int], tuple[list[int], float]] | None = None  # (golden ids, decode tokens/s)
     # the KV cache types the engine would run the new model with: now, and after a restart (the config file's)
     kv_dtypes: Callable[[], tuple[str, ...]] = lambda: ("fp32",)
     current_tokens_per_s: dict = field(default_factory=dict)  # version -> measured tokens/s, cached
     # publish a status again that is no news (the last job's end, at each start); default: report
     replay: Callable[[wire.JobStatusUpdate], None] | None = None
-
-
-def default_measure(bundle: Bundle, threads: int | None, n_tokens: int) -> tuple[list[int], float]:
-    """Greedy continuation of the manifest's golden prompt, and its decode tokens/s, on this device."""
-    runner = bundle.runner(threads)
-    prompt = bundle.manifest.golden.prompt_ids
-    cache = runner.new_cache(1, len(prompt) + n_tokens + 1)
-    p = len(prompt)
-    logits = runner.forward(np.array([prompt]), np.array([p - 1]), np.array([p]), np.array([[p - 1]]), cache)
-    out = [int(logits[0, 0].argmax())]
-    t0 = time.perf_counter()
-    for t in range(p, p + n_tokens - 1):
-        logits = runner.forward(np.array([[out[-1]]]), np.array([t]), np.array([1]), np.zeros((1, 1), np.int64), cache)
-        out.append(int(logits[0, 0].argmax()))
-    return out, (n_tokens - 1) / max(time.perf_counter() - t0, 1e-9)
 
 
 class UpdateJob:
@@ -231,7 +215,7 @@ class UpdateJob:
 
     def _health_check(self, bundle: Bundle) -> dict:
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)
-        measure = self.ctx.measure or (lambda b, n: default_measure(b, self.ctx.threads, n))
+        measure = self.ctx.measure
         golden = bundle.manifest.golden.continuation_ids
         # the job may ask for more than the device's own floor, never for less (found in review: the config's
         # health_check_tokens was read nowhere)

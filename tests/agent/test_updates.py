@@ -315,6 +315,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from agent import wire
 from agent.engine.bundle import open_bundle
+from agent.engine.golden import measure_golden
 from agent.updates.trust import load_trusted_keys
 from agent.updates.jobs import UpdateContext, UpdateJob
 from agent.updates.model_store import ModelStore
@@ -334,7 +335,8 @@ def report(u):
         os.kill(os.getpid(), signal.SIGKILL)
 ctx = UpdateContext(device_id="dev1", store=store, trusted_keys=load_trusted_keys([Path(sys.argv[5])]),
                     memory_budget_mb=4096, current=lambda: serving[0], report=report,
-                    swap=lambda b, check=None: (check and check(b), serving.__setitem__(0, b)), threads=1)
+                    swap=lambda b, check=None: (check and check(b), serving.__setitem__(0, b)),
+                    measure=lambda b, n: measure_golden(b, 1, n))
 UpdateJob(ctx, doc).run()
 """
 
