@@ -11,6 +11,7 @@ verified model and reports what really happened to the job (agent.updates.servic
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import os
@@ -63,13 +64,64 @@ class UpdateContext:
     replay: Callable[[wire.JobStatusUpdate], None] | None = None
 
 
+# ---- one job -----------------------------------------------------------------------------------------------
+class JobPhase(enum.Enum):
+    """Where one job stands on this device. What it reports is coarser and unchanged by these: the wire's
+    JobState, and while IN_PROGRESS its JobStep (noted beside each phase)."""
+
+    QUEUED = "queued"  # taken from the queue, nothing checked yet
+    CHECKING = "checking"  # the job's notice and signature, the manifest's signature, budget and order (QUEUED)
+    DOWNLOADING = "downloading"  # the files into staging, resumed where they stopped (downloading)
+    VERIFYING = "verifying"  # the staged files against the manifest, the KV graphs this device runs (verifying)
+    STAGING = "staging"  # the verified bundle moves into models/ and the serving model stops (loading)
+    HEALTH_CHECKING = "health_checking"  # golden tokens and decode speed, alone in the budget (loading, health_check)
+    SWAPPING = "swapping"  # the links move and the new model loads (activating)
+    REVERTING = "reverting"  # the new model would not run once the links moved: both links and the old model back
+    ROLLING_BACK = "rolling_back"  # a rollback job: `previous` becomes current and serves (activating)
+    PAUSED = "paused"  # the agent stopped during the download: unreported, the job runs again after the restart
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    REJECTED = "rejected"  # refused before any download
+    ROLLED_BACK = "rolled_back"  # failed after the links moved, the model it replaced serving again (FAILED)
+
+
+_TRANSITIONS = {
+    JobPhase.QUEUED: {JobPhase.CHECKING},
+    JobPhase.CHECKING: {JobPhase.DOWNLOADING, JobPhase.ROLLING_BACK, JobPhase.SUCCEEDED, JobPhase.REJECTED,
+                        JobPhase.FAILED},  # SUCCEEDED: the model asked for already serves
+    JobPhase.DOWNLOADING: {JobPhase.VERIFYING, JobPhase.PAUSED, JobPhase.FAILED},
+    JobPhase.VERIFYING: {JobPhase.STAGING, JobPhase.FAILED},
+    JobPhase.STAGING: {JobPhase.HEALTH_CHECKING, JobPhase.FAILED},
+    JobPhase.HEALTH_CHECKING: {JobPhase.SWAPPING, JobPhase.FAILED},
+    JobPhase.SWAPPING: {JobPhase.SUCCEEDED, JobPhase.REVERTING, JobPhase.FAILED},
+    JobPhase.REVERTING: {JobPhase.ROLLED_BACK},
+    JobPhase.ROLLING_BACK: {JobPhase.SUCCEEDED, JobPhase.FAILED},
+    JobPhase.PAUSED: set(),
+    JobPhase.SUCCEEDED: set(),
+    JobPhase.FAILED: set(),
+    JobPhase.REJECTED: set(),
+    JobPhase.ROLLED_BACK: set(),
+}
+_ENDS = {JobState.SUCCEEDED: JobPhase.SUCCEEDED, JobState.FAILED: JobPhase.FAILED, JobState.REJECTED: JobPhase.REJECTED}
+
+
 class UpdateJob:
     def __init__(self, ctx: UpdateContext, doc: JobDocument, deadline: float | None = None,
                  stopping: threading.Event | None = None):
         self.ctx, self.doc = ctx, doc
+        self.phase = JobPhase.QUEUED
         self.deadline = deadline  # time.monotonic() after which its notice had expired, if it had an expiry
         self.stopping = stopping  # set when the agent stops; None: the job cannot be taken up again after a restart
         self.staging: Path | None = None
+
+    def can_enter(self, phase: JobPhase) -> bool:
+        return phase in _TRANSITIONS[self.phase]
+
+    def _enter(self, phase: JobPhase) -> None:
+        """Move to phase; a move the table does not allow is a bug in this module, raised as one."""
+        if not self.can_enter(phase):
+            raise AssertionError(f"job {self.doc.job_id}: no transition {self.phase.value} -> {phase.value}")
+        self.phase = phase
 
     def status(self, state: JobState, step: JobStep | None = None, **kw) -> None:
         """Journal, then report. A journal that cannot be written (a full disk) fails a running job, since a
@@ -91,7 +143,9 @@ class UpdateJob:
             raise JobFailed(JobState.FAILED, f"cannot write the update journal: {unjournaled}")
 
     def run(self) -> JobState:
+        """Carry the job out from QUEUED to its end; returns the state reported last (QUEUED: paused)."""
         try:
+            self._enter(JobPhase.CHECKING)
             self._check_job()
             if self.doc.operation == "rollback":
                 return self._rollback()
@@ -99,12 +153,15 @@ class UpdateJob:
             self._check()
             self._download()
             figures = self._activate(self._verify())
+            self._enter(JobPhase.SUCCEEDED)
             self.status(JobState.SUCCEEDED, figures=figures)
             return JobState.SUCCEEDED
         except JobPaused:
+            self._enter(JobPhase.PAUSED)
             self._pause()
             return JobState.QUEUED
         except JobFailed as e:
+            self._enter(JobPhase.ROLLED_BACK if self.phase is JobPhase.REVERTING else _ENDS[e.state])
             if not (e.keep_download and self._has_download()):
                 self._clean_staging()
             log.warning("job %s %s: %s", self.doc.job_id, e.state.value, e.reason)
@@ -171,6 +228,7 @@ class UpdateJob:
 
     # -- download with resume --
     def _download(self) -> None:
+        self._enter(JobPhase.DOWNLOADING)
         m = self.doc.manifest
         if not self.doc.base_url:
             raise JobFailed(JobState.FAILED, "job has no base_url to download from")
@@ -195,6 +253,7 @@ class UpdateJob:
 
     # -- verify, load, check --
     def _verify(self) -> Bundle:
+        self._enter(JobPhase.VERIFYING)
         self.status(JobState.IN_PROGRESS, JobStep.VERIFYING)
         try:
             return open_bundle(self.staging)
@@ -214,6 +273,7 @@ class UpdateJob:
                                                  f"restart by its config file): {e}") from e
 
     def _health_check(self, bundle: Bundle) -> dict:
+        self._enter(JobPhase.HEALTH_CHECKING)
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)
         measure = self.ctx.measure
         golden = bundle.manifest.golden.continuation_ids
@@ -254,6 +314,7 @@ class UpdateJob:
         m = bundle.manifest
         store = self.ctx.store
         self._check_kv_graph(bundle)
+        self._enter(JobPhase.STAGING)
         final = store.models / _install_name(m)
         # journalled before anything moves: after a crash from here on, recover() removes `final` unless it
         # became current (journalled after the rename, a crash in between left the bundle there for good)
@@ -270,6 +331,7 @@ class UpdateJob:
 
         def check_then_link(new: Bundle) -> None:
             figures.update(self._health_check(new))
+            self._enter(JobPhase.SWAPPING)
             self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)  # a crash from here is settled by the links
             before = store.link("current"), store.link("previous")
             try:
@@ -291,6 +353,7 @@ class UpdateJob:
             # Both links as they were, and the bundle that failed gone. Found in review: a rollback made the
             # failed bundle `previous`, the target of the next rollback, and deleted the one `previous` named,
             # the device's last good fallback.
+            self._enter(JobPhase.REVERTING)
             serving, kept = links[0]
             store.restore(serving, kept)
             # serving was verified when it loaded: hashing every file again held the switch (and the watchdog)
@@ -306,10 +369,12 @@ class UpdateJob:
     def _rollback(self) -> JobState:
         store = self.ctx.store
         serving, kept = store.link("current"), store.link("previous")
+        self._enter(JobPhase.ROLLING_BACK)
         self.staging = kept  # journalled as the target: after a crash, recover() sees whether current became it
         self.status(JobState.IN_PROGRESS, JobStep.ACTIVATING)
         target = store.rollback()
         if target is None:  # repeated: what was asked holds already
+            self._enter(JobPhase.SUCCEEDED)
             self.status(JobState.SUCCEEDED, figures={"rolled_back_to": serving.name if serving else None,
                                                      "already": True})
             return JobState.SUCCEEDED
@@ -324,6 +389,7 @@ class UpdateJob:
             first_line = (str(e).splitlines() or [""])[0][:300]
             raise JobFailed(JobState.FAILED, f"rollback to {target.name} failed, still serving "
                                              f"{serving.name if serving else 'the current model'}: {first_line}") from e
+        self._enter(JobPhase.SUCCEEDED)
         self.status(JobState.SUCCEEDED, figures={"rolled_back_to": target.name})
         return JobState.SUCCEEDED
 

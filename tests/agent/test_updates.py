@@ -1299,3 +1299,97 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
             svc.stop()
     assert dev.serving.manifest.version == v1.manifest.version and dev.store.link("current").name.endswith(
         v1.manifest.version)
+
+
+# ---- the job's state machine ---------------------------------------------------------------------------------
+def test_the_job_transition_table_is_closed_and_every_phase_can_end():
+    from agent.updates.jobs import _TRANSITIONS, JobPhase
+
+    assert set(_TRANSITIONS) == set(JobPhase) and all(nxt <= set(JobPhase) for nxt in _TRANSITIONS.values())
+    ends = {phase for phase, nxt in _TRANSITIONS.items() if not nxt}
+    assert ends == {JobPhase.PAUSED, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.REJECTED, JobPhase.ROLLED_BACK}
+
+    def reachable(start):
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in _TRANSITIONS[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert reachable(JobPhase.QUEUED) == set(JobPhase)
+    assert all(reachable(phase) & ends for phase in JobPhase)
+
+
+@pytest.fixture
+def phases(monkeypatch):
+    """Every phase a job enters, in order."""
+    seen = []
+    enter = UpdateJob._enter
+
+    def record(self, phase):
+        enter(self, phase)
+        seen.append(phase)
+
+    monkeypatch.setattr(UpdateJob, "_enter", record)
+    return seen
+
+
+def test_a_job_goes_through_its_phases_in_order(tmp_path, bundles, keys, server, phases):
+    import threading
+
+    from agent.updates.jobs import JobPhase as P
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, None, url, job_id="unsigned")).run() is JobState.REJECTED
+    assert phases == [P.CHECKING, P.REJECTED]
+    stopping = threading.Event()
+    stopping.set()  # the agent is stopping: the download pauses before its first byte
+    paused = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, job_id="p", min_tokens_per_s=0),
+                       stopping=stopping)
+    phases.clear()
+    assert paused.run() is JobState.QUEUED and phases == [P.CHECKING, P.DOWNLOADING, P.PAUSED]
+    phases.clear()
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    assert phases == [P.CHECKING, P.DOWNLOADING, P.VERIFYING, P.STAGING, P.HEALTH_CHECKING, P.SWAPPING, P.SUCCEEDED]
+    phases.clear()
+    assert UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run() is JobState.SUCCEEDED
+    assert phases == [P.CHECKING, P.ROLLING_BACK, P.SUCCEEDED]
+
+
+def test_an_activation_that_fails_after_the_links_moved_ends_rolled_back_and_reports_failed(tmp_path, bundles, keys,
+                                                                                            server, phases):
+    from agent.updates.jobs import JobPhase as P
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+
+    def swap(bundle, check=None):
+        if check:
+            check(bundle)
+        if bundle.manifest.version == v2.manifest.version:
+            raise RuntimeError("engine failed to start")
+        dev.serving = bundle
+
+    dev.ctx.swap = swap
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
+    assert phases[-3:] == [P.SWAPPING, P.REVERTING, P.ROLLED_BACK] and "rolled back" in dev.reports[-1].reason
+    assert dev.serving.manifest.version == v1.manifest.version
+
+
+def test_an_illegal_job_transition_is_an_internal_error(tmp_path, bundles, keys):
+    from agent.updates.jobs import JobPhase
+
+    v1, _ = bundles
+    dev = Device(tmp_path, v1, keys)
+    rollback = UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback"))
+    assert not rollback.can_enter(JobPhase.SUCCEEDED)
+    with pytest.raises(AssertionError, match="queued -> succeeded"):
+        rollback._enter(JobPhase.SUCCEEDED)
+    assert rollback.phase is JobPhase.QUEUED
+    assert rollback.run() is JobState.FAILED and rollback.phase is JobPhase.FAILED  # no previous model
+    with pytest.raises(AssertionError, match="failed -> checking"):  # a job that ended does not run again
+        rollback.run()
