@@ -27,7 +27,7 @@ from agent.engine.bundle import Bundle, BundleError, open_bundle, safe_member
 from agent.engine.memory import MB
 from agent.updates import download
 from agent.updates.errors import JobFailed, JobPaused
-from agent.updates.model_store import ModelStore
+from agent.updates.model_store import JobJournal, ModelStore
 from agent.updates.trust import TrustError, verify_job, verify_manifest
 from agent.wire import JobDocument, JobState, JobStep
 
@@ -129,10 +129,9 @@ class UpdateJob:
         ts = time.time()
         try:  # ts too: a report replayed after a restart keeps it (stamped anew by a clock that is behind at
             # boot, it looked older than the job's earlier reports, and the fleet ignored it)
-            self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": state.value,
-                                          "step": step.value if step else None, "ts": ts,
-                                          "target": str(self.staging) if self.staging else None, **{
-                                              k: v for k, v in kw.items() if k == "reason"}})
+            self.ctx.store.write_journal(JobJournal(job_id=self.doc.job_id, state=state, step=step, ts=ts,
+                                                    target=str(self.staging) if self.staging else None, **{
+                                                        k: v for k, v in kw.items() if k == "reason"}))
             unjournaled = None
         except OSError as e:
             log.error("job %s: cannot write the update journal: %s", self.doc.job_id, e)
@@ -318,8 +317,8 @@ class UpdateJob:
         final = store.models / _install_name(m)
         # journalled before anything moves: after a crash from here on, recover() removes `final` unless it
         # became current (journalled after the rename, a crash in between left the bundle there for good)
-        store.write_journal({"job_id": self.doc.job_id, "state": JobState.IN_PROGRESS.value,
-                             "step": JobStep.LOADING.value, "target": str(final)})
+        store.write_journal(JobJournal(job_id=self.doc.job_id, state=JobState.IN_PROGRESS, step=JobStep.LOADING,
+                                       target=str(final)))
         if final.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR stays
             final.unlink()
         # on disk before a link names it, let alone the fleet; a copy already there (the `previous` model
@@ -399,9 +398,8 @@ class UpdateJob:
         not settle it, and the document still queued on disk runs again, resuming the download."""
         log.info("job %s paused by the agent stopping: it resumes after the restart", self.doc.job_id)
         try:
-            self.ctx.store.write_journal({"job_id": self.doc.job_id, "state": JobState.QUEUED.value,
-                                          "step": JobStep.DOWNLOADING.value, "target": str(self.staging),
-                                          "paused": True})
+            self.ctx.store.write_journal(JobJournal(job_id=self.doc.job_id, state=JobState.QUEUED,
+                                                    step=JobStep.DOWNLOADING, target=str(self.staging), paused=True))
         except OSError as e:  # the restart then reports it FAILED, as before
             log.error("job %s: cannot write the update journal: %s", self.doc.job_id, e)
 

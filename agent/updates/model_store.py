@@ -17,12 +17,39 @@ import os
 import shutil
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
 from agent import durable
 from agent.engine.bundle import Bundle, BundleError, open_bundle
 from agent.updates.errors import JobFailed
-from agent.wire import JobDocument, JobState
+from agent.wire import JobDocument, JobState, JobStep
 
 log = logging.getLogger(__name__)
+
+
+class JobJournal(BaseModel):
+    """updates/job.json: where the last job stood, written before each status it reports and read back at
+    start (agent.updates.service.recover). The fields are every key an agent has written, so a journal
+    carrying any other key is damaged; a key left out was not written (see ModelStore.write_journal)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    state: JobState
+    step: JobStep | None = None  # while IN_PROGRESS
+    target: str | None = None  # its staging directory, or the bundle it installs or rolls back to
+    reason: str | None = None  # why it ended FAILED / REJECTED
+    ts: float | None = None  # time.time() of the status: a replayed final status keeps it
+    paused: bool = False  # stopped during its download: its queued document runs again after the restart
+
+    @field_validator("ts", mode="wrap")
+    @classmethod
+    def _ts_or_none(cls, value, handler):
+        """A ts that is no number reads as none: the status is replayed stamped at boot, the rest still holds."""
+        try:
+            return handler(value)
+        except ValidationError:
+            return None
 
 
 class ModelStore:
@@ -153,8 +180,9 @@ class ModelStore:
             return bundle
         raise BundleError("no verified model to serve" + (f" ({'; '.join(errors)})" if errors else ""))
 
-    def write_journal(self, entry: dict) -> None:
-        durable.write_text(self.journal, json.dumps(entry))
+    def write_journal(self, entry: JobJournal) -> None:
+        """The keys given when entry was made, and only those (as every agent has written them)."""
+        durable.write_text(self.journal, entry.model_dump_json(exclude_unset=True))
 
     def save_queued(self, doc: JobDocument) -> Path:
         """Keep an accepted job document on disk until it has run: the broker's PUBACK goes when the MQTT
@@ -188,15 +216,10 @@ class ModelStore:
     def set_last_run(self, issued_at: float, job_id: str) -> None:
         durable.write_text(self._last_issued, json.dumps({"issued_at": issued_at, "job_id": job_id}))
 
-    def read_journal(self) -> dict | None:
+    def read_journal(self) -> JobJournal | None:
         """The journal's entry; None if there is none or it is damaged (found in review: a journal holding
         JSON that is not an object, or a target that is not a string, stopped recover() and so every start)."""
         try:
-            entry = json.loads(self.journal.read_text())
-        except (OSError, ValueError):
+            return JobJournal.model_validate_json(self.journal.read_bytes())
+        except (OSError, ValueError):  # ValueError: pydantic's ValidationError, for JSON or a field
             return None
-        if not (isinstance(entry, dict) and isinstance(entry.get("job_id"), str)
-                and isinstance(entry.get("state"), str) and entry["state"] in {s.value for s in JobState}
-                and all(isinstance(entry.get(k), (str, type(None))) for k in ("step", "target", "reason"))):
-            return None
-        return entry

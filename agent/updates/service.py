@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from agent import wire
 from agent.updates.errors import STORAGE_ERRNOS
 from agent.updates.jobs import UpdateContext, UpdateJob
+from agent.updates.model_store import JobJournal
 from agent.updates.trust import JobTimeError, TrustError, verify_job
 from agent.wire import JobDocument, JobState, JobStep
 
@@ -30,44 +31,44 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
     of and the fleet timed it out. The fleet ignores a repeated final status.
     """
     entry = ctx.store.read_journal()
-    target = Path(entry["target"]) if entry and entry.get("target") else None  # read_journal checked its type
+    target = Path(entry.target) if entry and entry.target else None
     ctx.store.clear_staging(keep=target)  # what the last job downloaded: a job for the same manifest resumes it
     if orphans := ctx.store.remove_orphans():
         log.warning("removed model directories no link names (left by an interrupted update): %s", orphans)
-    if not entry or entry.get("paused"):  # nothing, or a job the last stop paused: its document runs again
+    if not entry or entry.paused:  # nothing, or a job the last stop paused: its document runs again
         return None
-    if JobState(entry["state"]) in wire.TERMINAL_JOB_STATES:
+    if entry.state in wire.TERMINAL_JOB_STATES:
         update = _last_end(entry, ctx.device_id)
         if update is not None:
             (ctx.replay or ctx.report)(update)  # not news: not a model_change event at every boot
         return update
     current = ctx.store.link("current")
-    if entry.get("step") == JobStep.ACTIVATING.value and target and current == target.resolve():
+    if entry.step is JobStep.ACTIVATING and target and current == target.resolve():
         state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
     else:  # IN_PROGRESS, or QUEUED (accepted: the fleet waits for how it ends)
-        during = f"during {entry['step']}" if entry.get("step") else "before it started"
+        during = f"during {entry.step.value}" if entry.step else "before it started"
         state, reason = JobState.FAILED, f"interrupted by an agent restart {during}"  # what it moved into
         # models/ without activating it went with the orphans above
-    update = wire.JobStatusUpdate(job_id=entry["job_id"], device_id=ctx.device_id, state=state, reason=reason,
+    update = wire.JobStatusUpdate(job_id=entry.job_id, device_id=ctx.device_id, state=state, reason=reason,
                                   ts=time.time())
     try:
-        ctx.store.write_journal({"job_id": entry["job_id"], "state": state.value, "step": None,  # the download
-                                 "target": str(target) if target else None})  # it names stays for the next start
+        ctx.store.write_journal(JobJournal(job_id=entry.job_id, state=state, step=None,  # the download it
+                                           target=str(target) if target else None))  # names stays for the next start
     except OSError as e:  # a full disk: the agent must still start and serve; it settles again next start
         log.error("cannot write the update journal: %s", e)
     ctx.report(update)
     return update
 
 
-def _last_end(entry: dict, device_id: str) -> wire.JobStatusUpdate | None:
+def _last_end(entry: JobJournal, device_id: str) -> wire.JobStatusUpdate | None:
     """The journal's final status as it was reported; None if the journal (damaged, or an older agent's) says
     too little to report it."""
-    for extra in ({"reason": entry.get("reason"), "ts": entry.get("ts") or time.time()}, {"ts": time.time()}):
+    for extra in ({"reason": entry.reason, "ts": entry.ts or time.time()}, {"ts": time.time()}):
         try:
-            return wire.JobStatusUpdate(job_id=entry["job_id"], device_id=device_id, state=entry["state"], **extra)
+            return wire.JobStatusUpdate(job_id=entry.job_id, device_id=device_id, state=entry.state, **extra)
         except ValidationError:
             continue
-    log.warning("the update journal's last job cannot be reported again: %s", str(entry)[:200])
+    log.warning("the update journal's last job cannot be reported again: %s", entry.model_dump_json(exclude_unset=True)[:200])
     return None
 
 
@@ -87,8 +88,8 @@ class UpdateService:
     def start(self) -> None:
         recover(self.ctx)
         entry = self.ctx.store.read_journal()
-        if entry and entry.get("state") in {s.value for s in wire.TERMINAL_JOB_STATES}:
-            self.done[entry["job_id"]] = JobState(entry["state"])
+        if entry and entry.state in wire.TERMINAL_JOB_STATES:
+            self.done[entry.job_id] = entry.state
         for path, doc in self.ctx.store.queued():  # accepted before a restart: run now, unless recover() settled it
             if doc.job_id in self.done or doc.job_id in self._pending:
                 path.unlink(missing_ok=True)

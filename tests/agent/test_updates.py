@@ -42,6 +42,11 @@ def server(tmp_path):
     s.stop()
 
 
+def write_raw_journal(store: ModelStore, entry) -> None:
+    """The journal as it lies on disk, written by this agent, an older one or a damaged card."""
+    store.journal.write_text(json.dumps(entry))
+
+
 def test_install_succeeds_and_keeps_previous(tmp_path, bundles, keys, server):
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -286,7 +291,7 @@ def test_a_stop_during_a_download_pauses_the_job_and_the_restart_resumes_it(tmp_
     svc.stop()
     assert time.monotonic() - t0 < 3 and not svc._thread.is_alive()
     assert not [r for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES]
-    assert dev.store.read_journal()["paused"]
+    assert dev.store.read_journal().paused
     OutageHandler.down, OutageHandler.ranges = False, []
     restarted = UpdateService(dev.ctx)
     restarted.start()
@@ -389,8 +394,8 @@ def test_recovery_keeps_the_previous_model_when_the_interrupted_job_reinstalled_
     shutil.copytree(v2.path, older)
     dev.store.activate(older)
     dev.store.activate(dev.store.models / f"tiny@{v1.manifest.version}")  # previous: v2, current: v1
-    dev.store.write_journal({"job_id": "j", "state": JobState.IN_PROGRESS.value, "step": "activating",
-                             "target": str(older)})
+    write_raw_journal(dev.store, {"job_id": "j", "state": JobState.IN_PROGRESS.value, "step": "activating",
+                                  "target": str(older)})
     assert recover(dev.ctx).state is JobState.FAILED
     assert older.is_dir() and dev.store.link("previous") == older.resolve()
 
@@ -476,7 +481,7 @@ def test_the_download_step_is_journaled_before_its_first_byte(tmp_path, bundles,
     dev = Device(tmp_path, v1, keys)
     journaled = []
     write = dev.store.write_journal
-    dev.store.write_journal = lambda entry: (journaled.append(entry.get("step")), write(entry))
+    dev.store.write_journal = lambda entry: (journaled.append(entry.step), write(entry))
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
     downloading = [r for r in dev.reports if r.step is wire.JobStep.DOWNLOADING]
@@ -524,7 +529,7 @@ def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundle
     finally:
         svc.stop()
     finals = [r.state for r in dev.reports if r.step is None and r.state is not JobState.QUEUED]
-    assert finals == [JobState.SUCCEEDED, JobState.SUCCEEDED] and dev.store.read_journal()["state"] == "SUCCEEDED"
+    assert finals == [JobState.SUCCEEDED, JobState.SUCCEEDED] and dev.store.read_journal().state == "SUCCEEDED"
 
 
 def test_reinstalling_a_model_the_agent_was_started_with_replaces_its_link(tmp_path, bundles, keys, server):
@@ -743,7 +748,7 @@ def test_recovery_on_a_full_disk_still_reports_and_lets_the_agent_start(tmp_path
 
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
-    dev.store.write_journal({"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "target": None})
+    write_raw_journal(dev.store, {"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "target": None})
 
     def full(entry):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -874,7 +879,7 @@ def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_p
     and a job journalled QUEUED was forgotten by a restart."""
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
-    dev.store.write_journal(journal)
+    write_raw_journal(dev.store, journal)
     settled = recover(dev.ctx)
     assert dev.reports == [settled] and (settled.job_id, settled.state.value, settled.reason) == ("j", *reported)
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.staging_empty()
@@ -882,7 +887,11 @@ def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_p
 
 @pytest.mark.parametrize("damaged", ["[1, 2]", '"text"', "7", '{"job_id": "j", "state": "QUEUED", "target": 5}',
                                      '{"job_id": "j", "state": []}', '{"job_id": 5, "state": "QUEUED"}',
-                                     '{"job_id": ["x"], "state": "SUCCEEDED"}'])
+                                     '{"job_id": ["x"], "state": "SUCCEEDED"}',
+                                     # keys and values no agent writes: the journal is damaged, not guessed at
+                                     '{"job_id": "j", "state": "QUEUED", "staging": "/x"}',
+                                     '{"job_id": "j", "state": "IN_PROGRESS", "step": "unpacking"}',
+                                     '{"job_id": "j", "state": "QUEUED", "paused": "maybe"}'])
 def test_a_damaged_journal_does_not_stop_the_agent_from_starting(damaged, tmp_path, bundles, keys):
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
@@ -891,6 +900,24 @@ def test_a_damaged_journal_does_not_stop_the_agent_from_starting(damaged, tmp_pa
     svc.start()  # recover() and the queue: no exception, so the agent starts
     svc.stop()
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.reports == []
+
+
+@pytest.mark.parametrize("written", [
+    {"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "ts": 1.7e9, "target": "/s/models/.staging/ab"},
+    {"job_id": "j", "state": "FAILED", "step": None, "ts": 1.7e9, "target": None, "reason": "golden output mismatch"},
+    {"job_id": "j", "state": "IN_PROGRESS", "step": "loading", "target": "/s/models/tiny@2"},  # before the move
+    {"job_id": "j", "state": "QUEUED", "step": "downloading", "target": "/s/models/.staging/ab", "paused": True},
+    {"job_id": "j", "state": "FAILED", "step": None, "target": None},  # settled by recover()
+])
+def test_every_journal_an_agent_writes_reads_back_as_written(written, tmp_path):
+    """The journal's shapes, as this agent and earlier ones wrote them: each validates, and is written back
+    with the same keys and values."""
+    store = ModelStore(tmp_path / "state")
+    write_raw_journal(store, written)
+    entry = store.read_journal()
+    assert entry is not None and json.loads(entry.model_dump_json(exclude_unset=True)) == written
+    store.write_journal(entry)
+    assert json.loads(store.journal.read_text()) == written
 
 
 def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, keys):
@@ -921,7 +948,7 @@ def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, ke
     before = UpdateService(dev.ctx)  # its thread never starts: both stay queued, as behind a long download
     before.offer(interrupted.model_dump_json().encode())
     before.offer(waiting.model_dump_json().encode())
-    dev.store.write_journal({"job_id": "a", "state": "IN_PROGRESS", "step": "downloading", "target": None})
+    write_raw_journal(dev.store, {"job_id": "a", "state": "IN_PROGRESS", "step": "downloading", "target": None})
 
     after = UpdateService(dev.ctx)  # the restarted agent
     after.start()
@@ -1036,9 +1063,9 @@ def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_pat
     recover(dev.ctx)
     assert len(dev.reports) == reported and [(r.job_id, r.state, r.ts) for r in replayed] == [
         (ended.job_id, JobState.SUCCEEDED, ended.ts)]
-    dev.store.write_journal({"job_id": "j", "state": "FAILED", "ts": "soon"})  # damaged: reported at boot time
+    write_raw_journal(dev.store, {"job_id": "j", "state": "FAILED", "ts": "soon"})  # damaged: reported at boot time
     assert recover(dev.ctx).state is JobState.FAILED and replayed[-1].job_id == "j"
-    dev.store.write_journal({"job_id": 5, "state": "SUCCEEDED"})  # nothing to report: no crash either
+    write_raw_journal(dev.store, {"job_id": 5, "state": "SUCCEEDED"})  # nothing to report: no crash either
     assert recover(dev.ctx) is None
 
 
