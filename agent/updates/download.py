@@ -25,15 +25,15 @@ from agent.wire import JobState
 
 log = logging.getLogger(__name__)
 
-# A download that adds less than CHUNK_BYTES for this long fails (found in review: 5 attempts, ~11 s of
-# outage, failed a job that Mender's client would have carried through). What it got is kept for the next try.
+# A download that adds less than CHUNK_BYTES for this long fails, what it got kept for the next try. A count of
+# attempts instead (5, ~11 s of outage) fails a job through an outage Mender's client carries it through.
 DOWNLOAD_STALL_S = 300.0
 DOWNLOAD_BACKOFF_MAX_S = 30.0
 CHUNK_BYTES = 1 << 20
 # An attempt slower than MIN_DOWNLOAD_BYTES_PER_S over any LOW_SPEED_WINDOW_S is cut off and resumed (curl's
-# --speed-limit / --speed-time); a download whose attempts stay that slow for DOWNLOAD_STALL_S fails. Found in
-# review: the limit was an average over the whole file, so a link crawling at 200 B/s held a 51 MB download
-# (and every job behind it) for ~52 minutes and a 100 MB one, which got 1 MiB an attempt, for ~19 hours.
+# --speed-limit / --speed-time); a download whose attempts stay that slow for DOWNLOAD_STALL_S fails. The rate
+# is over a window, not the whole file: averaged over the file, a link crawling at 200 B/s holds a 51 MB download
+# (and every job behind it) for ~52 minutes and a 100 MB one, at 1 MiB an attempt, for ~19 hours.
 MIN_DOWNLOAD_BYTES_PER_S = 16 << 10
 LOW_SPEED_WINDOW_S = 60.0
 PROGRESS_EVERY_S = 30.0  # a status at least this often while bytes arrive, besides one a MiB
@@ -74,7 +74,7 @@ def fetch_file(base_url: str, staging: Path, rel: str, entry: wire.FileEntry, pr
             # HTTPException: a body cut off mid-chunk (IncompleteRead) or a garbled status line
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):  # the disk, not the network
                 raise JobFailed(JobState.FAILED, f"no space left for {rel} on the device: {e}") from e
-            if getattr(e, "errno", None) in STORAGE_ERRNOS:  # found in review: retried as a network fault
+            if getattr(e, "errno", None) in STORAGE_ERRNOS:  # the card failed: retrying cannot help
                 raise JobFailed(JobState.FAILED, f"cannot write {rel} on the device: {e}") from e
             log.info("download of %s interrupted (%s), resuming", rel, e)
         gained = (path.stat().st_size if path.exists() else 0) - have  # < 0: a server that ignored Range

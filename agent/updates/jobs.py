@@ -171,8 +171,8 @@ class UpdateJob:
     def _check_job(self) -> None:
         """With [updates] job_keys, the job itself must be signed, for this device, unexpired and newer than
         the last one run; then the fields outside the manifest's signature are the fleet's too. Signed or not, it
-        must not have outlived its notice (found in review: an unsigned one that expired while it waited behind
-        another job ran after the fleet had counted it TIMED_OUT and halted its rollout)."""
+        must not have outlived its notice: by then the fleet has counted it TIMED_OUT (and may have halted its
+        rollout), and it may have expired while it waited behind another job."""
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise JobFailed(JobState.REJECTED, f"its notice expired {time.monotonic() - self.deadline:.0f} s before it "
                                                f"could run (it waited behind another job): the fleet has timed it out")
@@ -237,8 +237,8 @@ class UpdateJob:
         try:
             self.ctx.store.clear_staging(keep=self.staging)  # another manifest's partial download: not resumed
             self.staging.mkdir(parents=True, exist_ok=True)
-            # before the first byte: the first progress report came after a MiB or a whole file, so a restart
-            # during it was reported as "before it started" (found in review)
+            # journalled before the first byte (the first progress report comes after a MiB or a whole file): a
+            # restart during the download is reported as one, not "before it started"
             self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING, percent=0.0)
             for rel, entry in sorted(m.files.items()):
                 download.fetch_file(self.doc.base_url, self.staging, rel, entry,
@@ -260,10 +260,10 @@ class UpdateJob:
             raise JobFailed(JobState.FAILED, f"verification failed: {e}") from e
 
     def _check_kv_graph(self, bundle: Bundle) -> None:
-        """Found in review: a bundle without the int8 KV graph this device runs passed the health check (which
-        runs the fp32-KV graph), then failed to load. Checked before the serving model stops, for the type the
-        config file asks for too: a kv_dtype edit waiting for a restart (SIGHUP cannot apply it) made a model
-        that installed fine fail at every later start."""
+        """The bundle must hold the graph of every KV cache type this device runs: the health check runs the
+        fp32-KV graph, so a bundle without the int8 one would pass it and then fail to load. Checked before the
+        serving model stops, for the type the config file asks for too: a kv_dtype edit waiting for a restart
+        (SIGHUP cannot apply it) would make a model that installed fine fail at every later start."""
         for kv_dtype in set(self.ctx.kv_dtypes()) - {"fp32"}:  # every bundle has the fp32-KV graph
             try:
                 bundle.graph(kv_dtype)
@@ -276,8 +276,7 @@ class UpdateJob:
         self.status(JobState.IN_PROGRESS, JobStep.LOADING)
         measure = self.ctx.measure
         golden = bundle.manifest.golden.continuation_ids
-        # the job may ask for more than the device's own floor, never for less (found in review: the config's
-        # health_check_tokens was read nowhere)
+        # the job may ask for more than the device's own floor ([updates] health_check_tokens), never for less
         n = min(max(self.doc.golden_tokens, self.ctx.health_check_tokens), len(golden))
         self.status(JobState.IN_PROGRESS, JobStep.HEALTH_CHECK)
         try:
@@ -308,8 +307,8 @@ class UpdateJob:
     def _activate(self, bundle: Bundle) -> dict:
         """Move the bundle into models/ and switch to it: the serving model stops and gives back its memory, the
         new one is health-checked alone in the budget, the links move and it loads. Returns the check's figures.
-        Found in review: checked beside the serving model, the new model's session took the process ~210 MB
-        past memory_budget_mb (526 MB at 420, SmolLM2 INT4 -> INT8)."""
+        Never checked beside the serving model: both sessions take the process ~210 MB past memory_budget_mb
+        (526 MB at 420, SmolLM2 INT4 -> INT8)."""
         m = bundle.manifest
         store = self.ctx.store
         self._check_kv_graph(bundle)
@@ -349,9 +348,8 @@ class UpdateJob:
             if not links:
                 store.remove_unlinked(final)
                 raise JobFailed(JobState.FAILED, f"activation failed: {e}") from e
-            # Both links as they were, and the bundle that failed gone. Found in review: a rollback made the
-            # failed bundle `previous`, the target of the next rollback, and deleted the one `previous` named,
-            # the device's last good fallback.
+            # Both links as they were, and the bundle that failed gone: `previous` stays the device's last good
+            # fallback, and the failed bundle never becomes the next rollback's target.
             self._enter(JobPhase.REVERTING)
             serving, kept = links[0]
             store.restore(serving, kept)
@@ -379,7 +377,7 @@ class UpdateJob:
             return JobState.SUCCEEDED
         try:
             bundle = open_bundle(target)  # verified in full: it may be the model whose activation failed
-            self._check_kv_graph(bundle)  # found in review: a rollback skipped it, and the next start failed
+            self._check_kv_graph(bundle)  # as for an install: or the next start fails to load it
             self.ctx.swap(bundle)
         except Exception as e:  # the links must name what the engine serves, or the next start boots `target`
             store.restore(serving, kept)
@@ -393,9 +391,9 @@ class UpdateJob:
         return JobState.SUCCEEDED
 
     def _pause(self) -> None:
-        """Found in review: a stop during a download (which may retry for minutes) was cut off by the exit and
-        reported FAILED at the restart. The journal says it is paused: recover() keeps its download and does
-        not settle it, and the document still queued on disk runs again, resuming the download."""
+        """A stop during a download (which may retry for minutes) pauses the job rather than failing it: the
+        journal says it is paused, recover() keeps its download and does not settle it, and the document still
+        queued on disk runs again after the restart, resuming the download."""
         log.info("job %s paused by the agent stopping: it resumes after the restart", self.doc.job_id)
         try:
             self.ctx.store.write_journal(JobJournal(job_id=self.doc.job_id, state=JobState.QUEUED,

@@ -61,8 +61,8 @@ class ModelStore:
         self.queue = self.root / "updates" / "queue"  # accepted job documents not yet run, one file each
         self._last_issued = self.root / "updates" / "last_signed_job.json"  # the last signed job begun (replays)
         # the bundle the last rollback left: `previous` naming it means that rollback is done. An install that
-        # serves forgets it (found in review: the same name@version deployed again was taken for the one
-        # rolled back from); a failed rollback leaves current naming it, which no rollback targets.
+        # serves forgets it, so the same name@version deployed again is not taken for the one rolled back
+        # from; a failed rollback leaves current naming it, which no rollback targets.
         self._rolled_back_from = self.root / "updates" / "rolled_back_from"
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
@@ -100,9 +100,9 @@ class ModelStore:
         shutil.rmtree(bundle_dir, ignore_errors=True)
 
     def clear_staging(self, keep: Path | None = None) -> None:
-        """Delete what .staging holds but keep, a partial download of one manifest (found in review: every
-        failure and restart deleted it, and the next job for the same model fetched it all again, as Ollama's
-        and Mender's downloads do not). At most one is kept, so the disk holds at most one bundle's worth."""
+        """Delete what .staging holds but keep, a partial download of one manifest, which the next job for the
+        same model resumes rather than fetching it all again (as Ollama's and Mender's downloads do). At most
+        one is kept, so the disk holds at most one bundle's worth."""
         self.staging_root.mkdir(parents=True, exist_ok=True)
         for p in self.staging_root.iterdir():
             if keep is not None and p.resolve() == keep.resolve():
@@ -128,9 +128,9 @@ class ModelStore:
 
     def rollback(self) -> Path | None:
         """Make `previous` current (and current previous); None if that was the last thing done: a rollback
-        already done. Found in review: the links swapped on every rollback, so a retried command, a copy
-        redelivered by the broker or a replay undid the rollback it repeated. Going back to the model
-        rolled back from takes a deployment of it, as with Mender's artifacts."""
+        already done, so a retried command, a copy redelivered by the broker or a replay does not undo the
+        rollback it repeats. Going back to the model rolled back from takes a deployment of it, as with
+        Mender's artifacts."""
         previous = self.link("previous")
         if previous is None or not previous.exists() or previous == self.link("current"):
             raise JobFailed(JobState.FAILED, "no previous model to roll back to")
@@ -156,9 +156,9 @@ class ModelStore:
                 (self.root / name).unlink(missing_ok=True)
 
     def bootable(self) -> Bundle:
-        """The model to serve: `current` if it verifies, else `previous` (which becomes current, and the only
-        one: found in review, both links then named it, so a rollback 'succeeded' to the model serving, and
-        the fallback was said nowhere)."""
+        """The model to serve: `current` if it verifies, else `previous`, which becomes current and the only
+        link (were both links to name it, a rollback would 'succeed' to the model serving); the fallback is
+        said in the log and in self.fallback, for the fleet's model_fallback event."""
         errors = []
         for name in ("current", "previous"):
             target = self.link(name)
@@ -217,8 +217,9 @@ class ModelStore:
         durable.write_text(self._last_issued, json.dumps({"issued_at": issued_at, "job_id": job_id}))
 
     def read_journal(self) -> JobJournal | None:
-        """The journal's entry; None if there is none or it is damaged (found in review: a journal holding
-        JSON that is not an object, or a target that is not a string, stopped recover() and so every start)."""
+        """The journal's entry; None if there is none or it does not validate (not JSON, not an object, a
+        field of the wrong type, a key no agent writes): a damaged journal must not stop recover(), and so
+        every start."""
         try:
             return JobJournal.model_validate_json(self.journal.read_bytes())
         except (OSError, ValueError):  # ValueError: pydantic's ValidationError, for JSON or a field

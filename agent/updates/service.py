@@ -68,7 +68,8 @@ def _last_end(entry: JobJournal, device_id: str) -> wire.JobStatusUpdate | None:
             return wire.JobStatusUpdate(job_id=entry.job_id, device_id=device_id, state=entry.state, **extra)
         except ValidationError:
             continue
-    log.warning("the update journal's last job cannot be reported again: %s", entry.model_dump_json(exclude_unset=True)[:200])
+    log.warning("the update journal's last job cannot be reported again: %s",
+                entry.model_dump_json(exclude_unset=True)[:200])
     return None
 
 
@@ -101,10 +102,10 @@ class UpdateService:
         self._thread.start()
 
     def stop(self) -> None:
-        """None queued begins (found in review: the marker went behind them, so a job queued when SIGTERM came
-        began during the shutdown, was cut off by the exit and was reported FAILED), and a job downloading
-        pauses; their saved documents stay on disk, and start() runs them after the restart, the download
-        resumed. A job past its download goes on until it ends or the process exits (waited for 5 s)."""
+        """None queued begins (a job begun during the shutdown would be cut off by the exit and reported
+        FAILED), and a job downloading pauses; their saved documents stay on disk, and start() runs them after
+        the restart, the download resumed. A job past its download goes on until it ends or the process exits
+        (waited for 5 s)."""
         self._stopping.set()
         try:
             self._queue.put_nowait(None)  # wakes a thread waiting for a job; with jobs queued it sees _stopping
@@ -117,11 +118,11 @@ class UpdateService:
         names a job id), a repeated one (QoS 1 redelivery) has its final state re-reported.
 
         With [updates] job_keys a document is verified first, and one that fails is only logged: reported,
-        queued or remembered under the job id it claims, it let whoever can publish on the topic take a
-        rollout's job id (the fleet's real job was then "already REJECTED") or fill the queue (found in review).
-        Except a job the fleet did sign for this device that this device's clock refuses: REJECTED with the
-        reason, once, or the fleet saw only a device timeout (a device clock ahead by more than the job's
-        timeout refused every job silently; found in review).
+        queued or remembered under the job id it claims, it would let whoever can publish on the topic take a
+        rollout's job id (the fleet's real job then "already REJECTED") or fill the queue. Except a job the
+        fleet did sign for this device that this device's clock refuses: REJECTED with the reason, once, so the
+        fleet sees why rather than a device timeout (a device clock ahead by more than the job's timeout
+        refuses every job).
         expiry_s: what was left of the notice's MQTT expiry as it arrived; the job keeps it (on the monotonic
         clock, in memory: a restart forgets it), and one that outlives it while it waits is refused when its
         turn comes. A signed job is held to its own expires_at as well.
@@ -196,8 +197,8 @@ class UpdateService:
                     break
             except Exception as e:  # a bug must not end updates for good; the old model keeps serving
                 final = JobState.FAILED
-                if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:  # the card, not a bug (found in review:
-                    log.error("update job %s: %s", doc.job_id, e)      # reported as "internal error")
+                if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:  # the card, not a bug: said so
+                    log.error("update job %s: %s", doc.job_id, e)
                     reason = f"the device's storage failed: {e}"
                 else:
                     log.exception("update job %s crashed", doc.job_id)
@@ -210,8 +211,8 @@ class UpdateService:
             try:
                 if saved is not None:  # after the journal holds its end: a restart now reports it, not reruns it
                     saved.unlink(missing_ok=True)
-            except OSError as e:  # found in review: a read-only card ended this thread, and every later job
-                log.error("job %s: cannot remove its queued copy: %s", doc.job_id, e)  # waited for ever
+            except OSError as e:  # a read-only card: this thread must live on, or every later job waits for ever
+                log.error("job %s: cannot remove its queued copy: %s", doc.job_id, e)
 
 
 def _job_id_of(payload: bytes) -> str | None:
