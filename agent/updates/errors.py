@@ -10,6 +10,8 @@ from agent.wire import JobState
 
 
 class JobFailed(Exception):
+    """The job ends here in `state` (FAILED, REJECTED, or SUCCEEDED when nothing is left to do), for `reason`."""
+
     def __init__(self, state: JobState, reason: str, keep_download: bool = False):
         super().__init__(reason)
         self.state, self.reason = state, reason
