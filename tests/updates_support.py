@@ -10,8 +10,10 @@ from pathlib import Path
 
 from agent import wire
 from agent.engine.bundle import Bundle, open_bundle
+from agent.engine.golden import measure_golden
 from agent.updates.trust import load_trusted_keys
-from agent.updates.jobs import ModelStore, UpdateContext
+from agent.updates.jobs import UpdateContext
+from agent.updates.model_store import ModelStore
 from agent.wire import JobDocument
 from fleet.signing import keygen, load_private_key, sign_manifest
 from quantize.package import build_bundle
@@ -44,7 +46,8 @@ class Device:
         self.store = self._fresh_store()
         self.ctx = UpdateContext(device_id="dev1", store=self.store,
                                  trusted_keys=load_trusted_keys([keys / "fleet.key.pub"]), memory_budget_mb=budget_mb,
-                                 current=lambda: self.serving, report=self._report, swap=self._swap, threads=1)
+                                 current=lambda: self.serving, report=self._report, swap=self._swap,
+                                 measure=lambda b, n: measure_golden(b, 1, n))
 
     def _fresh_store(self) -> ModelStore:
         store = ModelStore(self.root / "state")

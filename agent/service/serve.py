@@ -41,8 +41,11 @@ from agent.engine.memory import MB, kv_bytes_per_token
 from agent.api.metrics import Metrics
 from agent.process import memory_limit_bytes, trim_heap
 from agent.link.telemetry import Telemetry
+from agent.engine.golden import measure_golden
 from agent.updates.trust import load_trusted_keys
-from agent.updates.jobs import ModelStore, UpdateContext, UpdateService
+from agent.updates.jobs import UpdateContext
+from agent.updates.model_store import ModelStore
+from agent.updates.service import UpdateService
 from agent.wire import JobDocument, Manifest, ModelConfig
 
 AGENT_VERSION = "0.1.0"
@@ -725,7 +728,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, n
             report=lambda u: _report_job(telemetry, u),
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=lambda bundle, check=None: swap_engine(backend, bundle, config.engine, notifier, check),
-            threads=config.engine.threads,
+            measure=lambda b, n: measure_golden(b, config.engine.threads, n),
             kv_dtypes=lambda: _kv_dtypes(backend, config, reload_config),
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
             artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s,

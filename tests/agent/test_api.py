@@ -737,7 +737,7 @@ def test_a_serve_that_cannot_bind_changes_nothing(tiny, tiny_bundle, tiny_checkp
     """Found in review: a second `serve --model OTHER` on a live agent's socket failed but had already made
     OTHER the store's current model, so the next restart would boot it."""
     from agent.service.serve import boot_model, serve_forever
-    from agent.updates.jobs import ModelStore
+    from agent.updates.model_store import ModelStore
 
     state = tmp_path / "state"
     store = ModelStore(state)

@@ -15,7 +15,10 @@ import pytest
 
 from agent import wire
 from agent.updates.trust import load_trusted_keys, verify_job
-from agent.updates.jobs import ModelStore, UpdateJob, UpdateService, recover
+from agent.updates import download
+from agent.updates.jobs import UpdateJob
+from agent.updates.model_store import ModelStore
+from agent.updates.service import UpdateService, recover
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer, RangeHandler
 from fleet.signing import keygen, load_private_key, sign_job
@@ -39,6 +42,11 @@ def server(tmp_path):
     s.stop()
 
 
+def write_raw_journal(store: ModelStore, entry) -> None:
+    """The journal as it lies on disk, written by this agent, an older one or a damaged card."""
+    store.journal.write_text(json.dumps(entry))
+
+
 def test_install_succeeds_and_keeps_previous(tmp_path, bundles, keys, server):
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -58,8 +66,8 @@ def test_install_succeeds_and_keeps_previous(tmp_path, bundles, keys, server):
 
 
 def test_a_repeated_rollback_leaves_the_rollback_in_place(tmp_path, bundles, keys, server):
-    """Found in review: each rollback swapped the links, so a command retried after a timeout, a copy the
-    broker redelivered or a replay undid the rollback it repeated. It is done once per model installed."""
+    """A rollback is done once per model installed: a command retried after a timeout, a copy the broker
+    redelivers or a replay must not undo the rollback it repeats by swapping the links back."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     url = server.publish_dir(v2.path, "tiny-v2")
@@ -101,9 +109,9 @@ NEGATIVE = {
     "golden mismatch": ("golden", JobState.FAILED, "golden"),
     "tps below floor": ("slow", JobState.FAILED, "below the floor"),
     "path escape": ("escape", JobState.REJECTED, "unsafe file name"),
-    # found in review: a body longer than the signed size was written in full, 5 times (a disk filler)
+    # a body longer than the signed size is cut at it, not written in full (a disk filler)
     "longer than signed": ("oversize", JobState.FAILED, "sent more than the 100 bytes"),
-    # found in review: a file shorter than signed was retried as a network fault (now for minutes)
+    # a file shorter than signed fails at once: not a network fault, retrying gets the same
     "shorter than signed": ("undersize", JobState.FAILED, "the signed manifest lists"),
 }
 
@@ -120,9 +128,7 @@ class TruncatingHandler(RangeHandler):
 
 @pytest.mark.parametrize("case", list(NEGATIVE))
 def test_negative_matrix_leaves_the_old_model_serving(case, tmp_path, bundles, keys, server, monkeypatch):
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
     how, expected, words = NEGATIVE[case]
     dev = Device(tmp_path, v1, keys, budget_mb=1 if how == "small_budget" else 4096)
@@ -252,11 +258,9 @@ def outage(tmp_path, bundles):
 
 def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_a_restart(tmp_path, bundles, keys,
                                                                                            outage, monkeypatch):
-    """Found in review: a job that failed on the network, or was cut off by a restart, deleted what it had
-    downloaded, and the next job for the same model fetched it all again (Ollama and Mender resume)."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 1.0)
+    """What a job got before the network failed, or a restart cut it off, is kept: the next job for the same
+    model resumes it rather than fetching it all again (as Ollama and Mender do)."""
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 1.0)
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     first = job(v2.manifest, keys / "fleet.key", outage, job_id="first", min_tokens_per_s=0)
@@ -273,8 +277,8 @@ def test_a_download_the_network_cut_short_is_resumed_by_the_next_job_even_after_
 
 
 def test_a_stop_during_a_download_pauses_the_job_and_the_restart_resumes_it(tmp_path, bundles, keys, outage):
-    """Found in review: a stop during a download (which may retry for minutes) was cut off by the exit, and
-    the restart reported the job FAILED ('interrupted by an agent restart'), a failure for its rollout."""
+    """A stop during a download (which may retry for minutes) pauses the job: the restart resumes it, and it is
+    not reported FAILED ('interrupted by an agent restart'), a failure for its rollout."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     svc = UpdateService(dev.ctx)
@@ -287,7 +291,7 @@ def test_a_stop_during_a_download_pauses_the_job_and_the_restart_resumes_it(tmp_
     svc.stop()
     assert time.monotonic() - t0 < 3 and not svc._thread.is_alive()
     assert not [r for r in dev.reports if r.state in wire.TERMINAL_JOB_STATES]
-    assert dev.store.read_journal()["paused"]
+    assert dev.store.read_journal().paused
     OutageHandler.down, OutageHandler.ranges = False, []
     restarted = UpdateService(dev.ctx)
     restarted.start()
@@ -316,8 +320,10 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from agent import wire
 from agent.engine.bundle import open_bundle
+from agent.engine.golden import measure_golden
 from agent.updates.trust import load_trusted_keys
-from agent.updates.jobs import ModelStore, UpdateContext, UpdateJob
+from agent.updates.jobs import UpdateContext, UpdateJob
+from agent.updates.model_store import ModelStore
 store = ModelStore(Path(sys.argv[1]))
 doc = wire.JobDocument.model_validate_json(Path(sys.argv[2]).read_text())
 crash_at = sys.argv[3]
@@ -334,7 +340,8 @@ def report(u):
         os.kill(os.getpid(), signal.SIGKILL)
 ctx = UpdateContext(device_id="dev1", store=store, trusted_keys=load_trusted_keys([Path(sys.argv[5])]),
                     memory_budget_mb=4096, current=lambda: serving[0], report=report,
-                    swap=lambda b, check=None: (check and check(b), serving.__setitem__(0, b)), threads=1)
+                    swap=lambda b, check=None: (check and check(b), serving.__setitem__(0, b)),
+                    measure=lambda b, n: measure_golden(b, 1, n))
 UpdateJob(ctx, doc).run()
 """
 
@@ -361,8 +368,8 @@ def test_sigkill_at_each_step_recovers_on_a_verified_model(step, tmp_path, bundl
 
 
 def test_sigkill_just_after_the_bundle_moved_into_models_leaves_no_orphan(tmp_path, bundles, keys, server):
-    """Found in review: the journal named the staging directory until after the rename, so a crash in between
-    left the new bundle in models/ for good (~90 MB a time for SmolLM2), current nor previous."""
+    """The journal names the bundle's place in models/ before the rename into it, so a crash in between leaves
+    no bundle there that neither link names (~90 MB a time for SmolLM2)."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     docfile = tmp_path / "job.json"
@@ -387,8 +394,8 @@ def test_recovery_keeps_the_previous_model_when_the_interrupted_job_reinstalled_
     shutil.copytree(v2.path, older)
     dev.store.activate(older)
     dev.store.activate(dev.store.models / f"tiny@{v1.manifest.version}")  # previous: v2, current: v1
-    dev.store.write_journal({"job_id": "j", "state": JobState.IN_PROGRESS.value, "step": "activating",
-                             "target": str(older)})
+    write_raw_journal(dev.store, {"job_id": "j", "state": JobState.IN_PROGRESS.value, "step": "activating",
+                                  "target": str(older)})
     assert recover(dev.ctx).state is JobState.FAILED
     assert older.is_dir() and dev.store.link("previous") == older.resolve()
 
@@ -418,8 +425,8 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
     assert state is JobState.FAILED and "rolled back" in dev.reports[-1].reason
     assert calls == [v2.manifest.version, v1.manifest.version]
     assert dev.serving.manifest.version == v1.manifest.version
-    # Found in review: the rollback made v2 `previous`, the next rollback's target, and deleted the model
-    # `previous` named. Both links are as they were, and v2 is gone.
+    # Both links are as they were (v2 is not `previous`, the next rollback's target, and the model `previous`
+    # named is kept), and v2 is gone.
     assert (dev.store.link("current"), dev.store.link("previous")) == (current, fallback.resolve())
     assert dev.model_dirs() == sorted([current.name, fallback.name])
     state = UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run()
@@ -430,9 +437,9 @@ def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, se
 @pytest.mark.parametrize("kv_dtypes", [("int8",), ("fp32", "int8")], ids=["running", "after-a-restart"])
 def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tmp_path, bundles, keys, server,
                                                                               kv_dtypes):
-    """Found in review: the health check ran the fp32-KV graph whatever the device ran, so a bundle without
-    the int8 KV graph of a `kv_dtype = "int8"` device passed it and failed only at the engine swap. Then: a
-    kv_dtype edit waiting for a restart was not checked, and the model installed failed every later start."""
+    """The health check runs the fp32-KV graph whatever the device runs, so a bundle without the int8 KV graph
+    of a `kv_dtype = "int8"` device is refused before the engine swap; so is one without the graph a kv_dtype
+    edit waiting for a restart asks for, which would fail every later start."""
     v1, v2 = bundles
     assert not (v2.path / "model.int8kv.onnx").exists()
     dev = Device(tmp_path, v1, keys)
@@ -468,13 +475,13 @@ def test_the_kv_types_a_new_model_is_checked_for_include_the_config_files():
 
 
 def test_the_download_step_is_journaled_before_its_first_byte(tmp_path, bundles, keys, server):
-    """Found in review: the first downloading report came after a MiB or a whole file, so a restart during the
-    first MiB was reported as 'interrupted ... before it started'."""
+    """The downloading step is journalled before the first byte (the first progress report comes after a MiB
+    or a whole file), so a restart during the first MiB is not reported as 'interrupted ... before it started'."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     journaled = []
     write = dev.store.write_journal
-    dev.store.write_journal = lambda entry: (journaled.append(entry.get("step")), write(entry))
+    dev.store.write_journal = lambda entry: (journaled.append(entry.step), write(entry))
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
     downloading = [r for r in dev.reports if r.step is wire.JobStep.DOWNLOADING]
@@ -483,8 +490,8 @@ def test_the_download_step_is_journaled_before_its_first_byte(tmp_path, bundles,
 
 def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_path, bundles, keys, server,
                                                                           monkeypatch):
-    """Found in review: a failure between the two link renames (a full disk) left `current` on the new bundle
-    while the old model served, so the next start booted the bundle the job had reported FAILED."""
+    """A failure between the two link renames (a full disk) puts both links back, so the next start boots the
+    model that serves, not the bundle the job reported FAILED."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     before = dev.store.link("current"), dev.store.link("previous")
@@ -503,9 +510,8 @@ def test_a_link_that_cannot_move_puts_both_back_and_the_old_model_serves(tmp_pat
 
 
 def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundles, keys, server):
-    """Found in review: QoS 1 redelivery queued the job twice; the second run reported REJECTED ('already the
-    current model') after the first SUCCEEDED, and the fleet kept that."""
-    from agent.updates.jobs import UpdateService
+    """A QoS 1 redelivery of a running job is not queued again: a second run would report REJECTED ('already
+    the current model') after the first SUCCEEDED, and the fleet would keep that."""
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -523,12 +529,12 @@ def test_a_job_document_delivered_twice_while_it_runs_runs_once(tmp_path, bundle
     finally:
         svc.stop()
     finals = [r.state for r in dev.reports if r.step is None and r.state is not JobState.QUEUED]
-    assert finals == [JobState.SUCCEEDED, JobState.SUCCEEDED] and dev.store.read_journal()["state"] == "SUCCEEDED"
+    assert finals == [JobState.SUCCEEDED, JobState.SUCCEEDED] and dev.store.read_journal().state == "SUCCEEDED"
 
 
 def test_reinstalling_a_model_the_agent_was_started_with_replaces_its_link(tmp_path, bundles, keys, server):
-    """Found in review: `serve --model DIR` seeds models/NAME@VERSION as a link to DIR; re-deploying that version
-    after another one crashed in shutil.rmtree (a link) and left the job IN_PROGRESS."""
+    """`serve --model DIR` seeds models/NAME@VERSION as a link to DIR; re-deploying that version after another
+    replaces the link (shutil.rmtree refuses a link) and leaves DIR untouched."""
     from agent.service.serve import boot_model
 
     v1, v2 = bundles
@@ -548,7 +554,7 @@ def test_reinstalling_a_model_the_agent_was_started_with_replaces_its_link(tmp_p
 
 
 def test_a_journal_that_cannot_be_written_fails_the_job_with_the_reason(tmp_path, bundles, keys, server, monkeypatch):
-    """Found in review: on a full disk the journal write raised out of the job: 'internal error', no QUEUED."""
+    """On a full disk the job reports QUEUED, then FAILED with the journal's error, not 'internal error'."""
     import errno
 
     v1, v2 = bundles
@@ -565,7 +571,7 @@ def test_a_journal_that_cannot_be_written_fails_the_job_with_the_reason(tmp_path
     assert dev.serving.manifest.version == v1.manifest.version and dev.staging_empty()
 
 
-# ---- found in review (2026-12-04) ------------------------------------------------------------------------
+# ---- slow, cut and refused downloads; crashes mid-job ---------------------------------------------------------
 def send_slowly(source, outputfile, block: int, pause_s: float) -> None:
     """Copy source in blocks of `block` bytes, `pause_s` apart, until it ends or the device gives up."""
     try:
@@ -595,11 +601,9 @@ class TricklingHandler(RangeHandler):
 @pytest.mark.parametrize("forever", [False, True])
 def test_a_trickling_server_is_cut_off_and_resumed_or_given_up_on(forever, tmp_path, bundles, keys, monkeypatch):
     """A server sending a byte every few seconds held the update thread (and every job behind it) for days."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
-    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt is cut after its window
-    monkeypatch.setattr(updates, "DOWNLOAD_STALL_S", 5.0)
+    monkeypatch.setattr(download, "LOW_SPEED_WINDOW_S", 1.0)
+    monkeypatch.setattr(download, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 30)  # every attempt is cut after its window
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 5.0)
     TricklingHandler.forever, TricklingHandler.requests = forever, 0
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -625,15 +629,13 @@ class CrawlingHandler(RangeHandler):
 
 
 def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tmp_path, monkeypatch):
-    """Found in review: an attempt was cut only once slower than the minimum rate on average over the whole
-    file, so a 51 MB download crawling at 200 B/s held the updater (and every job behind it) for ~52 minutes,
-    reporting 0% all along. Scaled down here: a 1 MB/s floor over 1 s windows, a 40 MB file at 80 kB/s. The
-    old rule allowed this attempt 40 s; now it ends within its first window, with progress reported by time."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "LOW_SPEED_WINDOW_S", 1.0)
-    monkeypatch.setattr(updates, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 20)
-    monkeypatch.setattr(updates, "PROGRESS_EVERY_S", 0.3)
+    """An attempt is cut by its rate over the last window, not on average over the whole file, which lets a
+    51 MB download crawling at 200 B/s hold the updater (and every job behind it) for ~52 minutes, reporting 0%
+    all along. Scaled down here: a 1 MB/s floor over 1 s windows, a 40 MB file at 80 kB/s. A whole-file average
+    allows this attempt 40 s; it ends within its first window, with progress reported by time."""
+    monkeypatch.setattr(download, "LOW_SPEED_WINDOW_S", 1.0)
+    monkeypatch.setattr(download, "MIN_DOWNLOAD_BYTES_PER_S", 1 << 20)
+    monkeypatch.setattr(download, "PROGRESS_EVERY_S", 0.3)
     size = 40 << 20
     (tmp_path / "files").mkdir()
     with open(tmp_path / "files" / "big.bin", "wb") as f:
@@ -642,7 +644,7 @@ def test_a_crawling_download_is_cut_off_by_its_recent_rate_not_the_files_size(tm
     reports = []
     try:
         with pytest.raises(TimeoutError, match="slower than 1024 kB/s"):
-            UpdateJob._get(f"{server.base_url}/big.bin", tmp_path / "big.part", 0, size, reports.append)
+            download.fetch_attempt(f"{server.base_url}/big.bin", tmp_path / "big.part", 0, size, reports.append)
     finally:
         server.stop()
     got = (tmp_path / "big.part").stat().st_size
@@ -656,14 +658,15 @@ def test_a_body_cut_off_mid_chunk_is_resumed(tmp_path, bundles, keys, server, mo
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
-    get, failures = UpdateJob._get, [http.client.IncompleteRead(b"x" * 10), http.client.BadStatusLine("garbage")]
+    get = download.fetch_attempt
+    failures = [http.client.IncompleteRead(b"x" * 10), http.client.BadStatusLine("garbage")]
 
     def flaky(url, path, have, size, progress, stopped):
         if failures:
             raise failures.pop()
         return get(url, path, have, size, progress, stopped)
 
-    monkeypatch.setattr(UpdateJob, "_get", staticmethod(flaky))
+    monkeypatch.setattr(download, "fetch_attempt", flaky)
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
     assert not failures
@@ -686,9 +689,7 @@ class OftenDroppingHandler(RangeHandler):
 
 def test_a_download_that_keeps_progressing_is_not_cut_at_five_attempts(tmp_path, bundles, keys, monkeypatch):
     """Five attempts a file were allowed even when each got further than the last: a flaky link failed."""
-    import agent.updates.jobs as updates
-
-    monkeypatch.setattr(updates, "CHUNK_BYTES", 1024)  # so that an attempt adding 2 kB made progress
+    monkeypatch.setattr(download, "CHUNK_BYTES", 1024)  # so that an attempt adding 2 kB made progress
     v1, v2 = bundles
     assert v2.manifest.files[wire.GRAPH_DATA].size_bytes > 9 * 2048
     dev = Device(tmp_path, v1, keys)
@@ -748,7 +749,7 @@ def test_recovery_on_a_full_disk_still_reports_and_lets_the_agent_start(tmp_path
 
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
-    dev.store.write_journal({"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "target": None})
+    write_raw_journal(dev.store, {"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "target": None})
 
     def full(entry):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -774,9 +775,8 @@ def test_each_update_deletes_the_bundle_no_link_names_any_more(tmp_path):
 
 
 def test_a_job_for_the_model_already_running_succeeds_without_a_download(tmp_path, bundles, keys):
-    """Found in review: it was REJECTED, a failure to the fleet, so re-running a halted rollout (whose first
-    devices were already updated) halted again at once. The fleet's wish already holds: SUCCEEDED, as Mender
-    skips an installed artifact."""
+    """The fleet's wish already holds: SUCCEEDED, as Mender skips an installed artifact. REJECTED would be a
+    failure to the fleet, so re-running a halted rollout (whose first devices were updated) would halt again."""
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
     doc = job(v1.manifest, keys / "fleet.key", "http://127.0.0.1:9/nothing-here", min_tokens_per_s=0)
@@ -785,8 +785,8 @@ def test_a_job_for_the_model_already_running_succeeds_without_a_download(tmp_pat
 
 
 def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path, bundles, keys, server):
-    """Found in review: systemd/agent.toml sets model = /var/lib/edge-agent/current, which boot_model opened
-    directly, so a damaged current stopped the agent (a restart loop) instead of serving previous."""
+    """systemd/agent.toml sets model = /var/lib/edge-agent/current: boot_model goes through the store, so a
+    damaged current serves previous instead of stopping the agent (a restart loop)."""
     from agent.engine.bundle import open_bundle
     from agent.service.serve import boot_model
 
@@ -800,7 +800,7 @@ def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path
     assert not damaged.exists()  # deleted, also on an agent without an updater
     assert open_bundle(served).manifest.version == v1.manifest.version
     assert dev.store.link("current") == served.resolve()
-    # said, and the only model left (found in review: both links named it, and nothing told the fleet)
+    # said (store.fallback, for the fleet's model_fallback event), and the only model left, not both links naming it
     assert dev.store.link("previous") is None and dev.store.fallback["to"] == served.resolve().name
     assert "current: " in dev.store.fallback["reason"]
     with pytest.raises(Exception, match="no previous model"):
@@ -808,7 +808,7 @@ def test_the_shipped_config_naming_current_still_falls_back_to_previous(tmp_path
 
 
 def test_the_devices_health_check_tokens_is_a_floor_the_job_cannot_lower(tmp_path, bundles, keys, server):
-    """Found in review: [updates] health_check_tokens validated and was then read nowhere."""
+    """[updates] health_check_tokens is the least the golden check compares, whatever the job asks."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     dev.ctx.health_check_tokens = 24
@@ -817,7 +817,7 @@ def test_the_devices_health_check_tokens_is_a_floor_the_job_cannot_lower(tmp_pat
     assert dev.reports[-1].figures["golden_tokens"] == 24
 
 
-# ---- found in review (2026-12-05) ------------------------------------------------------------------------
+# ---- durability, restarts, the queue and the job's timing ----------------------------------------------------
 def test_an_update_is_on_disk_before_the_fleet_hears_it_succeeded(tmp_path, bundles, keys, server, monkeypatch):
     """rename(2) is atomic against a crash, not durable against a power cut: ext4 may commit the rename before
     the renamed files' data. So by the time SUCCEEDED is reported, every file of the new bundle must have been
@@ -874,12 +874,12 @@ def test_an_update_is_on_disk_before_the_fleet_hears_it_succeeded(tmp_path, bund
      ("FAILED", "interrupted by an agent restart before it started")),
 ])
 def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_path, bundles, keys):
-    """Found in review: a job's final status lived only in the MQTT client's memory until the broker took it,
-    so a job that ended offline (or just before a power cut) was never reported and the fleet timed it out;
-    and a job journalled QUEUED was forgotten by a restart."""
+    """A job's final status lives only in the MQTT client's memory until the broker takes it, so a restart
+    reports it again from the journal (a job that ended offline, or just before a power cut, would otherwise
+    be timed out by the fleet); a job journalled QUEUED is reported FAILED, not forgotten."""
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
-    dev.store.write_journal(journal)
+    write_raw_journal(dev.store, journal)
     settled = recover(dev.ctx)
     assert dev.reports == [settled] and (settled.job_id, settled.state.value, settled.reason) == ("j", *reported)
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.staging_empty()
@@ -887,7 +887,11 @@ def test_a_restart_reports_how_the_last_job_ended_again(journal, reported, tmp_p
 
 @pytest.mark.parametrize("damaged", ["[1, 2]", '"text"', "7", '{"job_id": "j", "state": "QUEUED", "target": 5}',
                                      '{"job_id": "j", "state": []}', '{"job_id": 5, "state": "QUEUED"}',
-                                     '{"job_id": ["x"], "state": "SUCCEEDED"}'])
+                                     '{"job_id": ["x"], "state": "SUCCEEDED"}',
+                                     # keys and values no agent writes: the journal is damaged, not guessed at
+                                     '{"job_id": "j", "state": "QUEUED", "staging": "/x"}',
+                                     '{"job_id": "j", "state": "IN_PROGRESS", "step": "unpacking"}',
+                                     '{"job_id": "j", "state": "QUEUED", "paused": "maybe"}'])
 def test_a_damaged_journal_does_not_stop_the_agent_from_starting(damaged, tmp_path, bundles, keys):
     v1, _ = bundles
     dev = Device(tmp_path, v1, keys)
@@ -898,9 +902,27 @@ def test_a_damaged_journal_does_not_stop_the_agent_from_starting(damaged, tmp_pa
     assert dev.store.bootable().manifest.version == v1.manifest.version and dev.reports == []
 
 
+@pytest.mark.parametrize("written", [
+    {"job_id": "j", "state": "IN_PROGRESS", "step": "downloading", "ts": 1.7e9, "target": "/s/models/.staging/ab"},
+    {"job_id": "j", "state": "FAILED", "step": None, "ts": 1.7e9, "target": None, "reason": "golden output mismatch"},
+    {"job_id": "j", "state": "IN_PROGRESS", "step": "loading", "target": "/s/models/tiny@2"},  # before the move
+    {"job_id": "j", "state": "QUEUED", "step": "downloading", "target": "/s/models/.staging/ab", "paused": True},
+    {"job_id": "j", "state": "FAILED", "step": None, "target": None},  # settled by recover()
+])
+def test_every_journal_an_agent_writes_reads_back_as_written(written, tmp_path):
+    """The journal's shapes, as this agent and earlier ones wrote them: each validates, and is written back
+    with the same keys and values."""
+    store = ModelStore(tmp_path / "state")
+    write_raw_journal(store, written)
+    entry = store.read_journal()
+    assert entry is not None and json.loads(entry.model_dump_json(exclude_unset=True)) == written
+    store.write_journal(entry)
+    assert json.loads(store.journal.read_text()) == written
+
+
 def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, keys):
-    """Found in review: a power cut between a rollback's two link swaps (both links then name one bundle), or
-    during a deletion, left a bundle in models/ for good, ~90 MB of an SD card each time."""
+    """A power cut between a rollback's two link swaps (both links then name one bundle), or during a deletion,
+    leaves a bundle in models/ that no link names: the restart removes it (~90 MB of an SD card each time)."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     half_deleted = dev.store.models / f"tiny@{v2.manifest.version}"
@@ -915,9 +937,8 @@ def test_a_restart_removes_model_directories_no_link_names(tmp_path, bundles, ke
 
 
 def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, keys, server):
-    """Found in review: a job document was acknowledged to the broker as soon as it was queued in memory, so
-    jobs waiting behind a running one were lost by a restart (or power cut), and the fleet timed them out."""
-    from agent.updates.jobs import UpdateService
+    """A job document is acknowledged to the broker once queued, so it is saved on disk first: jobs waiting
+    behind a running one survive a restart (or power cut) rather than being timed out by the fleet."""
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -927,7 +948,7 @@ def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, ke
     before = UpdateService(dev.ctx)  # its thread never starts: both stay queued, as behind a long download
     before.offer(interrupted.model_dump_json().encode())
     before.offer(waiting.model_dump_json().encode())
-    dev.store.write_journal({"job_id": "a", "state": "IN_PROGRESS", "step": "downloading", "target": None})
+    write_raw_journal(dev.store, {"job_id": "a", "state": "IN_PROGRESS", "step": "downloading", "target": None})
 
     after = UpdateService(dev.ctx)  # the restarted agent
     after.start()
@@ -942,9 +963,9 @@ def test_jobs_accepted_before_a_restart_still_run_after_it(tmp_path, bundles, ke
 
 
 def test_a_job_queued_when_the_agent_stops_waits_for_the_restart(tmp_path, bundles, keys, server, monkeypatch):
-    """Found in review: stop() queued its marker behind the waiting jobs, so a job queued when SIGTERM came
-    began during the shutdown, was cut off by the exit, and was reported FAILED ('interrupted by an agent
-    restart'), which can halt a rollout. The running job finishes; a queued one runs after the restart."""
+    """A job queued when SIGTERM comes does not begin during the shutdown (the exit would cut it off, and it
+    would be reported FAILED, 'interrupted by an agent restart', which can halt a rollout). The running job
+    finishes; a queued one runs after the restart."""
     import threading
 
     v1, v2 = bundles
@@ -985,8 +1006,8 @@ def test_a_job_queued_when_the_agent_stops_waits_for_the_restart(tmp_path, bundl
 
 
 def test_an_unsigned_job_that_outlived_its_notice_while_queued_is_refused(tmp_path, bundles, keys, server):
-    """Found in review: a job that waited behind another until its notice expired (the fleet had counted it
-    TIMED_OUT and halted the rollout) still ran, when unsigned: it has no expires_at of its own."""
+    """A job that waited behind another until its notice expired (the fleet has counted it TIMED_OUT and may
+    have halted the rollout) is refused, unsigned too: it has no expires_at of its own."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     url = server.publish_dir(v2.path, "tiny-v2")
@@ -1004,8 +1025,8 @@ def test_an_unsigned_job_that_outlived_its_notice_while_queued_is_refused(tmp_pa
 
 def test_a_fleet_signed_job_on_a_device_without_job_keys_is_not_held_to_its_expires_at(tmp_path, bundles, keys,
                                                                                        server):
-    """Found in review: the expiry check for unsigned jobs read the document's expires_at, which a fleet with
-    --job-key sets by its own clock: a device without job keys whose clock ran ahead refused every job."""
+    """The expiry of an unsigned job is its notice's, not the document's expires_at, which a fleet with
+    --job-key sets by its own clock: a device without job keys whose clock runs ahead must not refuse every job."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
@@ -1014,8 +1035,8 @@ def test_a_fleet_signed_job_on_a_device_without_job_keys_is_not_held_to_its_expi
 
 
 def test_a_rollback_to_a_model_without_the_kv_graph_the_device_will_run_is_refused(tmp_path, bundles, keys, server):
-    """Found in review: installs were checked for the int8 KV graph the config file asks for, rollbacks not:
-    one moved to such a model, and the next start failed."""
+    """A rollback is checked for the KV graph the config file asks for, as an install is: moving to a model
+    without it would fail the next start."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     url = server.publish_dir(v2.path, "tiny-v2")
@@ -1029,9 +1050,9 @@ def test_a_rollback_to_a_model_without_the_kv_graph_the_device_will_run_is_refus
 
 
 def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_path, bundles, keys, server):
-    """Found in review: the replay at each start went through report(), which the agent records as a
-    model_change (or error) event: one for a months-old job at every boot. And it was stamped with the boot's
-    clock, which on a device without an RTC can be behind, so the fleet took it for an older report."""
+    """The replay at each start goes through replay(), not report(), which the agent records as a model_change
+    (or error) event: one for a months-old job at every boot. And it keeps the job's own time: the boot's
+    clock, on a device without an RTC, can be behind, and the fleet would take it for an older report."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     doc = job(v2.manifest, keys / "fleet.key", server.publish_dir(v2.path, "tiny-v2"), min_tokens_per_s=0)
@@ -1042,9 +1063,9 @@ def test_the_last_jobs_end_is_replayed_with_its_own_time_and_not_as_news(tmp_pat
     recover(dev.ctx)
     assert len(dev.reports) == reported and [(r.job_id, r.state, r.ts) for r in replayed] == [
         (ended.job_id, JobState.SUCCEEDED, ended.ts)]
-    dev.store.write_journal({"job_id": "j", "state": "FAILED", "ts": "soon"})  # damaged: reported at boot time
+    write_raw_journal(dev.store, {"job_id": "j", "state": "FAILED", "ts": "soon"})  # damaged: reported at boot time
     assert recover(dev.ctx).state is JobState.FAILED and replayed[-1].job_id == "j"
-    dev.store.write_journal({"job_id": 5, "state": "SUCCEEDED"})  # nothing to report: no crash either
+    write_raw_journal(dev.store, {"job_id": 5, "state": "SUCCEEDED"})  # nothing to report: no crash either
     assert recover(dev.ctx) is None
 
 
@@ -1144,10 +1165,10 @@ def job_key(tmp_path):
 
 
 def test_unverified_documents_never_take_a_job_id_or_a_queue_slot(tmp_path, bundles, keys, server, job_key):
-    """Found in review: with job_keys, a document that failed verification was still queued, saved, reported
-    REJECTED and remembered under the job id it claimed. Whoever may publish on the topic could so take a
-    rollout's job id before the fleet's document arrived (the real job was then "already REJECTED") or
-    fill the queue of 16 so that the fleet's next job was refused. Now it is only logged."""
+    """With job_keys, a document that fails verification is only logged: never queued, saved, reported
+    REJECTED or remembered under the job id it claims. Otherwise whoever may publish on the topic could take a
+    rollout's job id before the fleet's document arrives (the real job then "already REJECTED") or fill the
+    queue of 16 so that the fleet's next job is refused."""
     v1, v2 = bundles
     priv, pubs = job_key
     dev = Device(tmp_path, v1, keys)
@@ -1171,10 +1192,10 @@ def test_unverified_documents_never_take_a_job_id_or_a_queue_slot(tmp_path, bund
 
 
 def test_a_signed_job_this_devices_clock_refuses_is_reported_once_and_never_run(tmp_path, bundles, keys, job_key):
-    """Found in review: a device whose clock ran ahead of the fleet's by more than the job's timeout (an RTC
-    kept in local time) refused every signed job as expired, and said nothing: the fleet saw a timeout. A
-    job signed for this device but refused by its clock is now REJECTED with the reason, once; what fails
-    verification itself is still only logged."""
+    """A device whose clock runs ahead of the fleet's by more than the job's timeout (an RTC kept in local
+    time) refuses every signed job as expired; it says so, or the fleet sees only a timeout. A job signed for
+    this device but refused by its clock is REJECTED with the reason, once; what fails verification itself is
+    only logged."""
     v1, _ = bundles
     priv, pubs = job_key
     dev = Device(tmp_path, v1, keys)
@@ -1192,8 +1213,8 @@ def test_a_signed_job_this_devices_clock_refuses_is_reported_once_and_never_run(
 
 
 def test_a_signed_job_refused_for_a_full_queue_is_not_run_by_a_later_replay(tmp_path, bundles, keys, job_key):
-    """Found in review: the fleet records REJECTED ("too many queued jobs"), so the same document sent again
-    later, before it expires, must not run."""
+    """The fleet records REJECTED ("too many queued jobs"), so the same document sent again later, before it
+    expires, must not run."""
     v1, _ = bundles
     priv, pubs = job_key
     dev = Device(tmp_path, v1, keys)
@@ -1219,8 +1240,8 @@ def test_a_signed_job_refused_for_a_full_queue_is_not_run_by_a_later_replay(tmp_
 
 def test_a_restart_before_a_signed_job_journalled_anything_runs_it_and_not_as_a_replay(tmp_path, bundles, keys,
                                                                                        job_key):
-    """Found in review: the job's issue time is recorded before the job journals anything; an agent stopped
-    in between found the job still queued at its next start and refused it as a replay of itself."""
+    """The job's issue time is recorded before the job journals anything; an agent stopped in between finds
+    the job still queued at its next start and must run it, not refuse it as a replay of itself."""
     v1, _ = bundles
     priv, pubs = job_key
     dev = Device(tmp_path, v1, keys)
@@ -1240,8 +1261,8 @@ def test_a_restart_before_a_signed_job_journalled_anything_runs_it_and_not_as_a_
 
 
 def test_a_job_issued_far_ahead_of_the_device_clock_is_refused_and_not_recorded(tmp_path, bundles, keys, job_key):
-    """Found in review: recorded, a job from a fleet whose clock ran years ahead made the device refuse every
-    correctly timed job after it as "issued before the last one"."""
+    """A job from a fleet whose clock runs years ahead is not recorded as the last one run: recorded, it would
+    make the device refuse every correctly timed job after it as "issued before the last one"."""
     v1, _ = bundles
     priv, pubs = job_key
     dev = Device(tmp_path, v1, keys)
@@ -1268,14 +1289,13 @@ def test_check_config_refuses_the_manifest_key_as_a_job_key(tmp_path, bundles, k
 
 
 def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path, bundles, keys, server, monkeypatch):
-    """Found in review (ext4 remounted read-only after an I/O error, as SD cards do): a download was retried as
-    a network fault and reported "no progress", a failed activation was "internal error", and removing the
-    queued copy of a finished job raised out of the updates thread, so every later job waited for ever."""
+    """On a card ext4 remounted read-only after an I/O error (as SD cards do): a download fails at once with
+    the reason, not retried as a network fault ("no progress"); a failed activation says the storage failed,
+    not "internal error"; and the updates thread outlives a queued copy it cannot remove, so later jobs run."""
     import errno
     from pathlib import Path as P
 
     from agent import durable
-    from agent.updates.jobs import UpdateService
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
@@ -1286,7 +1306,7 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
         raise read_only
 
     with monkeypatch.context() as m:  # the download's writes
-        m.setattr(UpdateJob, "_get", staticmethod(refuse))
+        m.setattr(download, "fetch_attempt", refuse)
         assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
     assert "cannot write" in dev.reports[-1].reason and "Read-only" in dev.reports[-1].reason
 
@@ -1306,3 +1326,97 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
             svc.stop()
     assert dev.serving.manifest.version == v1.manifest.version and dev.store.link("current").name.endswith(
         v1.manifest.version)
+
+
+# ---- the job's state machine ---------------------------------------------------------------------------------
+def test_the_job_transition_table_is_closed_and_every_phase_can_end():
+    from agent.updates.jobs import _TRANSITIONS, JobPhase
+
+    assert set(_TRANSITIONS) == set(JobPhase) and all(nxt <= set(JobPhase) for nxt in _TRANSITIONS.values())
+    ends = {phase for phase, nxt in _TRANSITIONS.items() if not nxt}
+    assert ends == {JobPhase.PAUSED, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.REJECTED, JobPhase.ROLLED_BACK}
+
+    def reachable(start):
+        seen, todo = {start}, [start]
+        while todo:
+            for nxt in _TRANSITIONS[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert reachable(JobPhase.QUEUED) == set(JobPhase)
+    assert all(reachable(phase) & ends for phase in JobPhase)
+
+
+@pytest.fixture
+def phases(monkeypatch):
+    """Every phase a job enters, in order."""
+    seen = []
+    enter = UpdateJob._enter
+
+    def record(self, phase):
+        enter(self, phase)
+        seen.append(phase)
+
+    monkeypatch.setattr(UpdateJob, "_enter", record)
+    return seen
+
+
+def test_a_job_goes_through_its_phases_in_order(tmp_path, bundles, keys, server, phases):
+    import threading
+
+    from agent.updates.jobs import JobPhase as P
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, None, url, job_id="unsigned")).run() is JobState.REJECTED
+    assert phases == [P.CHECKING, P.REJECTED]
+    stopping = threading.Event()
+    stopping.set()  # the agent is stopping: the download pauses before its first byte
+    paused = UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, job_id="p", min_tokens_per_s=0),
+                       stopping=stopping)
+    phases.clear()
+    assert paused.run() is JobState.QUEUED and phases == [P.CHECKING, P.DOWNLOADING, P.PAUSED]
+    phases.clear()
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.SUCCEEDED
+    assert phases == [P.CHECKING, P.DOWNLOADING, P.VERIFYING, P.STAGING, P.HEALTH_CHECKING, P.SWAPPING, P.SUCCEEDED]
+    phases.clear()
+    assert UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback")).run() is JobState.SUCCEEDED
+    assert phases == [P.CHECKING, P.ROLLING_BACK, P.SUCCEEDED]
+
+
+def test_an_activation_that_fails_after_the_links_moved_ends_rolled_back_and_reports_failed(tmp_path, bundles, keys,
+                                                                                            server, phases):
+    from agent.updates.jobs import JobPhase as P
+
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+
+    def swap(bundle, check=None):
+        if check:
+            check(bundle)
+        if bundle.manifest.version == v2.manifest.version:
+            raise RuntimeError("engine failed to start")
+        dev.serving = bundle
+
+    dev.ctx.swap = swap
+    url = server.publish_dir(v2.path, "tiny-v2")
+    assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
+    assert phases[-3:] == [P.SWAPPING, P.REVERTING, P.ROLLED_BACK] and "rolled back" in dev.reports[-1].reason
+    assert dev.serving.manifest.version == v1.manifest.version
+
+
+def test_an_illegal_job_transition_is_an_internal_error(tmp_path, bundles, keys):
+    from agent.updates.jobs import JobPhase
+
+    v1, _ = bundles
+    dev = Device(tmp_path, v1, keys)
+    rollback = UpdateJob(dev.ctx, JobDocument(job_id="rb", operation="rollback"))
+    assert not rollback.can_enter(JobPhase.SUCCEEDED)
+    with pytest.raises(AssertionError, match="queued -> succeeded"):
+        rollback._enter(JobPhase.SUCCEEDED)
+    assert rollback.phase is JobPhase.QUEUED
+    assert rollback.run() is JobState.FAILED and rollback.phase is JobPhase.FAILED  # no previous model
+    with pytest.raises(AssertionError, match="failed -> checking"):  # a job that ended does not run again
+        rollback.run()

@@ -26,11 +26,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.updates import jobs as updates
-
 from agent import wire
 from agent.updates.trust import verify_manifest
-from agent.updates.jobs import UpdateService
+from agent.updates import download
+from agent.updates.service import UpdateService
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer
 from fleet.signing import load_private_key, sign_manifest
@@ -73,18 +72,18 @@ def rig(tiny_checkpoint, tmp_path_factory):
     sign(v2.manifest)
     VALID["doc"] = job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0).model_dump(mode="json")
     device = Device(root / "device", v1, keys)
-    stall_s, updates.DOWNLOAD_STALL_S = updates.DOWNLOAD_STALL_S, STALL_S
+    stall_s, download.DOWNLOAD_STALL_S = download.DOWNLOAD_STALL_S, STALL_S
     logs = LogLines()
-    logging.getLogger("agent.updates.jobs").addHandler(logs)
+    logging.getLogger("agent.updates").addHandler(logs)
     service = UpdateService(device.ctx)
     service.start()
     try:
         yield Rig(device, service, logs, v2.path)
     finally:
-        updates.DOWNLOAD_STALL_S = stall_s
+        download.DOWNLOAD_STALL_S = stall_s
         service.stop()
         server.stop()
-        logging.getLogger("agent.updates.jobs").removeHandler(logs)
+        logging.getLogger("agent.updates").removeHandler(logs)
 
 
 # ---- one case ------------------------------------------------------------------------------------------------
