@@ -12,13 +12,13 @@ import numpy as np
 
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import KVPool
-from agent.engine.runner import ModelRunner
+from agent.engine.runner import ModelRunner, open_runner
 
 
 class DraftModel:
     def __init__(self, bundle: Bundle, threads: int | None, chunk_tokens: int):
         self.bundle, self.chunk_tokens = bundle, chunk_tokens
-        self.runner: ModelRunner = bundle.runner(threads)
+        self.runner: ModelRunner = open_runner(bundle, threads)
         self.kv: KVPool | None = None
         self.computed: dict[int, int] = {}  # sequence id -> tokens in the draft's cache
 

@@ -23,6 +23,7 @@ from agent.engine.draft import DraftModel
 from agent.engine.kv_cache import KVPool
 from agent.engine.memory import MB, MemoryBudgetError, class_capacities, kv_bytes_per_token, plan_slots, required_budget_bytes
 from agent.engine.prefix_cache import PrefixCache
+from agent.engine.runner import open_runner
 from agent.process import peak_rss_bytes, reset_peak_rss
 from agent.engine.sampler import make_rng, sample
 from agent.engine.sampling_params import SamplingParams
@@ -99,7 +100,7 @@ class Engine:
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
         self.eos_ids = set(c.eos_token_ids)
         reset_peak_rss()
-        self.runner = bundle.runner(config.threads, config.spin_wait, config.kv_dtype)
+        self.runner = open_runner(bundle, config.threads, config.spin_wait, config.kv_dtype)
         self.draft = self._load_draft(draft)
         if config.speculative == "draft" and self.draft is None:  # found in review: it quietly ran prompt lookup
             raise ValueError("speculative = 'draft' needs a draft model (generate --draft-model); without one use "

@@ -28,6 +28,7 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
 from agent import wire
+from agent.engine.bundle import Bundle
 from agent.process import cgroup_dirs, cgroup_values, trim_heap
 
 # Our graphs give GroupQueryAttention its query_seqlens input (several new tokens on a ragged batch), which
@@ -347,6 +348,13 @@ class ModelRunner:
             binding.bind_ortvalue_output(wire.present_key(i), cache.keys_ort[i])
             binding.bind_ortvalue_output(wire.present_value(i), cache.values_ort[i])
         return binding
+
+
+def open_runner(bundle: Bundle, threads: int | None = None, spin_wait: SpinWait = False,
+                kv_dtype: str = "fp32") -> ModelRunner:
+    """A runner for the bundle's graph that uses this KV cache type (BundleError if the bundle has none)."""
+    c = bundle.config
+    return ModelRunner(bundle.graph(kv_dtype), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
 
 def check_runtime_version(version: str) -> None:

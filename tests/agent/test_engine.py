@@ -12,6 +12,7 @@ from agent.config import EngineConfig
 from agent.engine.engine import Engine, Finished, RequestError, TextDelta
 from agent.engine.kv_cache import KVPool
 from agent.engine.memory import MemoryBudgetError, SizeClass
+from agent.engine.runner import open_runner
 from agent.engine.sampling_params import SamplingParams
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
@@ -49,7 +50,7 @@ def test_concurrent_requests_equal_one_at_a_time(engine):
 
 
 def test_in_place_cache_decode_equals_recompute(tiny_bundle):
-    runner = tiny_bundle.runner(2)
+    runner = open_runner(tiny_bundle, 2)
     ids = prompts(1, seed=2)[0] + [7, 8, 9, 10]
     n = len(ids)
     full = runner.forward(np.array([ids]), np.array([n - 1]), np.array([n]), np.arange(n)[None], runner.new_cache(1, 64))

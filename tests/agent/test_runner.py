@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.engine.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages,
+from agent.engine.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, open_runner, release_clean_file_pages,
                           release_pages, usable_cores)
 
 
@@ -43,7 +43,7 @@ def test_clean_file_pages_are_dropped_and_read_back_modified_mappings_are_kept(t
 def test_a_step_leaves_none_of_the_weight_files_resident(real_q4_bundle):
     """The embedding table's rows a step gathered are dropped after it: without that, 240 distinct tokens made
     ~29 MB of the table resident (the kernel maps 64 kB around each row), as months of requests would."""
-    runner = real_q4_bundle.runner(1, False)
+    runner = open_runner(real_q4_bundle, 1, False)
     directory = runner.model_path.resolve().parent
     cache = runner.new_cache(1, 256)
     ids = np.arange(240)[None, :] * 200 + 100  # rows spread over the 49,152-token table
@@ -52,7 +52,7 @@ def test_a_step_leaves_none_of_the_weight_files_resident(real_q4_bundle):
         # what stays is the norms' small mappings that every step reads (~0.4 MB, bounded)
         assert sum(rss for _, _, rss in clean_file_mappings(directory)) < 2 * 1024 * 1024
     assert np.isfinite(logits).all()
-    other = real_q4_bundle.runner(1, False)  # a second session on the same files records only its own mappings
+    other = open_runner(real_q4_bundle, 1, False)  # a second session on the same files records only its own mappings
     assert other._reread_weights and not set(other._reread_weights) & set(runner._reread_weights)
     other_logits = other.forward(ids, np.array([239]), np.array([240]), np.array([[239]]), other.new_cache(1, 256))
     assert np.array_equal(other_logits, logits)
@@ -84,7 +84,7 @@ def test_auto_does_not_spin_next_to_a_busy_neighbour(two_free_cores):
 
 
 def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
-    runner = tiny_fp32_bundle.runner(2, "auto")
+    runner = open_runner(tiny_fp32_bundle, 2, "auto")
     cache = runner.new_cache(1, 32)
     ids, seqlens, q, last = np.array([[5, 6, 7]]), np.array([2]), np.array([3]), np.array([[2]])
     before = runner.forward(ids, seqlens, q, last, cache).copy()
@@ -100,7 +100,7 @@ def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
     gc.collect()
     assert old() is None  # the old session (and its weights) is gone, not held by the cache's binding
     assert np.array_equal(runner.forward(ids, seqlens, q, last, cache), before)  # same cache, new session
-    assert not tiny_fp32_bundle.runner(1, False).recheck_spinning()  # a fixed choice is never re-measured
+    assert not open_runner(tiny_fp32_bundle, 1, False).recheck_spinning()  # a fixed choice is never re-measured
 
 
 def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch):
@@ -241,8 +241,8 @@ def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundl
     database under $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the
     runner opts out before the runtime initializes."""
     env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(tmp_path)}
-    script = ("import sys; from agent.engine.bundle import open_bundle; "
-              "open_bundle(sys.argv[1]).runner(1)")
+    script = ("import sys; from agent.engine.bundle import open_bundle; from agent.engine.runner import open_runner; "
+              "open_runner(open_bundle(sys.argv[1]), 1)")
     r = subprocess.run([sys.executable, "-c", script, str(tiny_fp32_bundle.path)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
