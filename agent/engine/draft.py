@@ -33,7 +33,7 @@ class DraftModel:
         """k greedy tokens after ids (ids = the sequence so far, including its last, not-yet-verified token)."""
         pool = self.kv.where[seq_id]
         slot = pool.slot_of(seq_id)
-        view = pool.view(slot, slot + 1)
+        view = self.runner.view(pool, slot, slot + 1)
         done = min(self.computed.get(seq_id, 0), len(ids) - 1)
         # Catching up (a new prompt, or after a preemption) goes in the target's prefill chunks: one call over a
         # 4,000-token prompt took ~20 MB past the measured budget, and ONNX Runtime's arena kept it.

@@ -363,7 +363,7 @@ class Engine:
         start = seq.num_computed
         ids = np.array([seq.all_ids[start:start + n]], np.int64)
         logits = self.runner.forward(ids, np.array([start + n - 1]), np.array([n]), np.array([[n - 1]]),
-                                     pool.view(slot, slot + 1))
+                                     self.runner.view(pool, slot, slot + 1))
         seq.num_computed += n
         pool.lengths[seq.seq_id] = seq.num_computed
         if seq.num_uncomputed == 0:  # prompt (and any recomputed output) done: sample the next token
@@ -398,7 +398,7 @@ class Engine:
             else:  # a slot still prefilling: idle row, cache untouched
                 seqlens[row] = max(pool.lengths[owner] - 1, 0)
         positions = np.minimum(np.arange(width)[None, :], np.maximum(q, 1)[:, None] - 1)  # [n, width]
-        logits = self.runner.forward(ids, seqlens, q, positions, pool.view(0, n))
+        logits = self.runner.forward(ids, seqlens, q, positions, self.runner.view(pool, 0, n))
         seconds = time.perf_counter() - t0  # drafting and the model call: what speculation must pay for
         rows = {owner: row for row, owner in enumerate(pool.owners)}
         for s in seqs:  # positions this step wrote: a slot that a finish below moves must carry them along

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 from agent.engine.kv_cache import KVPool, SlotPool
-from agent.engine.runner import lazy_zeros, release_pages
+from agent.process import lazy_zeros, release_pages
 
 Live = tuple[int, int]  # (sequence id, first token position) of a block still in that sequence's slot
 
@@ -67,7 +67,7 @@ class PrefixCache:
         """Copy the longest cached prefix of prompt_ids into the slot; returns the tokens it covers.
 
         At least two prompt tokens are always left to compute: the last one's logits give the first output
-        token, and computed alone (runner.has_lone_row) they would round differently from a cold run's.
+        token, and computed alone (scheduler.has_lone_row) they would round differently from a cold run's.
         count=False keeps the lookup out of the hit ratio (a preempted request reloading its own blocks).
         """
         usable = max(0, len(prompt_ids) - 2) // self.block_tokens

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.engine.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, open_runner, release_clean_file_pages,
-                          release_pages, usable_cores)
+from agent.engine.runner import choose_spinning, open_runner
+from agent.process import (clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages, release_pages,
+                           usable_cores)
 
 
 def test_release_pages_gives_back_whole_pages_as_zeros():
@@ -145,9 +146,9 @@ def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch)
 
 
 def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch, two_free_cores):
-    import agent.engine.runner as runner_module
+    import agent.process
 
-    monkeypatch.setattr(runner_module, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
+    monkeypatch.setattr(agent.process, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
     assert not choose_spinning("auto", 2)
 
 
@@ -187,12 +188,12 @@ def write(path: Path, text: str) -> None:
 
 
 def test_a_cgroup_v2_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
-    import agent.engine.runner as runner_module
+    import agent.process
 
     mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup2 / rw,nsdelegate"], ["0::/system.slice/edge-agent.service"])
     write(mnt / "0/system.slice/edge-agent.service/cpu.max", "150000 100000")  # CPUQuota=150%
     write(mnt / "0/system.slice/cpu.max", "max 100000")
-    assert runner_module.cpu_quota_cores() == 1.5
+    assert agent.process.cpu_quota_cores() == 1.5
     assert usable_cores() == 1
     assert not choose_spinning("auto", 2) and not choose_spinning(True, 2)
 
@@ -203,7 +204,6 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
     Here cpu and cpuacct share a hierarchy that a container sees from its own cgroup down (root /docker/c1),
     memory's is mounted whole, and a hybrid system's unified hierarchy carries no controller."""
     import agent.process
-    import agent.engine.runner as runner_module
 
     mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup /docker/c1 rw,cpu,cpuacct", "cgroup / rw,memory",
                                                "cgroup2 / rw"],
@@ -212,12 +212,12 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
     write(mnt / "0/cpu.cfs_period_us", "100000")
     write(mnt / "1/docker/c1/memory.limit_in_bytes", str(512 << 20))
     write(mnt / "1/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit"
-    assert runner_module.cpu_quota_cores() == 0.5 and usable_cores() == 1
+    assert agent.process.cpu_quota_cores() == 0.5 and usable_cores() == 1
     assert agent.process.memory_limit_bytes() == 512 << 20
     write(mnt / "0/cpu.cfs_quota_us", "250000")  # --cpus=2.5
-    assert runner_module.cpu_quota_cores() == 2.5
+    assert agent.process.cpu_quota_cores() == 2.5
     write(mnt / "0/cpu.cfs_quota_us", "-1")  # no quota
-    assert runner_module.cpu_quota_cores() is None
+    assert agent.process.cpu_quota_cores() is None
 
 
 def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_fp32_bundle, tmp_path):
