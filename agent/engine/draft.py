@@ -8,8 +8,6 @@ in the target's cache.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import KVPool
 from agent.engine.runner import ModelRunner, open_runner
@@ -33,23 +31,17 @@ class DraftModel:
         """k greedy tokens after ids (ids = the sequence so far, including its last, not-yet-verified token)."""
         pool = self.kv.where[seq_id]
         slot = pool.slot_of(seq_id)
-        view = self.runner.view(pool, slot, slot + 1)
         done = min(self.computed.get(seq_id, 0), len(ids) - 1)
         # Catching up (a new prompt, or after a preemption) goes in the target's prefill chunks: one call over a
         # 4,000-token prompt took ~20 MB past the measured budget, and ONNX Runtime's arena kept it.
         while len(ids) - done > self.chunk_tokens:
-            n = self.chunk_tokens
-            self.runner.forward(np.array([ids[done:done + n]]), np.array([done + n - 1]), np.array([n]),
-                                np.array([[n - 1]]), view)
-            done += n
-        new = ids[done:]
-        logits = self.runner.forward(np.array([new]), np.array([len(ids) - 1]), np.array([len(new)]),
-                                     np.array([[len(new) - 1]]), view)
+            self.runner.forward_slot(pool, slot, ids[done:done + self.chunk_tokens], done)
+            done += self.chunk_tokens
+        logits = self.runner.forward_slot(pool, slot, ids[done:], done)
         draft = [int(logits[0, 0].argmax())]
         n = len(ids)
         while len(draft) < k:
-            logits = self.runner.forward(np.array([[draft[-1]]]), np.array([n]), np.array([1]),
-                                         np.zeros((1, 1), np.int64), view)
+            logits = self.runner.forward_slot(pool, slot, [draft[-1]], n)
             draft.append(int(logits[0, 0].argmax()))
             n += 1
         self.computed[seq_id] = n  # ids + all drafts but the last are in the cache

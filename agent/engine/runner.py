@@ -209,6 +209,33 @@ class ModelRunner:
             drop_pages(lo, hi)
         return logits
 
+    def forward_slot(self, pool: SlotPool, slot: int, ids: list[int], start: int) -> np.ndarray:
+        """Compute ids at positions start.. of one slot of pool (a prompt chunk, a draft model's catch-up or
+        one-token step) -> the last token's logits [1, 1, V]."""
+        n = len(ids)
+        return self.forward(np.array([ids], np.int64), np.array([start + n - 1]), np.array([n]), np.array([[n - 1]]),
+                            self.view(pool, slot, slot + 1))
+
+    def forward_decode(self, pool: SlotPool, runs: dict[int, tuple[int, list[int]]]) -> np.ndarray:
+        """One decode call over pool's live slots [0:n] -> logits [n, width, V], row i for the sequence in slot i.
+
+        runs: sequence id -> (tokens already in its cache, the tokens to run: its last one and any draft). The
+        batch is right-padded to the longest run (query_seqlens tells each row's length); a slot with no run
+        (still prefilling) is an idle row, query_seqlens 0, that neither computes into nor changes its cache.
+        """
+        n, width = len(pool.owners), max(len(run) for _, run in runs.values())
+        ids = np.zeros((n, width), np.int64)
+        seqlens = np.zeros(n, np.int32)
+        q = np.zeros(n, np.int32)
+        for row, owner in enumerate(pool.owners):
+            if owner in runs:
+                cached, run = runs[owner]
+                ids[row, :len(run)], seqlens[row], q[row] = run, cached + len(run) - 1, len(run)
+            else:
+                seqlens[row] = max(pool.lengths[owner] - 1, 0)
+        positions = np.minimum(np.arange(width)[None, :], np.maximum(q, 1)[:, None] - 1)  # [n, width]
+        return self.forward(ids, seqlens, q, positions, self.view(pool, 0, n))
+
     def _binding(self, cache: KVCache) -> ort.IOBinding:
         """This session's binding for cache, made (and its 4 x layers cache tensors bound) on first use."""
         held = cache.bindings.get(id(self.session))

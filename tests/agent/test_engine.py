@@ -9,7 +9,8 @@ import pytest
 
 import reference
 from agent.config import EngineConfig
-from agent.engine.engine import Engine, Finished, RequestError, TextDelta
+from agent.engine.engine import Engine
+from agent.engine.request import Finished, RequestError, TextDelta
 from agent.engine.kv_cache import KVPool
 from agent.engine.memory import MemoryBudgetError, SizeClass
 from agent.engine.runner import open_runner

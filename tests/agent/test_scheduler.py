@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from agent.config import EngineConfig
-from agent.engine.engine import Engine, RequestError
+from agent.engine.engine import Engine
+from agent.engine.request import RequestError
 from agent.engine.kv_cache import KVPool
 from agent.api.openai_models import PRIORITY_RANGE
 from agent.engine.memory import SizeClass
