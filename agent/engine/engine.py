@@ -154,6 +154,17 @@ class Engine:
         self._wake.set()
         return handle
 
+    def update_settings(self, changed: dict) -> None:
+        """Apply live settings (EngineConfig fields). The config is replaced at once, never mutated, so a reader
+        sees the old or the new one; what they change in the scheduler the engine thread applies at its next
+        step, or this call does when that thread is not running (nothing else touches the scheduler then)."""
+        self.config = self.config.model_copy(update=changed)
+        self._settings.put(self.config)
+        if self.is_running:
+            self._wake.set()
+        else:
+            self._apply_settings()
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Finished:
         """Submit and wait (the loop must be running, or this drives it in the calling thread)."""
         handle = self.submit(prompt_ids, params)
@@ -253,6 +264,7 @@ class Engine:
 
     def step(self) -> bool:
         """One scheduling round and model step. Returns False when there was nothing to do."""
+        self._apply_settings()
         self._drain_inbox()
         for seq in self.scheduler.reap_cancelled():
             self._finish_stream(seq)
@@ -274,6 +286,15 @@ class Engine:
         for idx, seqs in plan.decodes.items():
             self._decode(idx, seqs)
         return True
+
+    def _apply_settings(self) -> None:
+        """The scheduler's share of each config update_settings posted, in order."""
+        while True:
+            try:
+                config = self._settings.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.max_queue_wait_s = config.max_queue_wait_s
 
     def _drain_inbox(self) -> None:
         while True:

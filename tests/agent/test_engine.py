@@ -2,6 +2,7 @@
 seeds reproduce, stop strings are honoured, and bad budgets / prompts get clear errors."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -111,6 +112,44 @@ def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(engine):
         engine.submit(list(range(3, 3 + 300)) * 2, SamplingParams(max_tokens=4))
     assert e.value.code == "context_length_exceeded"
     assert engine.generate(prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY)).figures.completion_tokens == 4
+
+
+def test_live_settings_reach_the_scheduler_through_the_engine_thread(tiny_bundle):
+    """update_settings replaces the config at once; the scheduler's share is written by the engine thread while
+    it runs (by the caller when it does not), and a request then waits no longer than the new limit."""
+    from agent.engine.scheduler import Scheduler
+
+    writers: list[threading.Thread] = []
+
+    class Recording(Scheduler):
+        def __setattr__(self, name, value):
+            if name == "max_queue_wait_s":
+                writers.append(threading.current_thread())
+            super().__setattr__(name, value)
+
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
+    g = tiny_bundle.config  # one slot: a second request waits while the first runs
+    engine.kv = engine.scheduler.kv = engine.prefix.kv = KVPool([SizeClass(256, 1)], g.num_layers, g.num_kv_heads,
+                                                                g.head_dim)
+    engine.scheduler.__class__ = Recording
+    engine.update_settings({"max_queue_wait_s": 30.0})  # not running: applied by this call
+    assert writers == [threading.current_thread()] and engine.scheduler.max_queue_wait_s == 30.0
+    engine.start()
+    try:
+        running = engine.submit(prompts(1)[0], SamplingParams(max_tokens=200, **GREEDY))
+        deadline = time.monotonic() + 10
+        while engine.num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        engine.update_settings({"max_queue_wait_s": 0.001})
+        assert engine.config.max_queue_wait_s == 0.001  # the config at once
+        while engine.scheduler.max_queue_wait_s != 0.001 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.scheduler.max_queue_wait_s == 0.001 and writers[1:] == [engine._thread]
+        shed = engine.submit(prompts(1, seed=3)[0], SamplingParams(max_tokens=5, **GREEDY))
+        assert shed.result().error_code == "overloaded"  # it waited past the new limit behind the running one
+        assert running.result().figures.finish_reason == "length"
+    finally:
+        engine.stop()
 
 
 def test_stop_ends_every_request_it_holds_and_refuses_new_ones(tiny_bundle):
