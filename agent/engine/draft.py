@@ -10,15 +10,25 @@ from __future__ import annotations
 
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import KVPool
+from agent.engine.memory import kv_bytes_per_token
+from agent.engine.request import RequestError
 from agent.engine.runner import ModelRunner, open_runner
 
 
 class DraftModel:
-    def __init__(self, bundle: Bundle, threads: int | None, chunk_tokens: int):
+    def __init__(self, bundle: Bundle, target: Bundle, threads: int | None, chunk_tokens: int):
+        if bundle.tokenizer_json() != target.tokenizer_json():
+            raise RequestError(f"draft model {bundle.manifest.name}@{bundle.manifest.version} has another tokenizer "
+                               f"than {target.manifest.name}; speculative decoding needs the same one")
         self.bundle, self.chunk_tokens = bundle, chunk_tokens
         self.runner: ModelRunner = open_runner(bundle, threads)
         self.kv: KVPool | None = None
         self.computed: dict[int, int] = {}  # sequence id -> tokens in the draft's cache
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.bundle.config
+        return kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.runner.kv_dtype.itemsize)
 
     def attach(self, target_kv: KVPool) -> None:
         c = self.bundle.config

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.engine.memory import SizeClass
+from agent.engine.memory import MB, KVPlan, MemoryBudgetError, SizeClass
 from agent.process import lazy_zeros, release_pages
 
 
@@ -146,3 +146,14 @@ class KVPool:
         held = sum(sum(p.lengths.values()) for p in self.classes)
         total = sum(p.capacity * p.num_slots for p in self.classes)
         return held / total if total else 0.0
+
+
+def allocate_pool(plan: KVPlan, budget_mb: int, num_layers: int, kv_heads: int, head_dim: int,
+                  dtype: np.dtype) -> KVPool:
+    """The plan's slots; MemoryBudgetError if this machine cannot reserve them (address space is reserved up
+    front, though pages come on use)."""
+    try:
+        return KVPool(plan.classes, num_layers, kv_heads, head_dim, dtype)
+    except (MemoryError, OSError) as e:
+        raise MemoryBudgetError(f"memory_budget_mb={budget_mb}: the KV cache it plans ({plan.kv_bytes / MB:.0f} MB) "
+                                f"cannot be allocated here ({e}); set a budget this machine has") from None

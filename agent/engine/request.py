@@ -1,5 +1,5 @@
 """A request's stream between the engine and its submitter: the events it yields (TextDelta, then one
-Finished), the handle the submitter holds, and RequestError for a request refused up front.
+Finished), the handle the submitter holds, and RequestError with the checks that refuse a request up front.
 
 The engine thread writes a stream (add_token, finish); any thread iterates its events or cancels it.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
+from agent.engine.sampling_params import SamplingParams
 from agent.engine.sequence import FinishReason, Sequence
 from agent.engine.tokenizer import IncrementalDetokenizer
 from agent.wire import RequestFigures
@@ -21,6 +22,24 @@ class RequestError(ValueError):
         super().__init__(message)
         self.code, self.param = code, param  # param: the request field at fault, when it is not the prompt
         self.refused = refused  # a request turned away for load: its figures, for telemetry like a shed one's
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, max_prompt_tokens: int, context_tokens: int,
+                  vocab_size: int, has_draft: bool) -> None:
+    """RequestError for a request this model cannot serve as asked, whatever the load: an empty or too long
+    prompt (context_tokens: the largest slot), a logit_bias outside the vocabulary, a draft model it lacks."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    if len(prompt_ids) > max_prompt_tokens:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                           f"{context_tokens} (prompt plus at least one generated token)",
+                           "context_length_exceeded")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is outside this model's vocabulary "
+                           f"[0, {vocab_size})", "invalid_value", param="logit_bias")
+    if params.speculative == "draft" and not has_draft:
+        raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)",
+                           param="speculative")
 
 
 @dataclass(frozen=True)

@@ -198,14 +198,14 @@ def test_a_request_whose_sampling_fails_ends_alone(tiny_bundle, monkeypatch):
     """Found in review: one request's sampling error (a repetition penalty of 1e-40 overflowed its logits)
     failed the whole step, so every request in flight ended with an error."""
     engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
-    sample = engine._sample
+    sample = engine.steps._sample
 
     def failing_for_seed_13(seq, logits):
         if seq.params.seed == 13 and len(seq.output_ids) == 3:
             raise IndexError("a bug in one request's sampling")
         return sample(seq, logits)
 
-    monkeypatch.setattr(engine, "_sample", failing_for_seed_13)
+    monkeypatch.setattr(engine.steps, "_sample", failing_for_seed_13)
     ps = prompts(4, seed=7)
     handles = [engine.submit(p, SamplingParams(max_tokens=12, seed=13 if i == 1 else None, **GREEDY))
                for i, p in enumerate(ps)]

@@ -61,15 +61,15 @@ def test_prefix_cache_hit_is_exact_and_computes_only_the_suffix(tiny_bundle):
 
 def record_logits(monkeypatch) -> list[tuple[object, np.ndarray]]:
     """(the request's generator, the logits row) of every token the engine samples, in order."""
-    import agent.engine.engine
+    import agent.engine.step
 
-    seen, sample = [], agent.engine.engine.sample
+    seen, sample = [], agent.engine.step.sample
 
     def recording(logits, params, prompt_ids, output_ids, rng):
         seen.append((rng, np.array(logits, copy=True)))
         return sample(logits, params, prompt_ids, output_ids, rng)
 
-    monkeypatch.setattr(agent.engine.engine, "sample", recording)
+    monkeypatch.setattr(agent.engine.step, "sample", recording)
     return seen
 
 
