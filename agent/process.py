@@ -55,8 +55,8 @@ def cgroup_dirs(controller: str) -> list[Path]:
     """This process's cgroup directories where `controller`'s files may be, innermost first and up to each
     hierarchy's mount point (a systemd service's CPUQuota= and MemoryMax= sit on its own cgroup, a container's
     or a slice's on a parent): the unified (v2) hierarchy, and on a v1 or hybrid system the v1 hierarchy that
-    has the controller. Only v2 was read before: on a v1 box (older distributions, Docker on them) a quota or
-    a memory limit went unseen (found in review)."""
+    has the controller, so that a quota or a memory limit on a v1 box (older distributions, Docker on them)
+    counts too."""
     try:
         memberships = [line.split(":", 2) for line in (PROC_SELF / "cgroup").read_text().splitlines()]
     except OSError:

@@ -27,8 +27,8 @@ class Bundle:
 
     def graph(self, kv_dtype: str = "fp32") -> Path:
         """The graph that runs with this KV cache type; BundleError if the bundle has none. Only a graph its
-        manifest lists (and so verified): an unlisted model.int8kv.onnx dropped into a bundle was loaded
-        unchecked (found in review)."""
+        manifest lists (and so verified) is ever loaded: an unlisted model.int8kv.onnx dropped into a bundle is
+        as absent."""
         name = wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH
         graph = self.path / name
         if (self.manifest is None or name in self.manifest.files) and graph.is_file():  # None: being built

@@ -45,8 +45,8 @@ def plan_slots(kv_budget_bytes: int, bytes_per_token: int, capacities: list[int]
 
     The largest class always gets a slot so that a full-context request can run; the rest is shared so that
     short requests (the common case) get many slots. When the full context does not fit, the largest slot
-    gets half the KV bytes (never less than min_context): giving it all of them, as before 2026-12-03, left a
-    small budget one slot that served one request at a time. A prompt longer than the largest slot is
+    gets half the KV bytes (never less than min_context): giving it all of them would leave a small budget
+    one slot that serves one request at a time. A prompt longer than the largest slot is
     refused up front. Raises MemoryBudgetError if not even one sequence of min_context tokens fits.
     """
     if kv_budget_bytes < min_context * bytes_per_token:

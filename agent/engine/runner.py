@@ -19,8 +19,8 @@ import numpy as np
 
 # ONNX Runtime 1.29+ sends usage telemetry from Linux too, and keeps a device id and an event database under
 # $HOME/.cache/Microsoft (3 MB here after two days; the agent's HOME is its state directory). A device serving
-# local users must not call out on its own: this opt-out, read when the runtime initializes, turns it all off
-# (found in review). A user who wants it sets ORT_DISABLE_TELEMETRY=0.
+# local users must not call out on its own: this opt-out, read when the runtime initializes, turns it all off.
+# A user who wants it sets ORT_DISABLE_TELEMETRY=0.
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
@@ -57,9 +57,9 @@ def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
     if spin_wait != "auto":
         return bool(spin_wait)
     quota = cpu_quota_cores()
-    # found in review: the docs promised no spinning under any quota, the code refused it only below the thread
-    # count; and at 1 thread (no workers: the caller's thread runs every op) each re-measurement that flipped
-    # the answer rebuilt the session for nothing, while the log said "workers will spin"
+    # never spin under any cgroup CPU quota (whatever the thread count), nor at 1 thread: there are no workers
+    # (the caller's thread runs every op), so a re-measurement that flipped the answer would rebuild the
+    # session for nothing
     why = ("1 thread, so no workers" if threads == 1 else
            f"a cgroup CPU quota of {quota:.2f} cores is set (spinning would burn it)" if quota is not None else None)
     if why is not None:
@@ -147,9 +147,9 @@ class ModelRunner:
             cache.bindings.clear()  # they hold the old session
         self.session, self._reread_weights = None, []  # free the old weights before the new session prepacks
         # its own (one copy at a time); their mappings go with them, so nothing may drop pages there any more
-        # ...and give their heap back to the OS: found in a soak, the old session's heap (made on the loader
-        # thread's malloc arena) stayed resident while the new one grew on the engine thread's, ~70 MB of
-        # SmolLM2's RSS for good, past what the budget had measured
+        # ...and give their heap back to the OS: the old session's heap (made on the loader thread's malloc
+        # arena) otherwise stays resident while the new one grows on the engine thread's, ~70 MB of SmolLM2's
+        # RSS for good, past what the budget had measured
         trim_heap()
         try:
             self._load(spin)

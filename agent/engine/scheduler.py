@@ -138,9 +138,9 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """The budget is prefill_chunk_tokens of chunks at the start of a context. While others decode, a chunk
-        deeper in costs more per token (its attention over the context before it), so it gets fewer: found in
-        review, on one core a 128-token chunk 7,800 tokens into a prompt took 0.75 s, and every running stream
-        waited that long for each token. Alone, a prompt takes whole chunks (the fastest TTFT)."""
+        deeper in costs more per token (its attention over the context before it), so it gets fewer: on one
+        core a 128-token chunk 7,800 tokens into a prompt takes 0.75 s, which every running stream would wait
+        for each token. Alone, a prompt takes whole chunks (the fastest TTFT)."""
         # a float: each prompt's cost rounded up to a whole token let fewer short prompts share a step
         plan, budget = StepPlan(), float(self.prefill_chunk_tokens)
         decoding = any(seq.status is Status.DECODING for seq in self.running)

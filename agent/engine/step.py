@@ -140,7 +140,7 @@ class Stepper:
 
     def _fail_one(self, seq: Sequence) -> None:
         """End one request whose sampling or streaming failed, and only it: the others in the step are fine
-        (a penalty that overflowed the logits of one request used to end every request in flight)."""
+        (a penalty that overflows one request's logits ends that request, not every one in flight)."""
         log.exception("request %d failed; ending it with an error", seq.seq_id)
         if seq in self.scheduler.running:
             self.scheduler.finish(seq, FinishReason.ERROR)
