@@ -43,7 +43,7 @@ def graph_scales(bundle) -> dict[str, np.ndarray]:
 
 
 def test_an_int8_graph_the_manifest_does_not_list_is_not_loaded(bundle, tmp_path):
-    """Found in review: a model.int8kv.onnx dropped into a bundle built without one was loaded, never verified."""
+    """A model.int8kv.onnx dropped into a bundle built without one is not loaded: only verified graphs are."""
     import shutil
 
     from agent.engine.bundle import open_bundle
@@ -84,8 +84,8 @@ def test_bundle_carries_a_hashed_int8_kv_graph_scaled_from_the_calibration_text(
 
 def test_key_scales_hold_every_position_not_only_the_calibrated_ones(bundle):
     """Rotary turns each key pair further as the position grows; scales from the largest |key| over the
-    calibration's positions clipped later ones (found in review: KL against the fp32 cache 0.59 at 7,000
-    tokens on SmolLM2, whose calibration text is 937 tokens). In the first layer a token's key before
+    calibration's positions would clip later ones (KL against the fp32 cache 0.59 at 7,000 tokens on
+    SmolLM2, whose calibration text is 937 tokens). In the first layer a token's key before
     rotary does not depend on its context, so one token repeated gives the same key at every position,
     turned: calibrated on 16 positions, the bound must hold over the whole context."""
     fp32 = open_runner(bundle, 2)

@@ -105,8 +105,8 @@ def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
 
 
 def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch):
-    """Found in a soak: with the engine loaded on one thread and rebuilding on its own (as serve does), the old
-    session's heap stayed resident beside the new one's: ~70 MB of SmolLM2's RSS for good."""
+    """With the engine loaded on one thread and rebuilding on its own (as serve does), the old session's heap
+    goes back to the OS instead of staying resident beside the new one's (~70 MB of SmolLM2's RSS)."""
     import threading
 
     import agent.engine.engine as engine_module
@@ -153,9 +153,9 @@ def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch, two_free_co
 
 
 def test_auto_sleeps_at_one_thread_and_under_any_quota_without_measuring(monkeypatch, caplog, two_free_cores):
-    """Found in review: the docs promised no spinning under a cgroup CPU quota, but the code refused it only
-    below the thread count; at 1 thread (no workers to spin) every re-measurement that flipped rebuilt the
-    session for nothing, while the log said "workers will spin"."""
+    """"auto" never spins under a cgroup CPU quota, whatever the thread count, nor at 1 thread (no workers to
+    spin, so a re-measurement that flipped would rebuild the session for nothing), and says why without
+    measuring."""
     import agent.engine.runner as runner_module
 
     monkeypatch.setattr(runner_module, "cpu_busy_elsewhere", lambda: 0.0)  # an idle box: spinning, if measured
@@ -199,8 +199,8 @@ def test_a_cgroup_v2_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypat
 
 
 def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
-    """Found in review: only cgroup v2 was read, so on a v1 box (older distributions, Docker on them) a CPU
-    quota and a memory limit went unseen: two spinning threads on half a core, a budget above the limit.
+    """On a cgroup v1 box (older distributions, Docker on them) a CPU quota and a memory limit count as on v2
+    (unseen, they meant two spinning threads on half a core, a budget above the limit).
     Here cpu and cpuacct share a hierarchy that a container sees from its own cgroup down (root /docker/c1),
     memory's is mounted whole, and a hybrid system's unified hierarchy carries no controller."""
     import agent.process
@@ -221,8 +221,8 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
 
 
 def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_fp32_bundle, tmp_path):
-    """Found in review: a mapped file whose name is not UTF-8 made reading smaps fail (calibrating such a GGUF
-    failed), and a bundle at such a path failed with a bare TypeError from ONNX Runtime."""
+    """A mapped file whose name is not UTF-8 is read in smaps like any other (calibrating such a GGUF needs
+    it), and a bundle at such a path is refused by name instead of a bare TypeError from ONNX Runtime."""
     from agent.engine.bundle import BundleError, open_bundle
 
     odd = tmp_path / os.fsdecode(b"caf\xe9")
@@ -237,9 +237,9 @@ def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_
 
 
 def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundle, tmp_path):
-    """Found in review: ONNX Runtime 1.29+ collects usage telemetry on Linux too, with a device id and an event
-    database under $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the
-    runner opts out before the runtime initializes."""
+    """ONNX Runtime 1.29+ collects usage telemetry on Linux too, with a device id and an event database under
+    $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the runner opts out
+    before the runtime initializes."""
     env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(tmp_path)}
     script = ("import sys; from agent.engine.bundle import open_bundle; from agent.engine.runner import open_runner; "
               "open_runner(open_bundle(sys.argv[1]), 1)")
