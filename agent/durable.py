@@ -48,9 +48,8 @@ def replace_tree(tmp: Path, dest: Path, aside: Path) -> None:
     between two renames: synced after the move aside, a build interrupted while hundreds of MB were
     written out left no bundle at all. If the second rename fails, the old dest is put back.
 
-    Interrupted anywhere (Ctrl-C), dest holds the old tree or the new one, never neither: the first rename
-    was outside the recovery, so a signal right after it left no dest, and a signal right after the second
-    one had the old tree put back onto the new one, which failed (found in review)."""
+    Interrupted anywhere (Ctrl-C), dest holds the old tree or the new one, never neither: both renames are
+    inside the recovery, and it puts the old tree back only while dest is missing."""
     tmp, dest = Path(tmp), Path(dest)
     sync_tree(tmp)
     moved = _exists(dest)

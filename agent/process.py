@@ -1,12 +1,22 @@
-"""This process's memory, as Linux reports it (/proc/self), and giving freed heap back to it."""
+"""This process's facts as Linux reports them (/proc, cgroups) and its hold on memory: the CPUs it may use
+and how busy others keep them, its resident and peak memory and its limit, and giving memory back to the
+OS (freed heap, pages of lazily zeroed buffers, clean pages of mapped files).
+"""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import gc
+import logging
+import mmap
+import os
 import re
+import time
 from pathlib import Path
 
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 PROC_SELF = Path("/proc/self")
 
@@ -45,8 +55,8 @@ def cgroup_dirs(controller: str) -> list[Path]:
     """This process's cgroup directories where `controller`'s files may be, innermost first and up to each
     hierarchy's mount point (a systemd service's CPUQuota= and MemoryMax= sit on its own cgroup, a container's
     or a slice's on a parent): the unified (v2) hierarchy, and on a v1 or hybrid system the v1 hierarchy that
-    has the controller. Only v2 was read before: on a v1 box (older distributions, Docker on them) a quota or
-    a memory limit went unseen (found in review)."""
+    has the controller, so that a quota or a memory limit on a v1 box (older distributions, Docker on them)
+    counts too."""
     try:
         memberships = [line.split(":", 2) for line in (PROC_SELF / "cgroup").read_text().splitlines()]
     except OSError:
@@ -124,3 +134,123 @@ def trim_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to trim this way
+
+
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_quota_cores() -> float | None:
+    """The tightest cgroup CPU quota on this process's cgroup and its parents, in cores: v2's cpu.max, or
+    v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1: none)."""
+    quotas = []
+    for value in cgroup_values("cpu.max"):
+        try:
+            quota, period = value.split()
+            if quota != "max":
+                quotas.append(int(quota) / int(period))
+        except ValueError:
+            pass
+    for group in cgroup_dirs("cpu"):
+        try:
+            quota, period = (int((group / f"cpu.cfs_{x}_us").read_text()) for x in ("quota", "period"))
+        except (OSError, ValueError):
+            continue
+        if quota > 0 and period > 0:
+            quotas.append(quota / period)
+    return min(quotas) if quotas else None
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota if one is set."""
+    cores, quota = len(os.sched_getaffinity(0)), cpu_quota_cores()
+    return max(1, min(cores, int(quota)) if quota is not None else cores)
+
+
+def cpu_busy_elsewhere(seconds: float = 0.25) -> float:
+    """Cores' worth of CPU that others used on this process's CPUs over `seconds` (hypervisor steal included)."""
+    cpus, hz = os.sched_getaffinity(0), os.sysconf("SC_CLK_TCK")
+
+    def sample() -> tuple[float, float]:
+        busy = 0
+        for line in PROC_STAT.read_text().splitlines():
+            name, *fields = line.split()
+            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+        own = os.times()
+        return busy / hz, own.user + own.system
+
+    (busy0, own0), t0 = sample(), time.monotonic()
+    time.sleep(seconds)
+    (busy1, own1), elapsed = sample(), time.monotonic() - t0
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    """A zero-filled array that becomes resident 4 KB page by page, as it is first written.
+
+    numpy asks for transparent huge pages on arrays of 4 MB or more (madvise MADV_HUGEPAGE), so the
+    first write into a KV buffer made a whole 2 MB page resident, and khugepaged later filled in more
+    in the background: a 1,024-token sequence cost ~36 MB more RSS than the 47 MB its keys and values
+    need. An anonymous mapping marked MADV_NOHUGEPAGE costs exactly the pages written.
+    """
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere there are no transparent huge pages to refuse
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype, count).reshape(shape)  # the array keeps the mapping alive
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_DONTNEED = 4  # Linux: drop the pages; anonymous ones read back as zeros, clean file ones from the file
+
+
+def drop_pages(start: int, end: int) -> bool:
+    """madvise(MADV_DONTNEED) over the whole pages inside [start, end). False if the kernel refused (e.g. the
+    pages are locked): they stay resident, which costs memory but loses nothing, so callers carry on."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo and _libc.madvise(lo, hi - lo, MADV_DONTNEED) != 0:
+        log.debug("madvise(MADV_DONTNEED) refused: %s", os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def release_pages(arr: np.ndarray) -> None:
+    """Give the whole pages of a contiguous view of a lazy_zeros buffer back to the OS; they read as zeros.
+
+    A freed KV slot keeps its pages resident otherwise, so RSS would stay at its high-water mark.
+    """
+    assert arr.flags.c_contiguous
+    drop_pages(arr.ctypes.data, arr.ctypes.data + arr.nbytes)
+
+
+def clean_file_mappings(directory: Path) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of this process's mappings of files in `directory` that hold no
+    copy-on-write page (smaps' Anonymous is 0): their pages can be dropped and read back unchanged."""
+    spans, current = [], None
+    # a mapped file's name need not be UTF-8 (it is bytes to the kernel): read it as Path itself does
+    for line in Path("/proc/self/smaps").read_text(errors="surrogateescape").splitlines():
+        head = line.split(None, 5)  # a mapping's header: range perms offset dev inode [path, may hold spaces]
+        if ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            path = head[5] if len(head) > 5 else ""
+            current = [lo, hi, 0, 0] if path.startswith("/") and Path(path).parent == directory else None
+            if current is not None:
+                spans.append(current)
+        elif current is not None and head[0] in ("Rss:", "Anonymous:"):
+            current[2 if head[0] == "Rss:" else 3] = int(head[1]) * 1024
+    return [(lo, hi, rss) for lo, hi, rss, anonymous in spans if anonymous == 0]
+
+
+def release_clean_file_pages(directory: Path) -> int:
+    """Drop this process's resident pages of files in `directory` that it has not modified; returns bytes.
+
+    ONNX Runtime maps external weight data (MAP_PRIVATE) and reads every weight once to prepack it into
+    its own buffers. The originals it keeps mapped (the tied embedding/lm_head table: a Gather reads it
+    too) stay resident although a decode step touches a few rows of them: ~35 MB of SmolLM2's INT4 RSS.
+    Clean pages are dropped without loss (they read back from the file); a mapping with any
+    copy-on-write page is left alone.
+    """
+    return sum(rss for lo, hi, rss in clean_file_mappings(directory) if rss > 0 and drop_pages(lo, hi))

@@ -26,6 +26,7 @@ from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402
 from agent.engine import engine as engine_module  # noqa: E402
 from agent.engine.engine import Engine  # noqa: E402
+from agent.engine.runner import open_runner  # noqa: E402
 from agent.engine.sampling_params import SamplingParams  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 from quantize.evaluate import chunked_logits, log_softmax  # noqa: E402
@@ -217,7 +218,7 @@ def quality_table(paths: dict[str, Path], source: Path) -> list[str]:
     slices = [text_ids[i:i + 128] for i in range(0, 128 * max(QUALITY_STREAMS), 128)]
     if len(slices[-1]) < 128:
         raise SystemExit(f"eval_en.txt has {len(text_ids)} tokens; the quality pass needs {128 * len(slices)}")
-    reference = open_bundle(fp32_bundle(source)).runner(2)
+    reference = open_runner(open_bundle(fp32_bundle(source)), 2)
     lines = ["| bundle | streams | mean KL | p99 KL | top-1 % |", "|---|--:|--:|--:|--:|"]
     for label, artifact, kw in (("INT4 (default)", "ours-int4", {}), ("INT4, int8 KV cache", "ours-int4",
                                                                        dict(kv_dtype="int8")),

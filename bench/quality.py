@@ -40,6 +40,7 @@ from benchdocs import replace_section  # noqa: E402
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
 
 from agent import wire  # noqa: E402
+from agent.engine.runner import open_runner  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 from quantize.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa: E402
@@ -162,17 +163,17 @@ def build(ckpt: Checkpoint, cfg: OnnxConfig, work: Path, calib_text: str, thread
 def onnx_rows(ckpt: Checkpoint, ids: list[int], calib_text: str, work: Path, threads: int):
     """The fp32 row and its log-probs [T, V] (the reference for every row), then one row per CONFIGS entry."""
     fp32, _ = build(ckpt, OnnxConfig("fp32", QuantSpec()), work, calib_text, threads)
-    ref_lp = np.concatenate([lp for _, lp in chunked_logits(fp32.runner(threads), ids)])
+    ref_lp = np.concatenate([lp for _, lp in chunked_logits(open_runner(fp32, threads), ids)])
     own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
     rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
     for cfg in CONFIGS:
         t0 = time.monotonic()
         bundle, note = build(ckpt, cfg, work, calib_text, threads)
-        fig = figures(chunked_logits(bundle.runner(threads), ids), ref_lp, ids)
+        fig = figures(chunked_logits(open_runner(bundle, threads), ids), ref_lp, ids)
         rows.append(Row("ORT", cfg.label, cfg.group, dir_bytes(bundle.path), fig, note))
         print(f"  {cfg.label}: mean KL {fig.mean_kl:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         if cfg.int8_kv:
-            fig = figures(chunked_logits(bundle.runner(threads, kv_dtype="int8"), ids), ref_lp, ids)
+            fig = figures(chunked_logits(open_runner(bundle, threads, kv_dtype="int8"), ids), ref_lp, ids)
             rows.append(Row("ORT", cfg.label + " + int8 KV cache", cfg.group, dir_bytes(bundle.path), fig, note))
             print(f"  {cfg.label} + int8 KV cache: mean KL {fig.mean_kl:.4f}", flush=True)
     return rows, ref_lp

@@ -178,6 +178,7 @@ def eval_(bundle, reference, text_file, threads, as_json):
 
     Example: edge-quantize eval bundles/int4 --reference bundles/fp32 --text passage.txt --json
     """
+    from agent.engine.runner import open_runner
     from quantize.evaluate import compare
     from quantize.package import MIN_TEXT_TOKENS, encode
 
@@ -189,7 +190,7 @@ def eval_(bundle, reference, text_file, threads, as_json):
         if len(ids) < MIN_TEXT_TOKENS:
             raise ValueError(f"{text_file}: the text needs at least {MIN_TEXT_TOKENS} tokens")
         bos = b.config.bos_token_id if b.config.add_bos_token else None
-        q = compare(b.runner(threads), ref.runner(threads), ids, text, b.config.context_length, bos)
+        q = compare(open_runner(b, threads), open_runner(ref, threads), ids, text, b.config.context_length, bos)
     except USER_ERRORS as e:
         _fail(e)
     if as_json:

@@ -20,6 +20,7 @@ import onnx
 
 from agent import durable, wire
 from agent.engine.bundle import Bundle, file_sha256, open_bundle
+from agent.engine.runner import open_runner
 from agent.engine.tokenizer import TextTokenizer
 from quantize.calibrate import HESSIAN_BUDGET_MB, Calibration, calibration
 from quantize.checkpoint import Checkpoint
@@ -233,7 +234,7 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
     config = model_config(ckpt, spec, name)
     (tmp / wire.MODEL_CONFIG).write_text(config.model_dump_json(indent=2, exclude_defaults=True))
     unverified = Bundle(tmp, None, wire.ModelConfig.read(tmp))  # type: ignore[arg-type]
-    runner = unverified.runner(threads)
+    runner = open_runner(unverified, threads)
     if calib_ids:
         progress("calibrating the int8 KV cache's scales")
         absmax = kv_absmax(runner, calib_ids, ckpt.geometry.context_length, ckpt.tokenizer.prompt_bos)

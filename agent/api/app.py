@@ -29,6 +29,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -39,10 +40,13 @@ from starlette.routing import Route
 
 from agent.api import openai_models as om
 from agent.config import ApiConfig
-from agent.engine.engine import Engine, Finished, RequestError, RequestHandle, TextDelta
+from agent.engine.request import Finished, RequestError, RequestHandle, TextDelta
 from agent.api.metrics import Metrics
 from agent.engine.tokenizer import PromptTooLong
 from agent.wire import Manifest
+
+if TYPE_CHECKING:  # the API is handed engines to serve from; the service loads them
+    from agent.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agent import wire
-from agent.engine.runner import ModelRunner, SpinWait
 
 
 class BundleError(ValueError):
@@ -28,8 +27,8 @@ class Bundle:
 
     def graph(self, kv_dtype: str = "fp32") -> Path:
         """The graph that runs with this KV cache type; BundleError if the bundle has none. Only a graph its
-        manifest lists (and so verified): an unlisted model.int8kv.onnx dropped into a bundle was loaded
-        unchecked (found in review)."""
+        manifest lists (and so verified) is ever loaded: an unlisted model.int8kv.onnx dropped into a bundle is
+        as absent."""
         name = wire.GRAPH_INT8_KV if kv_dtype == "int8" else wire.GRAPH
         graph = self.path / name
         if (self.manifest is None or name in self.manifest.files) and graph.is_file():  # None: being built
@@ -40,10 +39,6 @@ class Bundle:
         raise BundleError(f"{label} has no int8 KV cache graph "
                           f"({wire.GRAPH_INT8_KV}): rebuild it with edge-quantize build (which calibrates one), "
                           f"or set kv_dtype = \"fp32\"")
-
-    def runner(self, threads: int | None = None, spin_wait: SpinWait = False, kv_dtype: str = "fp32") -> ModelRunner:
-        c = self.config
-        return ModelRunner(self.graph(kv_dtype), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
     def tokenizer_json(self) -> str:
         return (self.path / wire.TOKENIZER).read_text()

@@ -8,19 +8,27 @@ in the target's cache.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import KVPool
-from agent.engine.runner import ModelRunner
+from agent.engine.memory import kv_bytes_per_token
+from agent.engine.request import RequestError
+from agent.engine.runner import ModelRunner, open_runner
 
 
 class DraftModel:
-    def __init__(self, bundle: Bundle, threads: int | None, chunk_tokens: int):
+    def __init__(self, bundle: Bundle, target: Bundle, threads: int | None, chunk_tokens: int):
+        if bundle.tokenizer_json() != target.tokenizer_json():
+            raise RequestError(f"draft model {bundle.manifest.name}@{bundle.manifest.version} has another tokenizer "
+                               f"than {target.manifest.name}; speculative decoding needs the same one")
         self.bundle, self.chunk_tokens = bundle, chunk_tokens
-        self.runner: ModelRunner = bundle.runner(threads)
+        self.runner: ModelRunner = open_runner(bundle, threads)
         self.kv: KVPool | None = None
         self.computed: dict[int, int] = {}  # sequence id -> tokens in the draft's cache
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.bundle.config
+        return kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.runner.kv_dtype.itemsize)
 
     def attach(self, target_kv: KVPool) -> None:
         c = self.bundle.config
@@ -33,23 +41,17 @@ class DraftModel:
         """k greedy tokens after ids (ids = the sequence so far, including its last, not-yet-verified token)."""
         pool = self.kv.where[seq_id]
         slot = pool.slot_of(seq_id)
-        view = pool.view(slot, slot + 1)
         done = min(self.computed.get(seq_id, 0), len(ids) - 1)
         # Catching up (a new prompt, or after a preemption) goes in the target's prefill chunks: one call over a
         # 4,000-token prompt took ~20 MB past the measured budget, and ONNX Runtime's arena kept it.
         while len(ids) - done > self.chunk_tokens:
-            n = self.chunk_tokens
-            self.runner.forward(np.array([ids[done:done + n]]), np.array([done + n - 1]), np.array([n]),
-                                np.array([[n - 1]]), view)
-            done += n
-        new = ids[done:]
-        logits = self.runner.forward(np.array([new]), np.array([len(ids) - 1]), np.array([len(new)]),
-                                     np.array([[len(new) - 1]]), view)
+            self.runner.forward_slot(pool, slot, ids[done:done + self.chunk_tokens], done)
+            done += self.chunk_tokens
+        logits = self.runner.forward_slot(pool, slot, ids[done:], done)
         draft = [int(logits[0, 0].argmax())]
         n = len(ids)
         while len(draft) < k:
-            logits = self.runner.forward(np.array([[draft[-1]]]), np.array([n]), np.array([1]),
-                                         np.zeros((1, 1), np.int64), view)
+            logits = self.runner.forward_slot(pool, slot, [draft[-1]], n)
             draft.append(int(logits[0, 0].argmax()))
             n += 1
         self.computed[seq_id] = n  # ids + all drafts but the last are in the cache

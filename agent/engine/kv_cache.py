@@ -3,7 +3,8 @@
 Each size class is one buffer per layer, keys and values [slots, kv_heads, capacity, head_dim]. Live
 sequences occupy slots 0..n-1 of their class (kept compact: a finished sequence's slot is refilled by
 moving the last live one into it), so a decode step binds the contiguous view [0:n] of each buffer and no
-step ever copies the cache; a prefill binds the one-slot view [i:i+1].
+step ever copies the cache; a prefill binds the one-slot view [i:i+1]. The pool holds numpy buffers only:
+the runner wraps a view for the runtime (ModelRunner.view).
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.engine.memory import SizeClass
-from agent.engine.runner import KVCache, lazy_zeros, release_pages
+from agent.engine.memory import MB, KVPlan, MemoryBudgetError, SizeClass
+from agent.process import lazy_zeros, release_pages
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a runner keys its views of a pool by the pool
 class SlotPool:
     """One size class. `owners[i]` is the id of the sequence in slot i; slots >= len(owners) are free."""
 
@@ -25,7 +26,6 @@ class SlotPool:
     values: list[np.ndarray]
     owners: list[int] = field(default_factory=list)
     lengths: dict[int, int] = field(default_factory=dict)  # sequence id -> tokens held
-    _views: dict[tuple[int, int], KVCache] = field(default_factory=dict)
 
     @property
     def num_free(self) -> int:
@@ -38,13 +38,6 @@ class SlotPool:
 
     def slot_of(self, seq_id: int) -> int:
         return self.owners.index(seq_id)
-
-    def view(self, lo: int, hi: int) -> KVCache:
-        """KV buffers of slots [lo, hi) as one batch (cached: wrapping 2 x layers arrays costs microseconds)."""
-        key = (lo, hi)
-        if key not in self._views:
-            self._views[key] = KVCache.wrap([k[lo:hi] for k in self.keys], [v[lo:hi] for v in self.values])
-        return self._views[key]
 
     def allocate(self, seq_id: int) -> int:
         assert self.num_free > 0, "allocate() without can_allocate()"
@@ -153,3 +146,14 @@ class KVPool:
         held = sum(sum(p.lengths.values()) for p in self.classes)
         total = sum(p.capacity * p.num_slots for p in self.classes)
         return held / total if total else 0.0
+
+
+def allocate_pool(plan: KVPlan, budget_mb: int, num_layers: int, kv_heads: int, head_dim: int,
+                  dtype: np.dtype) -> KVPool:
+    """The plan's slots; MemoryBudgetError if this machine cannot reserve them (address space is reserved up
+    front, though pages come on use)."""
+    try:
+        return KVPool(plan.classes, num_layers, kv_heads, head_dim, dtype)
+    except (MemoryError, OSError) as e:
+        raise MemoryBudgetError(f"memory_budget_mb={budget_mb}: the KV cache it plans ({plan.kv_bytes / MB:.0f} MB) "
+                                f"cannot be allocated here ({e}); set a budget this machine has") from None

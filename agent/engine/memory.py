@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from agent.config import EngineConfig
+
 MB = 1 << 20
 
 
@@ -43,8 +45,8 @@ def plan_slots(kv_budget_bytes: int, bytes_per_token: int, capacities: list[int]
 
     The largest class always gets a slot so that a full-context request can run; the rest is shared so that
     short requests (the common case) get many slots. When the full context does not fit, the largest slot
-    gets half the KV bytes (never less than min_context): giving it all of them, as before 2026-12-03, left a
-    small budget one slot that served one request at a time. A prompt longer than the largest slot is
+    gets half the KV bytes (never less than min_context): giving it all of them would leave a small budget
+    one slot that serves one request at a time. A prompt longer than the largest slot is
     refused up front. Raises MemoryBudgetError if not even one sequence of min_context tokens fits.
     """
     if kv_budget_bytes < min_context * bytes_per_token:
@@ -64,6 +66,41 @@ def plan_slots(kv_budget_bytes: int, bytes_per_token: int, capacities: list[int]
 def required_budget_bytes(baseline_bytes: int, bytes_per_token: int, min_context: int,
                           prefix_fraction: float = 0.0) -> int:
     """The smallest budget that starts: the baseline, then a KV share that still holds one min_context
-    sequence after the prefix cache took its fraction (found in review: the fraction was left out, so the
-    figure the refusal named was refused too)."""
+    sequence after the prefix cache took its fraction (so a budget of exactly the figure a refusal names
+    starts)."""
     return baseline_bytes + math.ceil(min_context * bytes_per_token / (1 - prefix_fraction)) + bytes_per_token
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    classes: list[SizeClass]  # the slots
+    prefix_blocks: int  # the prefix store's blocks, of EngineConfig.prefix_block_tokens tokens each
+    kv_bytes: int  # the budget left after the baseline, for both
+
+
+def plan_kv(config: EngineConfig, model_context: int, baseline_bytes: int, per_token: int, store_per_token: int,
+            model: str) -> KVPlan:
+    """Split what the budget leaves after the measured baseline (weights, runtime, the largest step) between
+    the prefix store and the slots; MemoryBudgetError, naming the budget `model` needs, if it is too small.
+
+    per_token: a slot token's KV bytes (with a draft model, its mirrored cache's too); store_per_token: the
+    target's alone, all that the prefix store holds.
+    """
+    budget = config.memory_budget_mb * MB
+    min_tokens = config.min_kv_tokens(model_context)
+    need = required_budget_bytes(baseline_bytes, per_token, min_tokens, config.prefix_cache_fraction)
+    if budget < need:
+        raise MemoryBudgetError(f"memory_budget_mb={config.memory_budget_mb} is too small for "
+                                f"{model}: it needs at least "
+                                f"{-(-need // MB)} MB ({baseline_bytes / MB:.0f} MB model and runtime + a "
+                                f"{min_tokens}-token KV cache, beside prefix_cache_fraction="
+                                f"{config.prefix_cache_fraction:g} of it for the prefix cache)")
+    max_context = config.sequence_limit(model_context)
+    capacities = class_capacities(max_context, min(config.kv_smallest_class, max_context))
+    kv_bytes = budget - baseline_bytes
+    # the store is sized at its own cost per token, so that it gets its whole fraction of the KV budget
+    # with a draft model too (at the slots' cost it got 0.04 of it instead of 0.2, and the rest went unused)
+    block_bytes = store_per_token * config.prefix_block_tokens
+    prefix_blocks = int(kv_bytes * config.prefix_cache_fraction) // block_bytes
+    classes = plan_slots(kv_bytes - prefix_blocks * block_bytes, per_token, capacities, min_tokens)
+    return KVPlan(classes, prefix_blocks, kv_bytes)

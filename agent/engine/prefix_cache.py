@@ -10,10 +10,10 @@ prefix. A block lives in one of two places:
   back to the OS layer by layer, so a prompt is never held twice).
 A hit copies the blocks into the new sequence's slot (a memcpy, a few MB, instead of a prefill). Store
 blocks are evicted least recently used, and a chain is always touched from its last block to its first, so
-within a chain the tail goes first: a block matches only after all its parents, and evicting a chain's head
-left the rest unreachable yet holding the store (found in review: three chats taking turns evicted each
-other's heads and got no hits at all), as vLLM frees a sequence's blocks in reverse. Because blocks are
-copied, never shared, a running sequence never pins one.
+within a chain the tail goes first: a block matches only after all its parents, so evicting a chain's head
+would leave the rest unreachable yet holding the store (chats taking turns would evict each other's heads
+and never hit), as vLLM frees a sequence's blocks in reverse. Because blocks are copied, never shared, a
+running sequence never pins one.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 from agent.engine.kv_cache import KVPool, SlotPool
-from agent.engine.runner import lazy_zeros, release_pages
+from agent.process import lazy_zeros, release_pages
 
 Live = tuple[int, int]  # (sequence id, first token position) of a block still in that sequence's slot
 
@@ -67,7 +67,7 @@ class PrefixCache:
         """Copy the longest cached prefix of prompt_ids into the slot; returns the tokens it covers.
 
         At least two prompt tokens are always left to compute: the last one's logits give the first output
-        token, and computed alone (runner.has_lone_row) they would round differently from a cold run's.
+        token, and computed alone (scheduler.has_lone_row) they would round differently from a cold run's.
         count=False keeps the lookup out of the hit ratio (a preempted request reloading its own blocks).
         """
         usable = max(0, len(prompt_ids) - 2) // self.block_tokens
@@ -118,8 +118,8 @@ class PrefixCache:
         The prompt was in use until now, so its whole chain becomes the most recently used. A block is placed
         only while all its parents are cached: a room for it may evict a later block of its own chain (tail
         first), never an earlier one. Where the chain is cut (a parent evicted while this sequence ran, or no
-        room), nothing after the cut can match any prompt again, so its blocks are let go, stored ones too
-        (found in review: they were moved or kept, holding the store and evicting other chats' blocks).
+        room), nothing after the cut can match any prompt again, so its blocks are let go, stored ones too:
+        kept, they would hold the store and evict other chats' reachable blocks.
         """
         chain = self.chains.pop(seq_id, [])
         self._touch([k for k in chain if k in self.index])

@@ -7,12 +7,9 @@ binding, so a step rebinds only the five small inputs and the logits, not the 4 
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import os
 import re
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +19,16 @@ import numpy as np
 
 # ONNX Runtime 1.29+ sends usage telemetry from Linux too, and keeps a device id and an event database under
 # $HOME/.cache/Microsoft (3 MB here after two days; the agent's HOME is its state directory). A device serving
-# local users must not call out on its own: this opt-out, read when the runtime initializes, turns it all off
-# (found in review). A user who wants it sets ORT_DISABLE_TELEMETRY=0.
+# local users must not call out on its own: this opt-out, read when the runtime initializes, turns it all off.
+# A user who wants it sets ORT_DISABLE_TELEMETRY=0.
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 import onnxruntime as ort  # noqa: E402  (after the opt-out above)
 
 from agent import wire
-from agent.process import cgroup_dirs, cgroup_values, trim_heap
+from agent.engine.bundle import Bundle
+from agent.engine.kv_cache import SlotPool
+from agent.process import (clean_file_mappings, cpu_busy_elsewhere, cpu_quota_cores, drop_pages, lazy_zeros,
+                           release_clean_file_pages, trim_heap, usable_cores)
 
 # Our graphs give GroupQueryAttention its query_seqlens input (several new tokens on a ragged batch), which
 # ONNX Runtime accepts from 1.32; older ones refuse every graph with a schema error naming input counts.
@@ -48,69 +48,6 @@ SPIN_MAX_BUSY_ELSEWHERE = 0.25
 # memory budget measured at start. Smaller mappings are scales and norms that prepacking already consumed.
 RELEASE_AFTER_STEP_MIN_BYTES = 1 << 20
 
-# ONNX Runtime rounds a step's last row differently when the step's width leaves it alone in a tile: a
-# one-token step, and (measured, fp32) 33 or 65 tokens on a tiny model with head_dim 16, 129 or 257 on
-# SmolLM2 (head_dim 64). That position's logits then differ by up to ~3e-5 from any other split of the
-# same tokens, while widths without a lone row give the same bits whatever the split. A cold run and a
-# prefix-cache hit split a prompt differently, so prefill steps avoid those widths (found in review: near-
-# ties flipped greedy tokens). The tile measured on both models is twice head_dim, and 32 divides that for
-# every head_dim the quantizer accepts (a multiple of 16).
-LONE_ROW_TILE = 32
-
-
-def has_lone_row(width: int) -> bool:
-    """Whether a step this many tokens wide rounds its last row apart from the rest (see LONE_ROW_TILE)."""
-    return width % LONE_ROW_TILE == 1
-
-PROC_STAT = Path("/proc/stat")
-
-
-def cpu_quota_cores() -> float | None:
-    """The tightest cgroup CPU quota on this process's cgroup and its parents, in cores: v2's cpu.max, or
-    v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1: none)."""
-    quotas = []
-    for value in cgroup_values("cpu.max"):
-        try:
-            quota, period = value.split()
-            if quota != "max":
-                quotas.append(int(quota) / int(period))
-        except ValueError:
-            pass
-    for group in cgroup_dirs("cpu"):
-        try:
-            quota, period = (int((group / f"cpu.cfs_{x}_us").read_text()) for x in ("quota", "period"))
-        except (OSError, ValueError):
-            continue
-        if quota > 0 and period > 0:
-            quotas.append(quota / period)
-    return min(quotas) if quotas else None
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota if one is set."""
-    cores, quota = len(os.sched_getaffinity(0)), cpu_quota_cores()
-    return max(1, min(cores, int(quota)) if quota is not None else cores)
-
-
-def cpu_busy_elsewhere(seconds: float = 0.25) -> float:
-    """Cores' worth of CPU that others used on this process's CPUs over `seconds` (hypervisor steal included)."""
-    cpus, hz = os.sched_getaffinity(0), os.sysconf("SC_CLK_TCK")
-
-    def sample() -> tuple[float, float]:
-        busy = 0
-        for line in PROC_STAT.read_text().splitlines():
-            name, *fields = line.split()
-            if name[3:].isdigit() and name.startswith("cpu") and int(name[3:]) in cpus:
-                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
-                busy += user + nice + system + irq + softirq + steal
-        own = os.times()
-        return busy / hz, own.user + own.system
-
-    (busy0, own0), t0 = sample(), time.monotonic()
-    time.sleep(seconds)
-    (busy1, own1), elapsed = sample(), time.monotonic() - t0
-    return max(0.0, (busy1 - busy0) - (own1 - own0)) / elapsed
-
 
 def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
     """Whether ONNX Runtime's workers spin. "auto" decides by measuring the box now (see session_options)."""
@@ -120,9 +57,9 @@ def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
     if spin_wait != "auto":
         return bool(spin_wait)
     quota = cpu_quota_cores()
-    # found in review: the docs promised no spinning under any quota, the code refused it only below the thread
-    # count; and at 1 thread (no workers: the caller's thread runs every op) each re-measurement that flipped
-    # the answer rebuilt the session for nothing, while the log said "workers will spin"
+    # never spin under any cgroup CPU quota (whatever the thread count), nor at 1 thread: there are no workers
+    # (the caller's thread runs every op), so a re-measurement that flipped the answer would rebuild the
+    # session for nothing
     why = ("1 thread, so no workers" if threads == 1 else
            f"a cgroup CPU quota of {quota:.2f} cores is set (spinning would burn it)" if quota is not None else None)
     if why is not None:
@@ -136,76 +73,6 @@ def choose_spinning(spin_wait: SpinWait, threads: int) -> bool:
     log.info("%d threads: others used %.2f cores of ours while measuring: workers will %s", threads, busy,
              "spin" if busy < SPIN_MAX_BUSY_ELSEWHERE else "sleep")
     return busy < SPIN_MAX_BUSY_ELSEWHERE
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
-    """A zero-filled array that becomes resident 4 KB page by page, as it is first written.
-
-    numpy asks for transparent huge pages on arrays of 4 MB or more (madvise MADV_HUGEPAGE), so the
-    first write into a KV buffer made a whole 2 MB page resident, and khugepaged later filled in more
-    in the background: a 1,024-token sequence cost ~36 MB more RSS than the 47 MB its keys and values
-    need. An anonymous mapping marked MADV_NOHUGEPAGE costs exactly the pages written.
-    """
-    count = int(np.prod(shape))
-    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere there are no transparent huge pages to refuse
-        buf.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(buf, dtype, count).reshape(shape)  # the array keeps the mapping alive
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-MADV_DONTNEED = 4  # Linux: drop the pages; anonymous ones read back as zeros, clean file ones from the file
-
-
-def _drop_pages(start: int, end: int) -> bool:
-    """madvise(MADV_DONTNEED) over the whole pages inside [start, end). False if the kernel refused (e.g. the
-    pages are locked): they stay resident, which costs memory but loses nothing, so callers carry on."""
-    page = mmap.PAGESIZE
-    lo, hi = -(-start // page) * page, end // page * page
-    if hi > lo and _libc.madvise(lo, hi - lo, MADV_DONTNEED) != 0:
-        log.debug("madvise(MADV_DONTNEED) refused: %s", os.strerror(ctypes.get_errno()))
-        return False
-    return True
-
-
-def release_pages(arr: np.ndarray) -> None:
-    """Give the whole pages of a contiguous view of a lazy_zeros buffer back to the OS; they read as zeros.
-
-    A freed KV slot keeps its pages resident otherwise, so RSS would stay at its high-water mark.
-    """
-    assert arr.flags.c_contiguous
-    _drop_pages(arr.ctypes.data, arr.ctypes.data + arr.nbytes)
-
-
-def clean_file_mappings(directory: Path) -> list[tuple[int, int, int]]:
-    """(start, end, resident bytes) of this process's mappings of files in `directory` that hold no
-    copy-on-write page (smaps' Anonymous is 0): their pages can be dropped and read back unchanged."""
-    spans, current = [], None
-    # a mapped file's name need not be UTF-8 (it is bytes to the kernel): read it as Path itself does
-    for line in Path("/proc/self/smaps").read_text(errors="surrogateescape").splitlines():
-        head = line.split(None, 5)  # a mapping's header: range perms offset dev inode [path, may hold spaces]
-        if ":" not in head[0]:
-            lo, hi = (int(x, 16) for x in head[0].split("-"))
-            path = head[5] if len(head) > 5 else ""
-            current = [lo, hi, 0, 0] if path.startswith("/") and Path(path).parent == directory else None
-            if current is not None:
-                spans.append(current)
-        elif current is not None and head[0] in ("Rss:", "Anonymous:"):
-            current[2 if head[0] == "Rss:" else 3] = int(head[1]) * 1024
-    return [(lo, hi, rss) for lo, hi, rss, anonymous in spans if anonymous == 0]
-
-
-def release_clean_file_pages(directory: Path) -> int:
-    """Drop this process's resident pages of files in `directory` that it has not modified; returns bytes.
-
-    ONNX Runtime maps external weight data (MAP_PRIVATE) and reads every weight once to prepack it into
-    its own buffers. The originals it keeps mapped (the tied embedding/lm_head table: a Gather reads it
-    too) stay resident although a decode step touches a few rows of them: ~35 MB of SmolLM2's INT4 RSS.
-    Clean pages are dropped without loss (they read back from the file); a mapping with any
-    copy-on-write page is left alone.
-    """
-    return sum(rss for lo, hi, rss in clean_file_mappings(directory) if rss > 0 and _drop_pages(lo, hi))
 
 
 @dataclass(eq=False)  # identity semantics: the runner keeps a weak set of the caches it has bound
@@ -244,6 +111,8 @@ class ModelRunner:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.model_path, self.threads, self.spin_wait = Path(model_path), threads or usable_cores(), spin_wait
         self._bound: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches holding a binding to the session
+        # each pool's wrapped slot ranges: wrapping 2 x layers arrays costs microseconds, and a wrap keeps its binding
+        self._views: weakref.WeakKeyDictionary[SlotPool, dict[tuple[int, int], KVCache]] = weakref.WeakKeyDictionary()
         self._load(choose_spinning(spin_wait, self.threads))
         self.vocab_size = next(o.shape[2] for o in self.session.get_outputs() if o.name == wire.LOGITS)
         cache_type = next(i.type for i in self.session.get_inputs() if i.name == wire.past_key(0))
@@ -278,9 +147,9 @@ class ModelRunner:
             cache.bindings.clear()  # they hold the old session
         self.session, self._reread_weights = None, []  # free the old weights before the new session prepacks
         # its own (one copy at a time); their mappings go with them, so nothing may drop pages there any more
-        # ...and give their heap back to the OS: found in a soak, the old session's heap (made on the loader
-        # thread's malloc arena) stayed resident while the new one grew on the engine thread's, ~70 MB of
-        # SmolLM2's RSS for good, past what the budget had measured
+        # ...and give their heap back to the OS: the old session's heap (made on the loader thread's malloc
+        # arena) otherwise stays resident while the new one grows on the engine thread's, ~70 MB of SmolLM2's
+        # RSS for good, past what the budget had measured
         trim_heap()
         try:
             self._load(spin)
@@ -296,6 +165,14 @@ class ModelRunner:
         chunk = min(chunk_tokens, context)
         self.forward(np.zeros((1, chunk), np.int64), np.array([context - 1]), np.array([chunk]),
                      np.array([[chunk - 1]]), self.new_cache(1, context))
+
+    def view(self, pool: SlotPool, lo: int, hi: int) -> KVCache:
+        """The KV buffers of pool's slots [lo, hi) as one batch, wrapped once per pool and range."""
+        views = self._views.setdefault(pool, {})
+        key = (lo, hi)
+        if key not in views:
+            views[key] = KVCache.wrap([k[lo:hi] for k in pool.keys], [v[lo:hi] for v in pool.values])
+        return views[key]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         shape = (batch, self.kv_heads, capacity, self.head_dim)
@@ -329,8 +206,35 @@ class ModelRunner:
             binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
         self.session.run_with_iobinding(binding)
         for lo, hi in self._reread_weights:
-            _drop_pages(lo, hi)
+            drop_pages(lo, hi)
         return logits
+
+    def forward_slot(self, pool: SlotPool, slot: int, ids: list[int], start: int) -> np.ndarray:
+        """Compute ids at positions start.. of one slot of pool (a prompt chunk, a draft model's catch-up or
+        one-token step) -> the last token's logits [1, 1, V]."""
+        n = len(ids)
+        return self.forward(np.array([ids], np.int64), np.array([start + n - 1]), np.array([n]), np.array([[n - 1]]),
+                            self.view(pool, slot, slot + 1))
+
+    def forward_decode(self, pool: SlotPool, runs: dict[int, tuple[int, list[int]]]) -> np.ndarray:
+        """One decode call over pool's live slots [0:n] -> logits [n, width, V], row i for the sequence in slot i.
+
+        runs: sequence id -> (tokens already in its cache, the tokens to run: its last one and any draft). The
+        batch is right-padded to the longest run (query_seqlens tells each row's length); a slot with no run
+        (still prefilling) is an idle row, query_seqlens 0, that neither computes into nor changes its cache.
+        """
+        n, width = len(pool.owners), max(len(run) for _, run in runs.values())
+        ids = np.zeros((n, width), np.int64)
+        seqlens = np.zeros(n, np.int32)
+        q = np.zeros(n, np.int32)
+        for row, owner in enumerate(pool.owners):
+            if owner in runs:
+                cached, run = runs[owner]
+                ids[row, :len(run)], seqlens[row], q[row] = run, cached + len(run) - 1, len(run)
+            else:
+                seqlens[row] = max(pool.lengths[owner] - 1, 0)
+        positions = np.minimum(np.arange(width)[None, :], np.maximum(q, 1)[:, None] - 1)  # [n, width]
+        return self.forward(ids, seqlens, q, positions, self.view(pool, 0, n))
 
     def _binding(self, cache: KVCache) -> ort.IOBinding:
         """This session's binding for cache, made (and its 4 x layers cache tensors bound) on first use."""
@@ -347,6 +251,13 @@ class ModelRunner:
             binding.bind_ortvalue_output(wire.present_key(i), cache.keys_ort[i])
             binding.bind_ortvalue_output(wire.present_value(i), cache.values_ort[i])
         return binding
+
+
+def open_runner(bundle: Bundle, threads: int | None = None, spin_wait: SpinWait = False,
+                kv_dtype: str = "fp32") -> ModelRunner:
+    """A runner for the bundle's graph that uses this KV cache type (BundleError if the bundle has none)."""
+    c = bundle.config
+    return ModelRunner(bundle.graph(kv_dtype), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
 
 def check_runtime_version(version: str) -> None:

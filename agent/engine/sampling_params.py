@@ -75,8 +75,8 @@ def _token_id_keys(value: object) -> object:
         return value
     ids = {}
     for k in value:
-        # ASCII digits only: int() also takes "1_0", " 7", "٣" and 5,000-digit strings, and a key that
-        # isdigit() passed but int() refused ("²") ended in a 500 (found in review)
+        # ASCII digits only: int() also takes "1_0", " 7", "٣" and 5,000-digit strings, and str.isdigit()
+        # passes keys that int() refuses ("²"), which must be a 400, not a 500
         text = k if isinstance(k, str) else str(k)
         if not (_TOKEN_ID.fullmatch(text) and len(text) <= 12):
             raise ValueError(f"logit_bias keys must be token ids, got {k!r}")

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.engine.kv_cache import KVPool, SlotPool
-from agent.engine.runner import has_lone_row
 from agent.engine.sequence import FinishReason, Sequence, Status
 from agent.wire import ModelConfig
 
@@ -39,6 +38,19 @@ AGING_S = 10.0  # a waiting request gains one priority level per this many secon
 # 128-token chunk took 137 / 253 / 381 / 637 ms at 0 / 2,000 / 4,000 / 7,800 tokens of context, which fits
 # 1 + context / ~2,200 tokens, where the multiply-adds alone give 1 + context / 3,070.
 ATTENTION_EFFICIENCY = 0.7
+# ONNX Runtime rounds a step's last row differently when the step's width leaves it alone in a tile: a
+# one-token step, and (measured, fp32) 33 or 65 tokens on a tiny model with head_dim 16, 129 or 257 on
+# SmolLM2 (head_dim 64). That position's logits then differ by up to ~3e-5 from any other split of the
+# same tokens, while widths without a lone row give the same bits whatever the split. A cold run and a
+# prefix-cache hit split a prompt differently, so prefill steps avoid those widths: otherwise a near-tie
+# could flip a greedy token between the two. The tile measured on both models is twice head_dim, and 32
+# divides that for every head_dim the quantizer accepts (a multiple of 16).
+LONE_ROW_TILE = 32
+
+
+def has_lone_row(width: int) -> bool:
+    """Whether a step this many tokens wide rounds its last row apart from the rest (see LONE_ROW_TILE)."""
+    return width % LONE_ROW_TILE == 1
 
 
 def attention_tokens(c: ModelConfig) -> int:
@@ -126,9 +138,9 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """The budget is prefill_chunk_tokens of chunks at the start of a context. While others decode, a chunk
-        deeper in costs more per token (its attention over the context before it), so it gets fewer: found in
-        review, on one core a 128-token chunk 7,800 tokens into a prompt took 0.75 s, and every running stream
-        waited that long for each token. Alone, a prompt takes whole chunks (the fastest TTFT)."""
+        deeper in costs more per token (its attention over the context before it), so it gets fewer: on one
+        core a 128-token chunk 7,800 tokens into a prompt takes 0.75 s, which every running stream would wait
+        for each token. Alone, a prompt takes whole chunks (the fastest TTFT)."""
         # a float: each prompt's cost rounded up to a whole token let fewer short prompts share a step
         plan, budget = StepPlan(), float(self.prefill_chunk_tokens)
         decoding = any(seq.status is Status.DECODING for seq in self.running)
@@ -149,7 +161,7 @@ class Scheduler:
     @staticmethod
     def _chunk(left: int, budget: int) -> int:
         """Prompt tokens to compute now (0: none this step): what the budget allows, but no step, this one or
-        a later one, whose width has a lone row (runner.has_lone_row), unless the prompt is a single token.
+        a later one, whose width has a lone row (has_lone_row), unless the prompt is a single token.
         The first prefilling sequence always progresses: prefill_chunk_tokens is at least 16."""
         n = min(left, budget)
         while n > 0 and (has_lone_row(n) or has_lone_row(left - n)) and left > 1:

@@ -22,7 +22,7 @@ _ids = itertools.count()
 def delivery_gaps_s(token_times: list[float]) -> np.ndarray:
     """Inter-token latency as a client feels it: the gaps between the steps that delivered tokens. Tokens
     accepted together by speculative verification arrive at once, so they make one gap, not several of ~0
-    (found in review: an ITL p50 of 0.01 ms while the client waited 16-20 ms between bursts). Token times
+    (which would report an ITL p50 of 0.01 ms while the client waits 16-20 ms between bursts). Token times
     are non-decreasing, and a step's tokens share its time."""
     return np.diff(np.unique(np.asarray(token_times, dtype=np.float64)))
 
@@ -128,8 +128,8 @@ class Sequence:
         return RequestFigures(
             prompt_tokens=len(self.prompt_ids), completion_tokens=n_out,
             cached_prompt_tokens=self.cached_prompt_tokens,
-            # never admitted (shed, cancelled or refused while waiting): its whole wait (found in review: 0, so
-            # queue time read lowest when the device was saturated)
+            # never admitted (shed, cancelled or refused while waiting): its whole wait, so that queue time
+            # reads highest, not lowest, when the device is saturated
             queue_ms=ms(self.t_submit, end if self.t_admit is None else self.t_admit),
             ttft_ms=ms(self.t_submit, self.t_first),
             prefill_tokens_per_s=computed_prompt / prefill_s if prefill_s > 0 else 0.0,

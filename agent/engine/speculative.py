@@ -10,9 +10,9 @@ position (prompt lookup, and the draft model's greedy choice: q is one-hot), so 
 samples its own token exactly as plain decoding does (argmax, or one draw from the request's generator)
 and the draft token is accepted when it is that token. A draft token is thus accepted with probability
 p(d), else the output is p's draw given it is not d: the speculative-sampling rule of Leviathan et al. and
-Chen et al. (2023) for a one-hot q. Drawing it this way uses the generator exactly as plain decoding would,
-so a seeded request gives the same text with or without speculation and whatever else is in the batch
-(found in review: the accept-then-residual form drew a varying number of times), up to rounding: the
+Chen et al. (2023) for a one-hot q. Drawing it this way uses the generator exactly as plain decoding would (once per emitted token,
+where an accept-then-residual form draws a varying number of times), so a seeded request gives the same
+text with or without speculation and whatever else is in the batch, up to rounding: the
 target's logits for a position verified in a k+1-row step (or decoded in a step padded to a neighbour's
 drafts) differ from a one-row step's in the last bits (ONNX Runtime rounds the two widths apart, ~1e-5 in
 fp32), so at a near-tie the token can differ, as it can after vLLM's speculative decoding. On INT4/INT8
@@ -20,13 +20,19 @@ bundles the rows' activations are quantized apart too, and the difference is lar
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agent.engine.sampler import sample
 from agent.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the draft model runs the runtime; a sequence holds this module's controllers
+    from agent.config import EngineConfig
+    from agent.engine.draft import DraftModel
+    from agent.engine.sequence import Sequence as Request
 
 
 def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = 4, min_ngram: int = 2, window: int = 4096) -> list[int]:
@@ -204,3 +210,63 @@ def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_
             return out
     out.append(sample(logits[len(draft)], params, prompt_ids, history, rng))
     return out
+
+
+@dataclass
+class Speculation:
+    """The engine's speculative decoding: each request's mode and draft-length controller, its drafts, the
+    accounting of a verify step, and what a finished request's controller hands to the next in its mode.
+
+    `settings` gives the engine's current config (live settings change `speculative` and
+    `speculative_max_batch`). The engine thread calls everything but start(), which submit() calls.
+    """
+
+    settings: Callable[[], EngineConfig]
+    draft: DraftModel | None = None
+    backoff: dict[str, int] = field(default_factory=dict)  # mode -> the last finished sequence's backoff
+
+    def mode_of(self, seq: Request) -> str:
+        return seq.params.speculative or self.settings().speculative
+
+    def start(self, seq: Request) -> None:
+        """Give a new sequence its mode's controller (see next_draft_length)."""
+        mode = self.mode_of(seq)
+        seq.draft_length = next_draft_length(mode, self.backoff.get(mode))
+
+    def propose(self, seq: Request, batch: int, capacity: int) -> list[int]:
+        """This step's draft (prompt lookup's or the draft model's), or [] when speculation is off, paused or not
+        worth it. capacity: the tokens seq's slot holds (a draft model writes its tokens into its own slot)."""
+        mode = self.mode_of(seq)
+        if mode == "off" or batch > self.settings().speculative_max_batch:
+            return []
+        room = min(seq.params.max_tokens - len(seq.output_ids), min(seq.max_total_tokens, capacity) - seq.num_tokens) - 1
+        if mode == "ngram":
+            return seq.draft_length.propose(seq.all_ids, room)
+        k = min(seq.draft_length.current(), room)
+        return self.draft.propose(seq.seq_id, seq.all_ids, k) if k > 0 and self.draft is not None else []
+
+    def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float) -> list[int]:
+        """The tokens a verify step that took `seconds` gives (see verify), counted in seq's figures and
+        controller. logits [len(draft) + 1, V]."""
+        tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+        accepted = len(tokens) - 1
+        seq.drafted_tokens += len(draft)
+        seq.accepted_tokens += accepted
+        seq.draft_length.update(len(draft), accepted, seconds)
+        return tokens
+
+    def computed(self, seq: Request) -> None:
+        """After a step: the draft model's cache matches seq for its computed tokens only."""
+        if self.draft is not None:
+            self.draft.accepted(seq.seq_id, seq.num_computed)
+
+    def forget(self, seq_id: int) -> None:
+        """seq_id left its slot (finished or preempted): the draft model's cache of it is gone."""
+        if self.draft is not None:
+            self.draft.forget(seq_id)
+
+    def finished(self, seq: Request) -> None:
+        self.forget(seq.seq_id)
+        if seq.num_computed > len(seq.prompt_ids) and isinstance(seq.draft_length, DraftLength):
+            # it decoded: what it learned about a draft model's speculation counts
+            self.backoff[self.mode_of(seq)] = learned_backoff(seq.draft_length, seq.drafted_tokens > 0)

@@ -37,7 +37,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode puts where a character'
 # needs a few tokens before it. Byte-level decoders do not need them but are not harmed.
 PROMPT_CONTEXT_TOKENS = 5
 # `tokenizers` takes ~500 bytes a token while it encodes (offsets, token strings), and glibc keeps what it
-# freed: a few 4 MB prompts at once took a 350 MB agent past 2 GB, and it stayed over 1 GB (found in review).
+# freed: a few 4 MB prompts at once take a 350 MB agent past 2 GB, and it stays over 1 GB.
 # Texts this long are encoded one at a time, without holding the GIL, and the heap is trimmed after each.
 BIG_TEXT_BYTES = 64 << 10
 TOKEN_BYTES_SLACK = 4  # see TextTokenizer._max_token_bytes
@@ -130,8 +130,8 @@ class TextTokenizer:
         """The most input one token can stand for (~35 ms for SmolLM2's 49,152 tokens): a text of n bytes is at
         least n / this many tokens, so a prompt far too long is refused unencoded. A byte-level document
         without a normalizer decodes each token to exactly its input (81 bytes at most for SmolLM2). Otherwise
-        a decoded token can be shorter than its input (Metaspace strips a space, NFC composes: found in
-        review), so the longer of that and its vocabulary string, with a slack of 4."""
+        a decoded token can be shorter than its input (Metaspace strips a space, NFC composes), so the longer
+        of that and its vocabulary string, with a slack of 4."""
         t, n = self._tokenizer, self._tokenizer.get_vocab_size()
         decoded = max((len(t.decode([i], skip_special_tokens=False).encode()) for i in range(n)), default=1)
         if t.normalizer is None and isinstance(t.decoder, decoders.ByteLevel):

@@ -191,7 +191,7 @@ class Commands:
 def run_benchmark(engine, spec: BenchmarkArgs) -> RequestFigures:
     """A short greedy generation on a running engine (agent.engine.engine.Engine), EOS ignored so that every run
     produces spec.max_tokens tokens; its figures are the benchmark's result."""
-    from agent.engine.engine import RequestError
+    from agent.engine.request import RequestError
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     try:

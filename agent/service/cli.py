@@ -77,7 +77,8 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
 
     Example: edge-agent generate --model bundles/smollm2-int4 --chat "Name three rivers."
     """
-    from agent.engine.engine import Engine, TextDelta
+    from agent.engine.engine import Engine
+    from agent.engine.request import TextDelta
     from agent.engine.sampling_params import SamplingParams
 
     try:

@@ -767,7 +767,7 @@ def describe_device(backend: Backend) -> dict:
     """DeviceState's optional fields: what this device runs and on what."""
     import platform
 
-    from agent.engine.runner import usable_cores
+    from agent.process import usable_cores
 
     m = backend.manifest
     mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()

@@ -31,7 +31,8 @@ from pydantic import ValidationError
 
 from agent.api.app import Backend, EventBridge
 from agent.config import ApiConfig, EngineConfig
-from agent.engine.engine import Engine, Finished, RequestHandle, TextDelta
+from agent.engine.engine import Engine
+from agent.engine.request import Finished, RequestHandle, TextDelta
 from agent.api.openai_models import ChatMessage
 from agent.service.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
 from agent.engine.sampler import make_rng

@@ -15,8 +15,8 @@ def tree(root, text: str):
 
 
 def test_the_old_tree_stays_in_place_while_the_new_one_is_synced(tmp_path, monkeypatch):
-    """Found in review: the old bundle was moved aside before the new one's fsync (seconds for 90 MB), so a
-    build interrupted then left no bundle at all."""
+    """The new bundle is synced before the old one moves aside (the fsync takes seconds for 90 MB), so a build
+    interrupted meanwhile leaves the old bundle in place."""
     dest, new = tree(tmp_path / "b", "old"), tree(tmp_path / ".b.tmp", "new")
     seen = []
     sync = durable.sync_tree
@@ -43,9 +43,9 @@ def test_a_failed_final_rename_puts_the_old_tree_back(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("after", ["aside", "into place"])
 def test_an_interrupt_at_either_rename_leaves_a_whole_tree_at_dest(after, tmp_path, monkeypatch):
-    """Found in review: Ctrl-C right after the old bundle moved aside left no bundle at all (that rename was
-    outside the recovery), and right after the new one moved in, putting the old one back failed with
-    "Directory not empty". Now dest holds the old tree in the first case and the new one in the second."""
+    """Ctrl-C right after the old bundle moved aside leaves the old tree at dest (that rename is inside the
+    recovery), and right after the new one moved in leaves the new tree (the old one is not put back onto
+    it, which would fail with "Directory not empty")."""
     dest, new = tree(tmp_path / "b", "old"), tree(tmp_path / ".b.tmp", "new")
     replace = os.replace
 

@@ -2,6 +2,7 @@
 seeds reproduce, stop strings are honoured, and bad budgets / prompts get clear errors."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -9,9 +10,11 @@ import pytest
 
 import reference
 from agent.config import EngineConfig
-from agent.engine.engine import Engine, Finished, RequestError, TextDelta
+from agent.engine.engine import Engine
+from agent.engine.request import Finished, RequestError, TextDelta
 from agent.engine.kv_cache import KVPool
 from agent.engine.memory import MemoryBudgetError, SizeClass
+from agent.engine.runner import open_runner
 from agent.engine.sampling_params import SamplingParams
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
@@ -49,7 +52,7 @@ def test_concurrent_requests_equal_one_at_a_time(engine):
 
 
 def test_in_place_cache_decode_equals_recompute(tiny_bundle):
-    runner = tiny_bundle.runner(2)
+    runner = open_runner(tiny_bundle, 2)
     ids = prompts(1, seed=2)[0] + [7, 8, 9, 10]
     n = len(ids)
     full = runner.forward(np.array([ids]), np.array([n - 1]), np.array([n]), np.arange(n)[None], runner.new_cache(1, 64))
@@ -111,6 +114,44 @@ def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(engine):
     assert engine.generate(prompts(1)[0], SamplingParams(max_tokens=4, **GREEDY)).figures.completion_tokens == 4
 
 
+def test_live_settings_reach_the_scheduler_through_the_engine_thread(tiny_bundle):
+    """update_settings replaces the config at once; the scheduler's share is written by the engine thread while
+    it runs (by the caller when it does not), and a request then waits no longer than the new limit."""
+    from agent.engine.scheduler import Scheduler
+
+    writers: list[threading.Thread] = []
+
+    class Recording(Scheduler):
+        def __setattr__(self, name, value):
+            if name == "max_queue_wait_s":
+                writers.append(threading.current_thread())
+            super().__setattr__(name, value)
+
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
+    g = tiny_bundle.config  # one slot: a second request waits while the first runs
+    engine.kv = engine.scheduler.kv = engine.prefix.kv = KVPool([SizeClass(256, 1)], g.num_layers, g.num_kv_heads,
+                                                                g.head_dim)
+    engine.scheduler.__class__ = Recording
+    engine.update_settings({"max_queue_wait_s": 30.0})  # not running: applied by this call
+    assert writers == [threading.current_thread()] and engine.scheduler.max_queue_wait_s == 30.0
+    engine.start()
+    try:
+        running = engine.submit(prompts(1)[0], SamplingParams(max_tokens=200, **GREEDY))
+        deadline = time.monotonic() + 10
+        while engine.num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        engine.update_settings({"max_queue_wait_s": 0.001})
+        assert engine.config.max_queue_wait_s == 0.001  # the config at once
+        while engine.scheduler.max_queue_wait_s != 0.001 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.scheduler.max_queue_wait_s == 0.001 and writers[1:] == [engine._thread]
+        shed = engine.submit(prompts(1, seed=3)[0], SamplingParams(max_tokens=5, **GREEDY))
+        assert shed.result().error_code == "overloaded"  # it waited past the new limit behind the running one
+        assert running.result().figures.finish_reason == "length"
+    finally:
+        engine.stop()
+
+
 def test_stop_ends_every_request_it_holds_and_refuses_new_ones(tiny_bundle):
     """Running, admitted-but-waiting and not-yet-seen requests all get an 'unavailable' Finished: none hangs."""
     engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
@@ -154,17 +195,17 @@ def test_a_failed_step_ends_the_request_it_was_taking_in(tiny_bundle, monkeypatc
 
 
 def test_a_request_whose_sampling_fails_ends_alone(tiny_bundle, monkeypatch):
-    """Found in review: one request's sampling error (a repetition penalty of 1e-40 overflowed its logits)
-    failed the whole step, so every request in flight ended with an error."""
+    """One request's sampling error (a repetition penalty of 1e-40 overflowing its logits) ends that request
+    alone; the others in the step finish normally."""
     engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
-    sample = engine._sample
+    sample = engine.steps._sample
 
     def failing_for_seed_13(seq, logits):
         if seq.params.seed == 13 and len(seq.output_ids) == 3:
             raise IndexError("a bug in one request's sampling")
         return sample(seq, logits)
 
-    monkeypatch.setattr(engine, "_sample", failing_for_seed_13)
+    monkeypatch.setattr(engine.steps, "_sample", failing_for_seed_13)
     ps = prompts(4, seed=7)
     handles = [engine.submit(p, SamplingParams(max_tokens=12, seed=13 if i == 1 else None, **GREEDY))
                for i, p in enumerate(ps)]
@@ -188,8 +229,8 @@ def test_a_repetition_penalty_near_zero_is_served():
 
 
 def test_an_engine_that_lost_its_model_session_stops_instead_of_failing_every_request(tiny_bundle, monkeypatch):
-    """Found in review: when rebuilding the session failed and so did restoring the old one, the loop went on
-    (heartbeats and all, so the watchdog never restarted the service) and failed every request."""
+    """When rebuilding the session fails and so does restoring the old one, the loop stops (no more heartbeats,
+    so the watchdog restarts the service) instead of failing every request."""
     import agent.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "SPIN_RECHECK_S", 0.0)
@@ -217,8 +258,8 @@ def test_an_engine_that_lost_its_model_session_stops_instead_of_failing_every_re
 
 
 def test_simultaneous_submits_never_queue_past_max_queue(tiny_bundle):
-    """Found in review: the queue's depth was checked outside the lock that queues, so submits arriving
-    together could each pass it."""
+    """The queue's depth is checked under the lock that queues, so submits arriving together cannot each pass
+    it."""
     import threading
 
     engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, max_queue=4))
@@ -241,11 +282,10 @@ def test_simultaneous_submits_never_queue_past_max_queue(tiny_bundle):
 
 
 def test_a_switch_lets_the_old_model_finish_and_free_its_memory_before_loading_the_new(tiny_bundle, monkeypatch):
-    """Found in review: loaded beside a busy old model, the new one's budget counted only what the old held at
-    that moment; the old one's requests went on filling its KV cache past memory_budget_mb (1,162 MB against
-    1,024 in the reviewer's run) and the new model kept a KV cache sized around the old one. Now the old
-    model's request finishes, its session is gone and then the new model loads; a request sent during the
-    switch waits for the new model instead of failing."""
+    """A switch never loads beside a busy old model (whose requests would go on filling its KV cache past
+    memory_budget_mb, 1,162 MB against 1,024 measured, while the new model's cache was sized around it): the
+    old model's request finishes, its session is gone and then the new model loads; a request sent during
+    the switch waits for the new model instead of failing."""
     import weakref
 
     import agent.service.serve as serve
@@ -273,9 +313,9 @@ def test_a_switch_lets_the_old_model_finish_and_free_its_memory_before_loading_t
 
 
 def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memory(tiny_bundle):
-    """Found in review: an update's health check loaded the new model beside the serving one, taking the process
-    ~210 MB past memory_budget_mb (526 MB at 420, SmolLM2 INT4 -> INT8). It now runs inside the switch, after
-    the old engine has stopped and freed its session; if it fails, the old model serves again."""
+    """An update's health check runs inside the switch, after the old engine has stopped and freed its session
+    (beside the serving one it took the process ~210 MB past memory_budget_mb: 526 MB at 420, SmolLM2 INT4 ->
+    INT8); if it fails, the old model serves again."""
     import weakref
 
     import agent.service.serve as serve
@@ -301,8 +341,8 @@ def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memor
     serving = backend.engine
     serve.swap_engine(backend, tiny_bundle, config, None, lambda bundle: seen.append("checked"))
     assert seen[-1] == "checked" and backend.engine is not serving and backend.engine.is_running
-    # the old model failing to load again keeps the check's reason (found in review: the reload's error
-    # replaced it); nothing serves then, and the watchdog restarts the agent
+    # the old model failing to load again keeps the check's reason, not the reload's error; nothing serves
+    # then, and the watchdog restarts the agent
     load = serve.load_engine
 
     def broken_load(path, config, notifier=None):
@@ -317,9 +357,9 @@ def test_an_updates_health_check_runs_once_the_old_model_has_let_go_of_its_memor
 
 
 def test_a_sighup_during_a_model_switch_reaches_the_model_served_after_it(tiny_bundle):
-    """Found in review: the switch loaded the new model with the config it read before draining the old one,
-    so a SIGHUP during the switch (applied to the outgoing engine, logged as applied) was silently undone;
-    so was one during a health check that failed and reloaded the old model."""
+    """A SIGHUP during a switch (applied to the outgoing engine, logged as applied) holds for the new model,
+    whose config is taken after the old one drained; so does one during a health check that fails and
+    reloads the old model."""
     import agent.service.serve as serve
     from agent.api.app import Backend
     from agent.config import AgentConfig
@@ -348,8 +388,8 @@ def test_a_sighup_during_a_model_switch_reaches_the_model_served_after_it(tiny_b
 
 
 def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny_bundle):
-    """Found in review: with the model failing on every call, the loop failed each request and went on feeding
-    the watchdog, so systemd never restarted the service and /health said ready."""
+    """With the model failing on every call, the loop stops after MAX_FAILED_STEPS and stops feeding the
+    watchdog, so systemd restarts the service instead of /health saying ready while every request fails."""
     from agent.engine.engine import MAX_FAILED_STEPS
 
     e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64), idle_wait_s=0.05)
@@ -375,8 +415,8 @@ def test_an_engine_whose_every_step_fails_stops_so_the_watchdog_restarts_it(tiny
 
 
 def test_a_switch_while_the_first_model_loads_waits_for_it(tiny_bundle):
-    """Found in review: a rollback job arriving while the first model loaded was swapped in, then replaced by
-    the loader's engine, and ran on unused beside it."""
+    """A rollback job arriving while the first model loads is not swapped in only to be replaced by the
+    loader's engine and run on unused beside it."""
     import threading
 
     import agent.service.serve as serve
@@ -400,8 +440,8 @@ def test_a_switch_while_the_first_model_loads_waits_for_it(tiny_bundle):
 
 
 def test_a_model_switch_keeps_what_sighup_changed(tiny_bundle):
-    """Found in review: a switch loaded the new model with the settings read at start, silently undoing
-    every live change SIGHUP had applied since (max_queue, the default max_tokens, speculation...)."""
+    """A switch loads the new model with the live settings SIGHUP applied since start (max_queue, the default
+    max_tokens, speculation...), not the ones read at start."""
     import agent.service.serve as serve
     from agent.api.app import Backend
 
@@ -478,9 +518,9 @@ def test_a_failing_remeasurement_does_not_stop_the_loop(tiny_bundle, monkeypatch
 
 
 def test_sighup_names_every_key_it_cannot_apply_and_never_fakes_a_draft_model(tiny_bundle, caplog):
-    """Found in review: SIGHUP said nothing about changes outside [engine] (a rotated trusted key, [api], `model`),
-    and speculative = 'draft' without a draft model was accepted at start and on reload, then quietly ran
-    prompt lookup."""
+    """SIGHUP names the changes outside [engine] that need a restart (a rotated trusted key, [api], `model`),
+    and speculative = 'draft' without a draft model is refused at start and on reload rather than quietly
+    running prompt lookup."""
     import agent.service.serve as serve
     from agent.api.app import Backend
     from agent.config import AgentConfig

@@ -11,6 +11,7 @@ from agent import wire
 from agent.engine.bundle import BundleError
 from agent.config import EngineConfig
 from agent.engine.engine import Engine
+from agent.engine.runner import open_runner
 from agent.engine.sampling_params import SamplingParams
 from batching import GREEDY, run_together
 from quantize.cli import default_calibration_text
@@ -42,7 +43,7 @@ def graph_scales(bundle) -> dict[str, np.ndarray]:
 
 
 def test_an_int8_graph_the_manifest_does_not_list_is_not_loaded(bundle, tmp_path):
-    """Found in review: a model.int8kv.onnx dropped into a bundle built without one was loaded, never verified."""
+    """A model.int8kv.onnx dropped into a bundle built without one is not loaded: only verified graphs are."""
     import shutil
 
     from agent.engine.bundle import open_bundle
@@ -59,8 +60,8 @@ def test_an_int8_graph_the_manifest_does_not_list_is_not_loaded(bundle, tmp_path
 
 def test_bundle_carries_a_hashed_int8_kv_graph_scaled_from_the_calibration_text(bundle):
     assert wire.GRAPH_INT8_KV in bundle.manifest.files
-    assert bundle.runner(2, kv_dtype="int8").kv_dtype == np.int8
-    fp32 = bundle.runner(2)
+    assert open_runner(bundle, 2, kv_dtype="int8").kv_dtype == np.int8
+    fp32 = open_runner(bundle, 2)
     assert fp32.kv_dtype == np.float32
     ids = encode(bundle.tokenizer_json(), default_calibration_text())
     absmax = {}  # largest |value| and key rotary-pair norm per layer and channel, each window in one prefill
@@ -83,11 +84,11 @@ def test_bundle_carries_a_hashed_int8_kv_graph_scaled_from_the_calibration_text(
 
 def test_key_scales_hold_every_position_not_only_the_calibrated_ones(bundle):
     """Rotary turns each key pair further as the position grows; scales from the largest |key| over the
-    calibration's positions clipped later ones (found in review: KL against the fp32 cache 0.59 at 7,000
-    tokens on SmolLM2, whose calibration text is 937 tokens). In the first layer a token's key before
+    calibration's positions would clip later ones (KL against the fp32 cache 0.59 at 7,000 tokens on
+    SmolLM2, whose calibration text is 937 tokens). In the first layer a token's key before
     rotary does not depend on its context, so one token repeated gives the same key at every position,
     turned: calibrated on 16 positions, the bound must hold over the whole context."""
-    fp32 = bundle.runner(2)
+    fp32 = open_runner(bundle, 2)
     n = bundle.config.context_length
     bound = kv_absmax(fp32, [42] * 16, n)[0, 0].reshape(fp32.kv_heads, 1, fp32.head_dim)
     cache = fp32.new_cache(1, n)
@@ -102,7 +103,7 @@ def test_int8_cache_holds_the_fp32_cache_to_half_a_step(bundle):
     (first layer, where both see the same input), and on held-out prompts almost nothing falls outside
     the calibrated range."""
     scales = graph_scales(bundle)
-    fp32, int8 = bundle.runner(2), bundle.runner(2, kv_dtype="int8")
+    fp32, int8 = open_runner(bundle, 2), open_runner(bundle, 2, kv_dtype="int8")
     ids = prompts(1, seed=9)[0]
     n = len(ids)
     caches = fp32.new_cache(1, 64), int8.new_cache(1, 64)
@@ -124,7 +125,7 @@ def test_int8_cache_holds_the_fp32_cache_to_half_a_step(bundle):
 def test_int8_cache_stays_close_to_fp32(bundle):
     """Over held-out prompts (not the calibration text), next-token distributions with the int8 cache
     agree with the fp32 cache's."""
-    fp32, int8 = bundle.runner(2), bundle.runner(2, kv_dtype="int8")
+    fp32, int8 = open_runner(bundle, 2), open_runner(bundle, 2, kv_dtype="int8")
     kls, agree, total = [], 0, 0
     for ids in prompts(4, seed=7):
         n = len(ids)

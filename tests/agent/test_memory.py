@@ -49,9 +49,9 @@ def test_the_plan_never_exceeds_the_budget_and_always_fits_min_context(tokens):
 @pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.9])
 @pytest.mark.parametrize("min_context", [16, 512, 4096])
 def test_the_budget_a_refusal_names_starts(fraction, min_context):
-    """Found in review: the figure left out the prefix cache's share, so budgets of exactly what the refusal
-    named (265 MB and more) were refused too. With the required budget, the engine's own split (prefix blocks
-    first, the rest to slots) leaves one min_context sequence."""
+    """The required budget counts the prefix cache's share, so a budget of exactly what a refusal names
+    starts: with it, the engine's own split (prefix blocks first, the rest to slots) leaves one min_context
+    sequence."""
     from agent.engine.memory import required_budget_bytes
 
     per_token, block = 46_080, 16  # SmolLM2's fp32 KV bytes a token, the default prefix block

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.engine.runner import (choose_spinning, clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages,
-                          release_pages, usable_cores)
+from agent.engine.runner import choose_spinning, open_runner
+from agent.process import (clean_file_mappings, cpu_busy_elsewhere, lazy_zeros, release_clean_file_pages, release_pages,
+                           usable_cores)
 
 
 def test_release_pages_gives_back_whole_pages_as_zeros():
@@ -43,7 +44,7 @@ def test_clean_file_pages_are_dropped_and_read_back_modified_mappings_are_kept(t
 def test_a_step_leaves_none_of_the_weight_files_resident(real_q4_bundle):
     """The embedding table's rows a step gathered are dropped after it: without that, 240 distinct tokens made
     ~29 MB of the table resident (the kernel maps 64 kB around each row), as months of requests would."""
-    runner = real_q4_bundle.runner(1, False)
+    runner = open_runner(real_q4_bundle, 1, False)
     directory = runner.model_path.resolve().parent
     cache = runner.new_cache(1, 256)
     ids = np.arange(240)[None, :] * 200 + 100  # rows spread over the 49,152-token table
@@ -52,7 +53,7 @@ def test_a_step_leaves_none_of_the_weight_files_resident(real_q4_bundle):
         # what stays is the norms' small mappings that every step reads (~0.4 MB, bounded)
         assert sum(rss for _, _, rss in clean_file_mappings(directory)) < 2 * 1024 * 1024
     assert np.isfinite(logits).all()
-    other = real_q4_bundle.runner(1, False)  # a second session on the same files records only its own mappings
+    other = open_runner(real_q4_bundle, 1, False)  # a second session on the same files records only its own mappings
     assert other._reread_weights and not set(other._reread_weights) & set(runner._reread_weights)
     other_logits = other.forward(ids, np.array([239]), np.array([240]), np.array([[239]]), other.new_cache(1, 256))
     assert np.array_equal(other_logits, logits)
@@ -84,7 +85,7 @@ def test_auto_does_not_spin_next_to_a_busy_neighbour(two_free_cores):
 
 
 def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
-    runner = tiny_fp32_bundle.runner(2, "auto")
+    runner = open_runner(tiny_fp32_bundle, 2, "auto")
     cache = runner.new_cache(1, 32)
     ids, seqlens, q, last = np.array([[5, 6, 7]]), np.array([2]), np.array([3]), np.array([[2]])
     before = runner.forward(ids, seqlens, q, last, cache).copy()
@@ -100,12 +101,12 @@ def test_recheck_rebuilds_the_session_when_the_box_got_busy(tiny_fp32_bundle):
     gc.collect()
     assert old() is None  # the old session (and its weights) is gone, not held by the cache's binding
     assert np.array_equal(runner.forward(ids, seqlens, q, last, cache), before)  # same cache, new session
-    assert not tiny_fp32_bundle.runner(1, False).recheck_spinning()  # a fixed choice is never re-measured
+    assert not open_runner(tiny_fp32_bundle, 1, False).recheck_spinning()  # a fixed choice is never re-measured
 
 
 def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch):
-    """Found in a soak: with the engine loaded on one thread and rebuilding on its own (as serve does), the old
-    session's heap stayed resident beside the new one's: ~70 MB of SmolLM2's RSS for good."""
+    """With the engine loaded on one thread and rebuilding on its own (as serve does), the old session's heap
+    goes back to the OS instead of staying resident beside the new one's (~70 MB of SmolLM2's RSS)."""
     import threading
 
     import agent.engine.engine as engine_module
@@ -145,16 +146,16 @@ def test_a_rebuild_gives_the_old_sessions_heap_back(real_q4_bundle, monkeypatch)
 
 
 def test_auto_sleeps_when_proc_stat_is_hidden(tmp_path, monkeypatch, two_free_cores):
-    import agent.engine.runner as runner_module
+    import agent.process
 
-    monkeypatch.setattr(runner_module, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
+    monkeypatch.setattr(agent.process, "PROC_STAT", tmp_path / "stat")  # as under systemd's ProcSubset=pid
     assert not choose_spinning("auto", 2)
 
 
 def test_auto_sleeps_at_one_thread_and_under_any_quota_without_measuring(monkeypatch, caplog, two_free_cores):
-    """Found in review: the docs promised no spinning under a cgroup CPU quota, but the code refused it only
-    below the thread count; at 1 thread (no workers to spin) every re-measurement that flipped rebuilt the
-    session for nothing, while the log said "workers will spin"."""
+    """"auto" never spins under a cgroup CPU quota, whatever the thread count, nor at 1 thread (no workers to
+    spin, so a re-measurement that flipped would rebuild the session for nothing), and says why without
+    measuring."""
     import agent.engine.runner as runner_module
 
     monkeypatch.setattr(runner_module, "cpu_busy_elsewhere", lambda: 0.0)  # an idle box: spinning, if measured
@@ -187,23 +188,22 @@ def write(path: Path, text: str) -> None:
 
 
 def test_a_cgroup_v2_cpu_quota_caps_cores_and_stops_spinning(tmp_path, monkeypatch):
-    import agent.engine.runner as runner_module
+    import agent.process
 
     mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup2 / rw,nsdelegate"], ["0::/system.slice/edge-agent.service"])
     write(mnt / "0/system.slice/edge-agent.service/cpu.max", "150000 100000")  # CPUQuota=150%
     write(mnt / "0/system.slice/cpu.max", "max 100000")
-    assert runner_module.cpu_quota_cores() == 1.5
+    assert agent.process.cpu_quota_cores() == 1.5
     assert usable_cores() == 1
     assert not choose_spinning("auto", 2) and not choose_spinning(True, 2)
 
 
 def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
-    """Found in review: only cgroup v2 was read, so on a v1 box (older distributions, Docker on them) a CPU
-    quota and a memory limit went unseen: two spinning threads on half a core, a budget above the limit.
+    """On a cgroup v1 box (older distributions, Docker on them) a CPU quota and a memory limit count as on v2
+    (unseen, they meant two spinning threads on half a core, a budget above the limit).
     Here cpu and cpuacct share a hierarchy that a container sees from its own cgroup down (root /docker/c1),
     memory's is mounted whole, and a hybrid system's unified hierarchy carries no controller."""
     import agent.process
-    import agent.engine.runner as runner_module
 
     mnt = fake_cgroups(tmp_path, monkeypatch, ["cgroup /docker/c1 rw,cpu,cpuacct", "cgroup / rw,memory",
                                                "cgroup2 / rw"],
@@ -212,17 +212,17 @@ def test_cgroup_v1_quotas_and_memory_limits_count_too(tmp_path, monkeypatch):
     write(mnt / "0/cpu.cfs_period_us", "100000")
     write(mnt / "1/docker/c1/memory.limit_in_bytes", str(512 << 20))
     write(mnt / "1/memory.limit_in_bytes", "9223372036854771712")  # v1's "no limit"
-    assert runner_module.cpu_quota_cores() == 0.5 and usable_cores() == 1
+    assert agent.process.cpu_quota_cores() == 0.5 and usable_cores() == 1
     assert agent.process.memory_limit_bytes() == 512 << 20
     write(mnt / "0/cpu.cfs_quota_us", "250000")  # --cpus=2.5
-    assert runner_module.cpu_quota_cores() == 2.5
+    assert agent.process.cpu_quota_cores() == 2.5
     write(mnt / "0/cpu.cfs_quota_us", "-1")  # no quota
-    assert runner_module.cpu_quota_cores() is None
+    assert agent.process.cpu_quota_cores() is None
 
 
 def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_fp32_bundle, tmp_path):
-    """Found in review: a mapped file whose name is not UTF-8 made reading smaps fail (calibrating such a GGUF
-    failed), and a bundle at such a path failed with a bare TypeError from ONNX Runtime."""
+    """A mapped file whose name is not UTF-8 is read in smaps like any other (calibrating such a GGUF needs
+    it), and a bundle at such a path is refused by name instead of a bare TypeError from ONNX Runtime."""
     from agent.engine.bundle import BundleError, open_bundle
 
     odd = tmp_path / os.fsdecode(b"caf\xe9")
@@ -237,12 +237,12 @@ def test_a_non_utf8_path_is_read_in_smaps_and_refused_by_name_for_a_bundle(tiny_
 
 
 def test_onnx_runtime_keeps_no_telemetry_state_and_sends_nothing(tiny_fp32_bundle, tmp_path):
-    """Found in review: ONNX Runtime 1.29+ collects usage telemetry on Linux too, with a device id and an event
-    database under $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the
-    runner opts out before the runtime initializes."""
+    """ONNX Runtime 1.29+ collects usage telemetry on Linux too, with a device id and an event database under
+    $HOME/.cache/Microsoft (the agent's HOME is its state directory). Loading through the runner opts out
+    before the runtime initializes."""
     env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"} | {"HOME": str(tmp_path)}
-    script = ("import sys; from agent.engine.bundle import open_bundle; "
-              "open_bundle(sys.argv[1]).runner(1)")
+    script = ("import sys; from agent.engine.bundle import open_bundle; from agent.engine.runner import open_runner; "
+              "open_runner(open_bundle(sys.argv[1]), 1)")
     r = subprocess.run([sys.executable, "-c", script, str(tiny_fp32_bundle.path)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr

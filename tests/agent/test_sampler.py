@@ -134,8 +134,8 @@ def test_a_bad_logit_bias_names_what_is_wrong(bias, message):
 
 
 def test_non_finite_logits_fail_the_request_or_pick_the_infinite_token():
-    """A +inf logit made softmax NaN for the whole row and the draw fell back to token 0 (found in review);
-    a NaN row means the model broke, so the request fails rather than answering with token 0."""
+    """A +inf logit makes softmax NaN for the whole row, where a draw would fall back to token 0; a NaN row
+    means the model broke, so the request fails rather than answering with token 0."""
     x = np.array([1.0, 2.0, np.inf, 0.5, 3.0], np.float32)
     for params in (SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0.9), SamplingParams(temperature=0)):
         rng, twin = make_rng(7), make_rng(7)

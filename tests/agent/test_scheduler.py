@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from agent.config import EngineConfig
-from agent.engine.engine import Engine, RequestError
+from agent.engine.engine import Engine
+from agent.engine.request import RequestError
 from agent.engine.kv_cache import KVPool
 from agent.api.openai_models import PRIORITY_RANGE
 from agent.engine.memory import SizeClass
@@ -60,24 +61,23 @@ def test_prefix_cache_hit_is_exact_and_computes_only_the_suffix(tiny_bundle):
 
 def record_logits(monkeypatch) -> list[tuple[object, np.ndarray]]:
     """(the request's generator, the logits row) of every token the engine samples, in order."""
-    import agent.engine.engine
+    import agent.engine.step
 
-    seen, sample = [], agent.engine.engine.sample
+    seen, sample = [], agent.engine.step.sample
 
     def recording(logits, params, prompt_ids, output_ids, rng):
         seen.append((rng, np.array(logits, copy=True)))
         return sample(logits, params, prompt_ids, output_ids, rng)
 
-    monkeypatch.setattr(agent.engine.engine, "sample", recording)
+    monkeypatch.setattr(agent.engine.step, "sample", recording)
     return seen
 
 
 @pytest.mark.parametrize("length,chunk", [(81, 32), (33, 32), (33, 64), (49, 64), (65, 64), (70, 32)])
 def test_a_prefix_hit_gives_the_cold_runs_logits_bit_for_bit(tiny_bundle, monkeypatch, length, chunk):
-    """Found in review: ONNX Runtime rounds a step's last row apart when the step's width leaves it alone in a
-    tile (one token, or 33 and 65 on this model), so a hit that left one token to compute, or a prompt whose
-    last chunk was one token, gave logits that differed from the cold run's in the last bits, and greedy
-    text flipped at near-ties."""
+    """ONNX Runtime rounds a step's last row apart when the step's width leaves it alone in a tile (one token,
+    or 33 and 65 on this model), so no prefix hit and no chunk leaves such a step: a hit gives the cold run's
+    logits to the last bit, and greedy text cannot flip at near-ties."""
     config = dict(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=chunk)
     prompt = np.random.default_rng(length).integers(3, 260, length).tolist()
     seen = record_logits(monkeypatch)
@@ -95,8 +95,8 @@ def test_a_prefix_hit_gives_the_cold_runs_logits_bit_for_bit(tiny_bundle, monkey
 
 
 def test_a_prompt_sharing_the_prefill_budget_gets_the_logits_it_gets_alone(tiny_bundle, monkeypatch):
-    """Found in review: two prompts sharing a step's prefill budget (40 and 25 tokens, 32 a step) left the
-    second one token for a step of its own, whose logits differed from the request alone in the last bits."""
+    """Two prompts sharing a step's prefill budget (40 and 25 tokens, 32 a step) never leave the second one
+    token for a step of its own (whose logits would differ from the request alone in the last bits)."""
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=32,
                           prefix_cache_fraction=0.0)
     rng = np.random.default_rng(7)
@@ -117,10 +117,9 @@ def test_a_prompt_sharing_the_prefill_budget_gets_the_logits_it_gets_alone(tiny_
 
 
 def test_chunks_deep_into_a_long_prompt_shrink_while_others_decode(tiny_bundle):
-    """Found in review: every chunk took prefill_chunk_tokens whatever the context before it, so on one core a
-    chunk 7,800 tokens into a prompt took 0.75 s and every running stream waited that long for each token.
-    While others decode, a chunk's width now falls as its attention's share of the step grows; alone, a
-    prompt takes whole chunks. Either way the text is what the request gets alone."""
+    """While others decode, a chunk's width falls as its attention's share of the step grows (on one core a
+    full chunk 7,800 tokens into a prompt takes 0.75 s, which every running stream would wait for each
+    token); alone, a prompt takes whole chunks. Either way the text is what the request gets alone."""
     from agent.engine.scheduler import attention_tokens
 
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=64,
@@ -160,8 +159,8 @@ def test_chunks_deep_into_a_long_prompt_shrink_while_others_decode(tiny_bundle):
 
 
 def test_prompts_deep_in_share_a_steps_budget_by_cost():
-    """Found in review: the 16-token floor meant for the first prefilling sequence went to every one, so a
-    fresh prompt's 100 tokens plus 16 more of a prompt 7,800 tokens deep cost 174 of a 128 budget."""
+    """The 16-token floor goes to the first prefilling sequence only: given to every one, a fresh prompt's 100
+    tokens plus 16 more of a prompt 7,800 tokens deep would cost 174 of a 128 budget."""
     from types import SimpleNamespace
 
     def seq(status: Status, prompt: int, computed: int) -> SimpleNamespace:
@@ -302,8 +301,8 @@ def test_fcfs_within_priority_and_aging():
 
 
 def test_a_preempted_request_goes_first_once_overdue_whatever_the_priorities():
-    """Found in review: priorities span 2^32 levels, aging gains one level per AGING_S and a preempted request is
-    never refused as overloaded, so a stream of higher-priority arrivals kept it waiting for ever. Once it was
+    """Priorities span 2^32 levels, aging gains one level per AGING_S and a preempted request is never refused
+    as overloaded, so a stream of higher-priority arrivals could keep it waiting for ever: once it was
     submitted more than max_queue_wait_s ago it goes first."""
     lowest, highest = PRIORITY_RANGE[1], PRIORITY_RANGE[0]
     kv = KVPool([SizeClass(32, 1)], num_layers=1, kv_heads=1, head_dim=2)
@@ -370,8 +369,8 @@ def test_a_slot_moved_when_another_finishes_keeps_the_kv_of_this_step(tiny_bundl
 
 
 def test_block_keys_are_sha256_chained_over_the_tokens():
-    """Found in review: keys chained Python's hash(), which is not seeded for ints, so a crafted prompt could
-    collide with another client's prefix and be served its KV. A key is SHA-256 over its parent's and its tokens."""
+    """Python's hash() is not seeded for ints, so keys chained with it would let a crafted prompt collide with
+    another client's prefix and be served its KV. A key is SHA-256 over its parent's and its tokens."""
     kv = KVPool([SizeClass(64, 1)], num_layers=1, kv_heads=1, head_dim=4)
     cache = PrefixCache(4, 16, kv, num_layers=1, kv_heads=1, head_dim=4)
     keys = [key for key, _ in cache._chain(list(range(40)), 2)]
@@ -411,9 +410,9 @@ def test_retiring_never_evicts_its_own_chain_to_store_its_tail():
 
 
 def test_eviction_takes_a_chains_tail_before_its_head():
-    """Found in review: a chain's blocks were touched head to tail, so the least recently used block of a
-    stored chat was its first, and evicting it left the rest unreachable (a block matches only after its
-    parents) while they held the store: chats taking turns got no hits at all. The tail goes first now."""
+    """A chain's blocks are touched tail to head, so the tail of a stored chat is evicted first: evicting its
+    head would leave the rest unreachable (a block matches only after its parents) while they held the
+    store, and chats taking turns would get no hits at all."""
     kv = KVPool([SizeClass(128, 2)], num_layers=1, kv_heads=1, head_dim=4)
     cache = PrefixCache(8, 4, kv, num_layers=1, kv_heads=1, head_dim=4)
 
@@ -430,9 +429,9 @@ def test_eviction_takes_a_chains_tail_before_its_head():
 
 
 def test_a_chain_cut_while_it_ran_stores_nothing_past_the_cut():
-    """Found in review: a request that hit a stored prefix kept running while other chats evicted that
-    prefix; when it retired, its own blocks after the gap (which nothing can reach) were stored anyway,
-    evicting reachable blocks of another chat."""
+    """A request that hit a stored prefix runs on while other chats evict that prefix; when it retires, its own
+    blocks after the gap (which nothing can reach) are not stored, so they evict no reachable block of
+    another chat."""
     kv = KVPool([SizeClass(128, 4)], num_layers=1, kv_heads=1, head_dim=4)
     cache = PrefixCache(6, 4, kv, num_layers=1, kv_heads=1, head_dim=4)
     prefix = list(range(100, 108))  # 2 blocks
@@ -454,8 +453,8 @@ def test_a_chain_cut_while_it_ran_stores_nothing_past_the_cut():
 
 
 def test_retiring_lets_go_of_its_chains_stored_blocks_past_a_cut():
-    """Found in review: a chain's later block already stored (by another request sharing the prefix) was
-    protected while its head found no room, so the store kept a block nothing could reach."""
+    """A chain's later block already stored (by another request sharing the prefix) is let go when its head
+    finds no room: the store keeps no block nothing can reach."""
     kv = KVPool([SizeClass(64, 4)], num_layers=1, kv_heads=1, head_dim=2)
     cache = PrefixCache(1, 4, kv, num_layers=1, kv_heads=1, head_dim=2)  # a one-block store
     a, b, c = [1] * 4, [2] * 4, [3] * 4
@@ -593,8 +592,8 @@ def test_growth_preempts_the_holder_of_the_smallest_slot_that_fits():
 
 
 def test_a_request_shed_or_cancelled_while_waiting_reports_its_whole_wait_as_queue_time():
-    """Found in review: never admitted, its queue_ms was 0, so queue time read lowest when the device was
-    saturated (a shed request that had waited 1 s was stored with queue_ms 0 and e2e_ms 1004)."""
+    """A request never admitted counts its whole wait as queue_ms, so queue time reads highest, not lowest,
+    when the device is saturated (a shed request that waited 1 s must not read queue_ms 0 and e2e_ms 1004)."""
     kv = KVPool([SizeClass(32, 1)], num_layers=1, kv_heads=1, head_dim=2)
     sched = Scheduler(kv, 16, max_queue_wait_s=0.5)
     now = time.perf_counter()

@@ -148,8 +148,8 @@ def test_ngram_greedy_equals_plain_greedy_tiny(tiny_bundle, batch):
 
 def test_tokens_accepted_together_make_one_inter_token_gap(tiny_fp32_bundle):
     """A verify step that accepts drafts delivers its tokens at once: they share the step's time, and the
-    ITL figures and /metrics histogram count one gap per step, not a ~0 gap per extra token (found in
-    review: ITL p50 0.01 ms while the client waited 16-20 ms between bursts). On the tiny model whose greedy
+    ITL figures and /metrics histogram count one gap per step, not a ~0 gap per extra token (which would
+    read an ITL p50 of 0.01 ms while the client waits 16-20 ms between bursts). On the tiny model whose greedy
     text repeats one token, so that drafts are accepted (the varied one rarely repeats what it has seen)."""
     from agent.api.metrics import Metrics
     from agent.engine.sequence import delivery_gaps_s
@@ -201,8 +201,8 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 
 def test_a_seeded_sampled_request_gives_the_same_text_with_speculation_alone_or_in_a_batch(tiny_bundle):
-    """Found in review: verification drew from the request's generator a varying number of times, so with
-    speculation on a seeded request's text changed with the batch it ran in and differed from plain decoding."""
+    """Verification draws from the request's generator once per emitted token, as plain decoding does, so a
+    seeded request's text does not change with speculation or with the batch it runs in."""
     ps = repetitive_prompts(4)
     cfg = dict(threads=2, memory_budget_mb=16000, min_context=64, speculative_max_batch=4)
     # temperature 3: flat enough on the tiny model that drafts are often rejected (at 0.9 all were accepted)
@@ -261,8 +261,8 @@ def test_draft_model_greedy_equals_plain_greedy_real(real_fp32_bundle, real_q4_b
 
 
 def test_with_a_draft_model_the_prefix_store_gets_its_share_of_the_kv_budget(tiny_bundle, tiny_int8_bundle):
-    """Found in review: the store, which holds the target's KV only, was sized at a slot's cost per token
-    (target + draft), so it got half its share here and the rest of that share was never allocated."""
+    """The store holds the target's KV only and is sized at that cost per token, not a slot's (target + draft),
+    so it gets its whole share of the KV budget."""
     # a budget far above the pytest process's peak RSS, which the engine measures as its baseline
     e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, speculative="draft"),
                draft=tiny_int8_bundle)
@@ -274,8 +274,9 @@ def test_with_a_draft_model_the_prefix_store_gets_its_share_of_the_kv_budget(tin
 
 
 def test_the_draft_catches_up_on_a_long_prompt_in_prefill_chunks(tiny_bundle, tiny_int8_bundle):
-    """Found in review: the draft caught up on a whole prompt in one call (a 4,000-token prompt took ~20 MB
-    past the measured budget, kept by ONNX Runtime's arena). Output stays the plain greedy one."""
+    """The draft catches up on a prompt in prefill chunks, never in one call (one call over a 4,000-token
+    prompt takes ~20 MB past the measured budget, kept by ONNX Runtime's arena). Output stays the plain
+    greedy one."""
     cfg = dict(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=16)
     prompt = repetitive_prompts(1)[0] * 4
     assert len(prompt) > 100

@@ -238,7 +238,7 @@ def test_tojson_keeps_unicode_and_markup(smollm_json):
     ("{{ raise_exception('roles must alternate') }}", [{"role": "user", "content": "x"}], "roles must alternate"),
     ("{{ messages.__class__.__mro__ }}", [{"role": "user", "content": "x"}], "chat template failed"),
     ("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}], "chat template failed"),
-    # found in review: these reached the API as a bare 500
+    # each a template error naming its cause, never a bare 500 at the API
     ("{{ 1 / (messages | length - 1) }}", [{"role": "user", "content": "x"}], "failed.*ZeroDivisionError"),
     ("{{ range(10 ** 9) | list }}", [{"role": "user", "content": "x"}], "failed.*OverflowError"),
     ("{{ messages[0].content.index('z') }}", [{"role": "user", "content": "x"}], "failed.*ValueError"),
@@ -250,7 +250,7 @@ def test_template_errors_are_value_errors(smollm_json, template, messages, error
         make(smollm_json, template).render_chat(messages)
 
 
-# found in review: each differed from transformers' apply_chat_template
+# each renders as transformers' apply_chat_template does
 def test_generation_block_renders_its_body(smollm_json):
     tok = make(smollm_json, "{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
                             "{% endfor %}")
@@ -276,9 +276,9 @@ def test_bad_tokenizer_json_and_missing_bos_are_value_errors(smollm_json):
 
 
 def test_a_prompt_is_refused_unencoded_only_when_it_surely_holds_too_many_tokens():
-    """Found in review: the bound (a token covers at most the longest token's decoded bytes) was wrong for
-    SentencePiece-style documents, whose decoder strips a leading space: 40 spaces are 10 tokens, yet
-    max_tokens=12 was refused as "at least 14"."""
+    """The bound holds for SentencePiece-style documents, whose decoder strips a leading space (so a token
+    can cover more than its decoded bytes): 40 spaces are 10 tokens, and max_tokens=12 is not refused as
+    "at least 14"."""
     from types import SimpleNamespace
 
     from agent.engine.tokenizer import PromptTooLong, TextTokenizer
@@ -301,8 +301,8 @@ def test_a_prompt_is_refused_unencoded_only_when_it_surely_holds_too_many_tokens
 
 
 def test_a_long_text_is_encoded_without_holding_other_threads(smollm):
-    """Found in review: `tokenizers`' encode keeps the GIL, so a 600 kB prompt stalled every stream (and the
-    API's event loop) for ~0.5 s. A long text is encoded by encode_batch, which lets go of it; same ids."""
+    """`tokenizers`' encode keeps the GIL, which would stall every stream (and the API's event loop) for
+    ~0.5 s on a 600 kB prompt: a long text is encoded by encode_batch, which lets go of it; same ids."""
     import threading
 
     text = "the quick brown fox jumps over the lazy dog " * 14_000

@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import reference
+from agent.engine.runner import open_runner
 from quantize.cli import default_calibration_text, default_eval_text
 from quantize.evaluate import greedy
 from quantize.package import build_bundle, encode
@@ -37,7 +38,7 @@ def weight_bytes(bundle) -> int:
 
 def test_fp32_greedy_chat_matches_numpy_reference_for_32_tokens(real_checkpoint, real_fp32_bundle):
     ids = encode(real_checkpoint.tokenizer.tokenizer_json, CHAT)
-    ours = greedy(real_fp32_bundle.runner(), ids, 32)
+    ours = greedy(open_runner(real_fp32_bundle), ids, 32)
     assert ours == reference.greedy(real_checkpoint, ids, 32)
     text = Tokenizer.from_str(real_checkpoint.tokenizer.tokenizer_json).decode(ours)
     assert "Paris" in text

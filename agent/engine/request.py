@@ -1,0 +1,106 @@
+"""A request's stream between the engine and its submitter: the events it yields (TextDelta, then one
+Finished), the handle the submitter holds, and RequestError with the checks that refuse a request up front.
+
+The engine thread writes a stream (add_token, finish); any thread iterates its events or cancels it.
+"""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+from agent.engine.sampling_params import SamplingParams
+from agent.engine.sequence import FinishReason, Sequence
+from agent.engine.tokenizer import IncrementalDetokenizer
+from agent.wire import RequestFigures
+
+
+class RequestError(ValueError):
+    """A request the engine refuses up front; `code` follows OpenAI's error codes."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None,
+                 refused: "Finished | None" = None):
+        super().__init__(message)
+        self.code, self.param = code, param  # param: the request field at fault, when it is not the prompt
+        self.refused = refused  # a request turned away for load: its figures, for telemetry like a shed one's
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, max_prompt_tokens: int, context_tokens: int,
+                  vocab_size: int, has_draft: bool) -> None:
+    """RequestError for a request this model cannot serve as asked, whatever the load: an empty or too long
+    prompt (context_tokens: the largest slot), a logit_bias outside the vocabulary, a draft model it lacks."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    if len(prompt_ids) > max_prompt_tokens:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                           f"{context_tokens} (prompt plus at least one generated token)",
+                           "context_length_exceeded")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is outside this model's vocabulary "
+                           f"[0, {vocab_size})", "invalid_value", param="logit_bias")
+    if params.speculative == "draft" and not has_draft:
+        raise RequestError("speculative='draft' needs the agent to run with a draft model (--draft-model)",
+                           param="speculative")
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str  # the whole completion
+    token_ids: list[int]
+    figures: RequestFigures
+    error: str | None = None  # set when figures.finish_reason == "error"
+    # "overloaded" (no capacity within the queue's wait), "unavailable" (the engine stopped first) or "internal"
+    error_code: str | None = None
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each generated token (Sequence's)
+
+
+class RequestHandle:
+    """The submitter's side of a request: iterate its events; cancel() from any thread."""
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer | None = None):
+        self.seq = seq
+        self.events: queue.Queue = queue.Queue()
+        self.text_parts: list[str] = []  # written by the engine thread only
+        self.detok = detok  # the engine thread's, set when it takes the request in
+
+    def cancel(self) -> None:
+        self.seq.cancelled = True
+
+    def __iter__(self):
+        while True:
+            ev = self.events.get()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    def result(self) -> Finished:
+        *_, last = iter(self)
+        return last
+
+    # ---- the engine thread's side ----
+    def add_token(self, token: int, is_eos: bool) -> bool:
+        """Stream a generated token's text (an EOS token has none); returns whether a stop string ended it."""
+        delta = "" if is_eos else self.detok.add(token)
+        if delta:
+            self._emit(delta)
+        return self.detok.stopped
+
+    def finish(self) -> None:
+        """The last events: text held back that turned out not to be a stop string, then Finished."""
+        seq = self.seq
+        tail = self.detok.flush()
+        if tail:
+            self._emit(tail)
+        code = None
+        if seq.finish_reason is FinishReason.ERROR:
+            code = next((c for c in ("overloaded", "unavailable") if (seq.error or "").startswith(c)), "internal")
+        self.events.put(Finished("".join(self.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
+                                 list(seq.token_times)))
+
+    def _emit(self, text: str) -> None:
+        self.text_parts.append(text)
+        self.events.put(TextDelta(text))
