@@ -3,12 +3,11 @@
 
 def quiet_interrupt_while_loading() -> None:
     """Ctrl-C while a command line loads (its imports take ~0.8 s: onnxruntime, numpy) exits 130 with no
-    traceback; clikit.run() hands SIGINT back to Python once the command runs (click's "Aborted!"). Found in
-    review: a Ctrl-C in that first second printed a 20-line traceback.
+    traceback; clikit.run() hands SIGINT back to Python once the command runs (click's "Aborted!").
 
     os._exit, not sys.exit: SystemExit raised while onnxruntime's native module initializes became
     "ImportError: initialization failed" with a traceback, or a segfault (up to 14 and 3 of 200 Ctrl-Cs at random
-    moments in review); nothing is written yet that an exit without cleanup would lose."""
+    moments); nothing is written yet that an exit without cleanup would lose."""
     import os
     import signal
 

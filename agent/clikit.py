@@ -44,7 +44,7 @@ def run(group: click.Group, prog_name: str, env_prefix: str | None = None) -> No
     except click.ClickException as e:  # the user's error: usage, a bad value, a refused input
         e.show()
         sys.exit(e.exit_code)
-    except MemoryError:  # found in review: "internal error (MemoryError): " with nothing after it
+    except MemoryError:  # str(MemoryError()) is empty: say what it means
         click.echo("Error: out of memory: this needs more memory than the process may use (free some, raise its "
                    "limit, or use a machine with more)", err=True)
         sys.exit(1)
@@ -61,7 +61,7 @@ _SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, loggi
 
 class _JournalFormatter(logging.Formatter):
     """Each line prefixed with its priority, so that `journalctl -p warning` finds the warnings (every line was
-    "info" to journald), and no time stamp: journald keeps its own (found in review)."""
+    "info" to journald), and no time stamp: journald keeps its own."""
 
     def format(self, record: logging.LogRecord) -> str:
         priority = _SYSLOG_PRIORITY.get(record.levelno, 6)

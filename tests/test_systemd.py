@@ -133,22 +133,23 @@ def test_the_watchdog_is_fed_through_a_model_switch_for_a_bounded_time(tiny_bund
     """Found in review: no engine loop runs between the old model's stop and the new one's start (the health
     check and the load: 4.6 s for SmolLM2 on x86, past WatchdogSec=30 for a larger model on a small box), so
     systemd would kill an update midway. A helper pings meanwhile, for at most SWITCH_KEEPALIVE_S."""
-    import agent.service.serve as serve
-    from agent.api.app import Backend
+    import agent.service.lifecycle as lifecycle
+    from agent.api.backend import Backend
+    from agent.service.lifecycle import ModelLifecycle, load_engine
 
     listener = NotifyListener(tmp_path / "notify")
     notifier = Notifier(str(tmp_path / "notify"), watchdog_usec=200_000)  # ping every 0.1 s
     config = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64)
     backend = Backend(tiny_bundle.manifest)
-    backend.mark_ready(serve.load_engine(tiny_bundle.path, config, notifier))
-    monkeypatch.setattr(serve, "SWITCH_KEEPALIVE_S", 1.5)
+    backend.mark_ready(load_engine(tiny_bundle.path, config, notifier))
+    monkeypatch.setattr(lifecycle, "SWITCH_KEEPALIVE_S", 1.5)
     checked = []
 
     def slow_check(bundle):  # a long health check: no engine runs now
         checked.append(time.monotonic())
         time.sleep(3.0)
 
-    serve.swap_engine(backend, tiny_bundle, config, notifier, slow_check)
+    ModelLifecycle(backend, config, notifier).swap(tiny_bundle, slow_check)
     t0 = checked[0]
     fed, unfed = listener.pings_between(t0 + 0.2, t0 + 1.2), listener.pings_between(t0 + 1.9, t0 + 2.9)
     backend.engine.stop()

@@ -80,7 +80,7 @@ class Device:
             return first()
 
     def _swap(self, bundle: Bundle, check=None) -> None:
-        """As serve's swap_engine: the check runs once the old model has stopped; if it fails, the old one serves."""
+        """As the lifecycle's swap: the check runs once the old model has stopped; if it fails, the old one serves."""
         if check is not None:
             check(bundle)
         self.serving = bundle

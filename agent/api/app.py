@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import json
 import logging
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,6 +37,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from agent.api import openai_models as om
+from agent.api.backend import ApiError, Backend, EngineStopped, ServerState, invalid_request, overloaded, unavailable
 from agent.config import ApiConfig
 from agent.engine.request import Finished, RequestError, RequestHandle, TextDelta
 from agent.api.metrics import Metrics
@@ -52,145 +51,6 @@ log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream sentinel
 SWITCH_WAIT_S = 90.0  # how long a request waits for a model switch (the old model's drain, then the load)
-
-
-# ---- errors -----------------------------------------------------------------------------------------
-class ApiError(Exception):
-    """An error answered in OpenAI's shape; `retry_after_s` adds a Retry-After header (429, 503)."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                 retry_after_s: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.retry_after_s = retry_after_s
-
-    def response(self) -> Response:
-        body = om.ErrorResponse(error=om.ErrorDetail(message=self.message, type=self.type, param=self.param,
-                                                     code=self.code))
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return Response(body.model_dump_json(), self.status, headers, media_type="application/json")
-
-
-class EngineStopped(Exception):
-    """The engine a request was tokenized for stopped before taking it (a model switch): try the current one."""
-
-
-def invalid_request(message: str, param: str | None = None, code: str = "invalid_value", status: int = 400):
-    return ApiError(status, message, "invalid_request_error", code, param)
-
-
-def overloaded(message: str, retry_after_s: int) -> ApiError:
-    return ApiError(429, message, "rate_limit_error", "overloaded", retry_after_s=retry_after_s)
-
-
-def unavailable(message: str, retry_after_s: int) -> ApiError:
-    return ApiError(503, message, "server_error", "unavailable", retry_after_s=retry_after_s)
-
-
-# ---- what is being served ---------------------------------------------------------------------------
-class ServerState(enum.Enum):
-    LOADING = "loading"  # the socket answers; the model is being verified and loaded
-    READY = "ready"
-    DRAINING = "draining"  # shutting down: in-flight requests finish, new ones are refused
-    FAILED = "failed"  # the model could not be loaded
-
-
-_TRANSITIONS = {
-    ServerState.LOADING: {ServerState.READY, ServerState.DRAINING, ServerState.FAILED},
-    ServerState.READY: {ServerState.DRAINING},
-    ServerState.DRAINING: set(),
-    ServerState.FAILED: {ServerState.DRAINING},
-}
-
-
-class Backend:
-    """The model this server answers for and, once loaded, its engine; the state gates every endpoint.
-
-    The loader thread calls mark_ready / mark_failed, the server's shutdown calls mark_draining.
-    """
-
-    def __init__(self, manifest: Manifest):
-        self.manifest = manifest
-        self.engine: Engine | None = None
-        self.state = ServerState.LOADING
-        self._lock = threading.Lock()
-        self._on_ready: list[Callable[[Engine], None]] = []
-        # called with (the manifest that served it, Finished) for every request that ends, on that request's
-        # own thread (EventBridge) before its client hears the end: telemetry
-        self.on_finished: list[Callable[[Manifest, Finished], None]] = []
-        # sampling defaults for what a request leaves out, as the fleet last set them (set_config)
-        self.sampling_defaults: Callable[[], dict] = dict
-        self.switching = threading.Event()  # a model switch is under way: requests wait for it (SWITCH_WAIT_S)
-        self.reload_lock = threading.RLock()  # SIGHUP's changes against a switch's handover (serve.py); re-entrant:
-        # a second SIGHUP can run its handler inside the first's on the main thread
-        self._request_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # EventBridge threads
-
-    @property
-    def model_ids(self) -> tuple[str, str]:
-        """The names a request's `model` may use: the bare name, or name@version."""
-        return self.manifest.name, f"{self.manifest.name}@{self.manifest.version}"
-
-    def can_move(self, to: ServerState) -> bool:
-        return to in _TRANSITIONS[self.state]
-
-    def _move(self, to: ServerState) -> bool:
-        with self._lock:
-            if not self.can_move(to):
-                return False
-            self.state = to
-            return True
-
-    def on_ready(self, callback: Callable[[Engine], None]) -> None:
-        self._on_ready.append(callback)
-
-    def mark_ready(self, engine: Engine) -> None:
-        self.engine = engine  # set before the state, so a READY backend always has its engine
-        for callback in self._on_ready:
-            callback(engine)
-        if not self._move(ServerState.READY):
-            raise RuntimeError(f"cannot become ready from {self.state.value}")
-
-    def swap(self, engine: Engine) -> Engine | None:
-        """Serve new requests from `engine` (a model update); returns the old engine, which finishes what it
-        already holds. Attribute assignment is atomic, so a request sees one engine or the other."""
-        old, self.engine = self.engine, engine
-        self.manifest = engine.bundle.manifest
-        for callback in self._on_ready:
-            callback(engine)
-        return old
-
-    def mark_failed(self) -> None:
-        self._move(ServerState.FAILED)
-
-    def mark_draining(self) -> None:
-        self._move(ServerState.DRAINING)
-
-    def track(self, thread: threading.Thread) -> None:
-        with self._lock:
-            self._request_threads.add(thread)
-
-    def join_requests(self, timeout_s: float) -> bool:
-        """After the engine has stopped: wait until every request's thread has run its finished-request hooks.
-
-        The engine ends what it still holds as it stops, but the hooks (telemetry's commit) run on each
-        request's own thread afterwards; a shutdown that closed telemetry without waiting lost those rows.
-        Returns whether all of them finished in time.
-        """
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            threads = list(self._request_threads)
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in threads)
-
-    def require_engine(self) -> Engine:
-        if self.state is ServerState.READY:
-            if not self.engine.is_running:
-                raise unavailable("the engine has stopped", retry_after_s=1)
-            return self.engine
-        what = {ServerState.LOADING: "the model is still loading", ServerState.DRAINING: "the server is shutting down",
-                ServerState.FAILED: "the model failed to load"}[self.state]
-        raise ApiError(503, f"not ready: {what}", "server_error", self.state.value, retry_after_s=1)
 
 
 # ---- engine events -> event loop ---------------------------------------------------------------------
@@ -422,7 +282,7 @@ INTAKE_SMALL_BYTES = 64 << 10  # ...except that a body up to this size is always
 class Intake:
     """Bytes of request bodies read but not yet submitted, over all connections (on the event loop only).
     Past the limit a body is refused as overloaded: 200 connections sending 4 MiB bodies slowly held 1.35 GB
-    of an agent whose budget was 350 MB, none of it counted anywhere (found in review). Small bodies, every
+    of an agent whose budget was 350 MB, none of it counted anywhere. Small bodies, every
     ordinary request, are never refused: four slow uploads would otherwise lock every other client out."""
 
     def __init__(self, limit: int, retry_after_s: int):
@@ -533,7 +393,7 @@ class OpenAIServer:
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
         stream = req.stream
-        del req  # not held while it runs: its fields could be megabytes (found in review)
+        del req  # not held while it runs: its fields can be megabytes
         return await self.relay(request, events, kind, reply, stream)
 
     async def _submit_parsed(self, req: om.SamplingRequest, kind: Kind) -> tuple[RequestHandle, Engine]:
@@ -546,7 +406,7 @@ class OpenAIServer:
             except om.FieldError as e:
                 raise invalid_request(str(e), e.param) from None
             except PromptTooLong as e:  # refused before a text of megabytes is encoded
-                if engine.stopped:  # by the old model of a switch: the new one may hold it (found in review)
+                if engine.stopped:  # by the old model of a switch: the new one may hold it
                     continue
                 raise invalid_request(str(e), kind.prompt_field, "context_length_exceeded") from None
             try:
@@ -628,7 +488,7 @@ class OpenAIServer:
         return Response(om.ModelList(data=[self._card()]).model_dump_json(), media_type="application/json")
 
     async def model(self, request: Request) -> Response:
-        """GET /v1/models/{id}, the OpenAI clients' models.retrieve (found in review: a 404 for the served id)."""
+        """GET /v1/models/{id}, the OpenAI clients' models.retrieve: the served id by either of its names."""
         model_id = request.path_params["model_id"]
         if model_id not in self.backend.model_ids:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "

@@ -61,7 +61,7 @@ def _off(*values) -> Any:
 class ChatMessage(_Request):
     # Unknown keys are ignored, as vLLM and llama.cpp's server do: an SDK's reply appended to the history as it
     # comes (openai's message.model_dump(), litellm's message) carries the SDK's own fields, and every
-    # multi-turn chat through them got 400 (found in review: `refusal`, `provider_specific_fields`).
+    # multi-turn chat through them would get 400 (`refusal`, `provider_specific_fields`).
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -133,8 +133,8 @@ class SamplingRequest(_Request):
     priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # ours: speculative decoding for this request ("off", "ngram" prompt lookup, "draft" model)
     speculative: Literal["off", "ngram", "draft"] | None = None
-    # OpenAI's, not implemented: accepted when off (found in review: LangChain's OpenAI LLM sends
-    # "logit_bias": {} and "logprobs": null on every call, and got "unknown field"; logit_bias is implemented)
+    # OpenAI's, not implemented: accepted when off (LangChain's OpenAI LLM sends "logit_bias": {} and
+    # "logprobs": null on every call; logit_bias is implemented)
     logprobs: _off(False) = None
     top_logprobs: _off(0) = None
     response_format: _off({"type": "text"}) = None
@@ -191,7 +191,7 @@ class SamplingRequest(_Request):
 
 
 MAX_MESSAGES = 10_000  # ours: 4 MB of one-letter messages (123,000 of them), parsed and rendered, took a 350 MB
-# agent to 778 MB before the prompt was refused as too long (found in review); refused at parsing, 338 MB. (A
+# agent to 778 MB before the prompt was refused as too long; refused at parsing, 338 MB. (A
 # check before the messages are validated costs more: the list is built as Python dicts first, 384 MB.)
 
 
@@ -225,7 +225,7 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 raise FieldError(f"prompt: send one prompt per request (got {len(self.prompt)})", "prompt")
-            return self.prompt[0]  # a batch of one: a text, or (found in review) a list of token ids
+            return self.prompt[0]  # a batch of one: a text, or a list of token ids
         return self.prompt
 
 

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # (0.25 s each; a rebuild, ~1-2 s, only when the answer changes)
 SPIN_RECHECK_S = 600.0
 MAX_FAILED_STEPS = 3  # steps in a row that raise before the engine stops (the watchdog then restarts it)
+SETTINGS_WAIT_S = 2.0  # how long update_settings waits for the engine thread to apply a change
 
 
 class Engine:
@@ -61,7 +62,7 @@ class Engine:
         self._inbox: queue.Queue[RequestHandle] = queue.Queue()
         self.steps = Stepper(self.scheduler, self.runner, self.prefix, self.spec, self.tokenizer, set(c.eos_token_ids),
                              self._inbox)
-        self._settings: queue.Queue[EngineConfig] = queue.Queue()  # configs for the engine thread to apply
+        self._settings: queue.Queue[tuple[EngineConfig, threading.Event]] = queue.Queue()  # for the engine thread
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._submit_lock = threading.Lock()  # a request is either queued before stop() or refused after it
@@ -125,11 +126,14 @@ class Engine:
     def update_settings(self, changed: dict) -> None:
         """Apply live settings (EngineConfig fields). The config is replaced at once, never mutated, so a reader
         sees the old or the new one; what they change in the scheduler the engine thread applies at its next
-        step, or this call does when that thread is not running (nothing else touches the scheduler then)."""
+        step, which this call waits for (up to SETTINGS_WAIT_S: a step is milliseconds to a prefill chunk's
+        second), or this call does when that thread is not running (nothing else touches the scheduler then)."""
         self.config = self.config.model_copy(update=changed)
-        self._settings.put(self.config)
+        applied = threading.Event()
+        self._settings.put((self.config, applied))
         if self.is_running:
             self._wake.set()
+            applied.wait(SETTINGS_WAIT_S)
         else:
             self._apply_settings()
 
@@ -219,10 +223,11 @@ class Engine:
         """The scheduler's share of each config update_settings posted, in order."""
         while True:
             try:
-                config = self._settings.get_nowait()
+                config, applied = self._settings.get_nowait()
             except queue.Empty:
                 return
             self.scheduler.max_queue_wait_s = config.max_queue_wait_s
+            applied.set()
 
     # ---- state for health, metrics and telemetry ----
     @property

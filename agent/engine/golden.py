@@ -9,11 +9,12 @@ import time
 import numpy as np
 
 from agent.engine.bundle import Bundle
+from agent.engine.runner import open_runner
 
 
 def measure_golden(bundle: Bundle, threads: int | None, n_tokens: int) -> tuple[list[int], float]:
     """Greedy continuation of the manifest's golden prompt, and its decode tokens/s, on this device."""
-    runner = bundle.runner(threads)
+    runner = open_runner(bundle, threads)
     prompt = bundle.manifest.golden.prompt_ids
     cache = runner.new_cache(1, len(prompt) + n_tokens + 1)
     p = len(prompt)

@@ -145,7 +145,8 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state
     Example: edge-agent serve --model bundles/smollm2-int4 --socket /tmp/edge.sock --tcp 127.0.0.1:8080
     """
     from agent.service.sdnotify import Notifier
-    from agent.service.serve import ServeError, load_agent_config, serve_forever
+    from agent.api.http_server import ServeError
+    from agent.service.serve import load_agent_config, serve_forever
 
     try:
         def load():  # at start, and again on SIGHUP (the file may have changed; the flags still win)
@@ -197,7 +198,9 @@ def check_config(config_path, syntax_only):
     Example: edge-agent check-config --config /etc/edge-agent/agent.toml
     """
     from agent.config import describe_errors
-    from agent.service.serve import ServeError, environment_problems, load_agent_config
+    from agent.api.http_server import ServeError
+    from agent.service.preflight import environment_problems
+    from agent.service.serve import load_agent_config
 
     try:
         config = load_agent_config(config_path)

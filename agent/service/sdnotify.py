@@ -65,7 +65,7 @@ class Notifier:
         """Ping the watchdog from a helper thread while the block runs, for at most max_s. A model switch stops
         the engine loop that feeds it: the old engine drains and stops, the new one is health-checked and
         loaded (4.6 s without a ping for SmolLM2 on x86, longer than WatchdogSec=30 for a larger model on a
-        small box: found in review). A switch stuck past max_s stops the pings, and systemd restarts us."""
+        small box). A switch stuck past max_s stops the pings, and systemd restarts us."""
         if self.watchdog_interval_s is None:
             yield
             return

@@ -29,12 +29,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from agent.api.app import Backend, EventBridge
+from agent.api.app import EventBridge
+from agent.api.backend import Backend
 from agent.config import ApiConfig, EngineConfig
 from agent.engine.engine import Engine
 from agent.engine.request import Finished, RequestHandle, TextDelta
 from agent.api.openai_models import ChatMessage
-from agent.service.serve import ApiServer, ServeError, bind_unix, clear_stale_socket, load_agent_config
+from agent.api.http_server import ApiServer, ServeError, bind_unix, clear_stale_socket
+from agent.service.serve import load_agent_config
 from agent.engine.sampler import make_rng
 from agent.engine.sampling_params import SamplingParams
 from agent.engine.sequence import Sequence
@@ -495,7 +497,7 @@ def test_a_stopped_engine_answers_503_and_ends_what_it_held(tiny_bundle):
 
 def test_a_request_tokenized_for_an_engine_that_a_model_switch_stopped_goes_to_the_new_one(tiny_bundle, caplog):
     """Found in review: swap_engine stopped the idle old engine while a request was being tokenized for it."""
-    from agent.service.serve import swap_engine
+    from agent.service.lifecycle import ModelLifecycle
 
     caplog.set_level("INFO", logger="agent.api.app")
     old = Engine(tiny_bundle, TINY_ENGINE)
@@ -510,7 +512,7 @@ def test_a_request_tokenized_for_an_engine_that_a_model_switch_stopped_goes_to_t
         client = threading.Thread(target=lambda: answers.append(s.http(timeout_s=20).post("/v1/completions", json=body)))
         client.start()
         assert tokenizing.wait(10)
-        swap_engine(s.server.backend, tiny_bundle, TINY_ENGINE, None)  # the old engine is idle: stopped at once
+        ModelLifecycle(s.server.backend, TINY_ENGINE).swap(tiny_bundle)  # the old engine is idle: stopped at once
         client.join(20)
         new = s.server.backend.engine
         assert new is not old and not old.is_running
@@ -820,7 +822,8 @@ def test_connections_past_the_limit_get_503_not_a_descriptor_each(tiny_bundle, t
 def test_a_serve_that_fails_to_start_lets_go_of_the_state_directory(tmp_path, tiny_bundle):
     """Found in review: the state directory's lock was taken outside the try, so a serve that failed early
     (here: models/ is a file) kept it, and the next serve in the same process was refused as 'another agent'."""
-    from agent.service.serve import lock_state_dir, serve_forever
+    from agent.service.preflight import lock_state_dir
+    from agent.service.serve import serve_forever
 
     state = tmp_path / "state"
     state.mkdir()
@@ -869,7 +872,7 @@ def test_a_request_tokenized_after_a_switch_closed_its_engine_goes_to_the_new_on
     """Found in review: the prompt's length limit was read from the engine in the tokenizing thread, and an
     engine a model switch had closed meanwhile answered 500 (the old code retried on the new engine)."""
     import agent.api.app
-    from agent.service.serve import swap_engine
+    from agent.service.lifecycle import ModelLifecycle
 
     to_thread = asyncio.to_thread
 
@@ -886,7 +889,7 @@ def test_a_request_tokenized_after_a_switch_closed_its_engine_goes_to_the_new_on
             s.http().post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1})))
         ask.start()
         time.sleep(0.2)  # it picked the old engine and waits for a thread
-        swap_engine(s.server.backend, tiny_bundle, TINY_ENGINE, None)
+        ModelLifecycle(s.server.backend, TINY_ENGINE).swap(tiny_bundle)
         ask.join()
         s.server.backend.engine.stop()
         assert answers[0].status_code == 200, answers[0].text
@@ -933,7 +936,7 @@ def test_a_client_sending_garbage_is_logged_once_a_minute_not_once_a_connection(
     second into the journal from one local client. Each warning now goes through once a minute with a count."""
     import socket as socket_module
 
-    from agent.service.serve import _Repeats
+    from agent.api.http_server import _Repeats
 
     caplog.set_level(logging.WARNING, logger="uvicorn.error")
     for _ in range(50):
@@ -967,7 +970,7 @@ def test_a_read_only_state_directory_still_serves_with_telemetry_in_memory(tmp_p
     import errno
 
     import agent.link.store
-    from agent.service.serve import lock_state_dir
+    from agent.service.preflight import lock_state_dir
     from agent.link.store import TelemetryStore
     from agent.wire import EventRecord
 
@@ -1011,7 +1014,7 @@ def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp
     have refused requests. It is lowered to fit, at ERROR; a tighter parent cgroup counts, "max" does not."""
     import agent.process
     from agent.config import AgentConfig
-    from agent.service.serve import fitted_budget
+    from agent.service.preflight import fitted_budget
 
     root = tmp_path / "cg"
     (root / "system.slice").mkdir(parents=True)
@@ -1028,5 +1031,5 @@ def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp
     assert fitted_budget(small) is small  # within the limit: as configured
     (root / "system.slice" / "memory.max").write_text("max\n")
     monkeypatch.setattr(agent.process, "memory_limit_bytes", lambda: None)  # unknown: as configured
-    monkeypatch.setattr("agent.service.serve.memory_limit_bytes", lambda: None)
+    monkeypatch.setattr("agent.service.preflight.memory_limit_bytes", lambda: None)
     assert fitted_budget(config) is config

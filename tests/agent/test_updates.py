@@ -458,7 +458,7 @@ def test_a_bundle_without_the_kv_graph_the_device_runs_fails_its_health_check(tm
 
 
 def test_the_kv_types_a_new_model_is_checked_for_include_the_config_files():
-    from agent.api.app import Backend
+    from agent.api.backend import Backend
     from agent.config import AgentConfig
     from agent.service.serve import _kv_dtypes
 
@@ -1278,7 +1278,8 @@ def test_a_job_issued_far_ahead_of_the_device_clock_is_refused_and_not_recorded(
 
 def test_check_config_refuses_the_manifest_key_as_a_job_key(tmp_path, bundles, keys):
     """The job key lives on the online fleet server; the manifest key is meant to stay offline."""
-    from agent.service.serve import environment_problems, load_agent_config
+    from agent.service.preflight import environment_problems
+    from agent.service.serve import load_agent_config
     v1, _ = bundles
     cfg = tmp_path / "agent.toml"
     cfg.write_text(f'model = "{v1.path}"\n[telemetry]\nstate_dir = "{tmp_path / "state"}"\n'

@@ -1,0 +1,315 @@
+"""The HTTP server plumbing under the local API: pre-bound Unix (and optional TCP) sockets, uvicorn with a
+deadline on each request head, log filters, and the drain on SIGTERM / SIGINT.
+
+The Unix socket is bound with its mode and group set before listen(), so no client can connect through
+looser permissions. A socket file left by a crash is replaced only if it is a socket and nothing answers on
+it; any other file at that path is an error. SIGTERM or Ctrl-C drains: /health turns 503, the listeners
+close, in-flight requests get `drain_timeout_s` to finish, then the engine stops.
+
+Example:
+    server = ApiServer(Backend(manifest), [bind_unix(path, 0o660, None)], ApiConfig())
+    server.load_in_background(load)   # a callable returning a started engine
+    server.run()                      # until SIGTERM / SIGINT
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from agent.api.app import create_app
+from agent.api.backend import Backend, ServerState
+from agent.api.metrics import Metrics
+from agent.config import ApiConfig
+
+if TYPE_CHECKING:  # the server is handed a loader that returns a started engine
+    from agent.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 128  # pending connections per listener; clients beyond it are refused by the kernel
+PROBE_TIMEOUT_S = 1.0  # how long a stale-socket probe waits for a live server to accept
+
+
+class ServeError(RuntimeError):
+    """The server cannot start (or its model failed to load); the message says why."""
+
+
+# ---- sockets ----------------------------------------------------------------------------------------
+def clear_stale_socket(path: Path) -> None:
+    """Make way for a new socket at path: remove a socket nobody answers on; refuse anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ServeError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(PROBE_TIMEOUT_S)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:  # a socket file with no listener: left by a crash
+        log.warning("removing stale socket %s", path)
+        path.unlink()
+        return
+    except FileNotFoundError:  # removed meanwhile
+        return
+    except OSError as e:
+        raise ServeError(f"{path}: cannot tell whether another server uses it ({e})") from e
+    finally:
+        probe.close()
+    raise ServeError(f"{path}: another server is answering on this socket")
+
+
+def bind_unix(path: Path, mode: int, group: str | None) -> socket.socket:
+    """A listening Unix socket at path with the given permission bits and group."""
+    path = Path(path)
+    clear_stale_socket(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, mode)  # before listen(): until then a connect() is refused, whatever the mode
+        if group is not None:
+            os.chown(path, -1, group_id(group))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        unlink_if_socket(path)
+        raise
+    return sock
+
+
+def group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ServeError(f"socket_group {group!r} is not a group on this system") from None
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+def unlink_if_socket(path: Path) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+# ---- the server -------------------------------------------------------------------------------------
+class _DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, with a deadline for each request head: a connection that opens and sends
+    nothing, or half its headers, was held for good (uvicorn's keep-alive timer starts only after a response
+    and stops at the first byte), and enough of them took every file descriptor."""
+
+    request_timeout_s = 30.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._await_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_request()
+
+    def connection_lost(self, exc) -> None:
+        self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _await_request(self) -> None:
+        if getattr(self, "_head_deadline", None) is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = self.loop.call_later(self.request_timeout_s, self._close_if_idle, self.cycle)
+
+    def _close_if_idle(self, cycle_then) -> None:
+        if self.cycle is cycle_then and not self.transport.is_closing():  # no new request began since
+            self.transport.close()
+
+
+class _CutOffRequests(logging.Filter):
+    """Drops uvicorn's traceback for each request still running when drain_timeout_s ran out.
+
+    uvicorn says once that it cancels them ("Cancel N running task(s), timeout graceful shutdown exceeded"),
+    then logs every cancelled request as "Exception in ASGI application" with a traceback: 32 tracebacks in
+    the journal for one ordinary stop. Their telemetry is still recorded (EventBridge).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+_CUT_OFF_REQUESTS = _CutOffRequests()
+
+
+class _Repeats(logging.Filter):
+    """Lets each warning through once a minute, with the count of those held back since. uvicorn logs one per
+    bad connection ("Invalid HTTP request received.", "Exceeded concurrency limit."): a local client sending
+    garbage can write 4,200 lines a second to the journal."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.window_s, self.clock = window_s, clock
+        self._seen: dict[str, tuple[float, int]] = {}  # message -> (when last let through, held back since)
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or record.exc_info:  # errors and tracebacks: each is news
+            return True
+        message, now = record.getMessage(), self.clock()
+        with self._lock:
+            if len(self._seen) > 1000:  # messages with varying text: forget, rather than grow
+                self._seen.clear()
+            last, held = self._seen.get(message, (-float("inf"), 0))
+            if now - last < self.window_s:
+                self._seen[message] = (last, held + 1)
+                return False
+            self._seen[message] = (now, 0)
+        if held:
+            record.msg, record.args = f"{message} ({held} more in the last {self.window_s:.0f} s)", ()
+        return True
+
+
+_REPEATS = _Repeats()
+
+
+# After drain_timeout_s the engine stops, and the streams it held get this long to send their error event and
+# [DONE] before uvicorn cancels what is left.
+CUT_OFF_GRACE_S = 5.0
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, backend: Backend, drain_timeout_s: float):
+        super().__init__(config)
+        self.backend, self.drain_timeout_s = backend, drain_timeout_s
+        self._cut_off: threading.Timer | None = None
+        for f in (_CUT_OFF_REQUESTS, _REPEATS):  # once each: the same filter is not added twice
+            logging.getLogger("uvicorn.error").addFilter(f)
+
+    on_stopping: Callable[[], None] | None = None  # told as the drain begins (sd_notify STOPPING=1)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.begin_drain()
+        if self.on_stopping:
+            self.on_stopping()
+        super().handle_exit(sig, frame)
+
+    def begin_drain(self) -> None:
+        """/health answers 503 while in-flight requests finish; after drain_timeout_s the engine ends them."""
+        self.backend.mark_draining()
+        if self._cut_off is None:
+            self._cut_off = threading.Timer(self.drain_timeout_s, self._stop_engine)
+            self._cut_off.daemon = True
+            self._cut_off.start()
+
+    def end_drain(self) -> None:
+        """The server has stopped: nothing is left for the timer to cut off (the caller stops the engine, so
+        a cut-off already under way is waited for: two stops at once would end the held requests twice)."""
+        if self._cut_off is not None:
+            self._cut_off.cancel()
+            if self._cut_off.is_alive():
+                self._cut_off.join()
+
+    def _stop_engine(self) -> None:
+        """Every request still held ends with an "unavailable" error, which a stream sends as its last event
+        before [DONE]: cancelled by uvicorn instead, each connection would close mid-body, which openai's
+        clients raise as httpx's RemoteProtocolError rather than an APIError their callers catch."""
+        engine = self.backend.engine
+        if engine is not None and not engine.stopped:
+            log.warning("drain_timeout_s (%.0f s) ran out: stopping the requests still running", self.drain_timeout_s)
+            engine.stop()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own version re-raises the signal after shutdown, killing the process before the engine
+        # stops and the socket file is removed; here a drained shutdown simply returns (exit status 0).
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class ApiServer:
+    """The API app on pre-bound sockets, with a loader thread that brings the engine up.
+
+    run() serves in the calling thread (the main thread: SIGTERM / SIGINT drain); start() / stop() run it
+    in a background thread (tests).
+    """
+
+    def __init__(self, backend: Backend, sockets: list[socket.socket], config: ApiConfig,
+                 metrics: Metrics | None = None):
+        self.backend, self.sockets = backend, sockets
+        self.metrics = metrics or Metrics()
+        app = create_app(backend, self.metrics, config)
+        protocol = type("Protocol", (_DeadlineProtocol,), {"request_timeout_s": config.request_timeout_s})
+        uv = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", access_log=False, log_config=None,
+                            timeout_graceful_shutdown=config.drain_timeout_s + CUT_OFF_GRACE_S,
+                            limit_concurrency=config.max_connections)
+        self.uvicorn = _Uvicorn(uv, backend, config.drain_timeout_s)
+        self.load_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def load_in_background(self, load: Callable[[], Engine]) -> threading.Thread:
+        """Call load() (which returns a started engine) in a thread; the backend turns ready or failed."""
+        thread = threading.Thread(target=self._load, args=(load,), name="engine-loader", daemon=True)
+        thread.start()
+        return thread
+
+    def _load(self, load: Callable[[], Engine]) -> None:
+        try:
+            engine = load()
+        except Exception as e:
+            log.error("the model failed to load: %s", e)
+            self.load_error = e
+            self.backend.mark_failed()
+            self.uvicorn.should_exit = True  # a service without its model should exit, so systemd sees it
+            return
+        if self.backend.can_move(ServerState.READY):
+            self.backend.mark_ready(engine)
+        else:  # shutdown began while loading
+            engine.stop()
+
+    def run(self) -> None:
+        try:
+            self.uvicorn.run(sockets=self.sockets)
+        finally:
+            self.uvicorn.end_drain()
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread = threading.Thread(target=self.run, name="api-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise ServeError("the API server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.uvicorn.begin_drain()
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
