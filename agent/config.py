@@ -29,7 +29,7 @@ class EngineConfig(BaseModel):
     min_context: int = Field(512, ge=16, description="the budget must hold at least one sequence this long")
     kv_smallest_class: int = Field(256, ge=16, description="capacity of the smallest KV slot class, in tokens")
     # 128 rather than 256: the same TTFT for 512- and 896-token prompts, ~8 MB less peak activation memory
-    # and half the stall a long prompt puts between running streams' tokens (docs/benchmarks.md, 2026-12-03)
+    # and half the stall a long prompt puts between running streams' tokens (docs/benchmarks.md, what we tried)
     prefill_chunk_tokens: int = Field(128, ge=16, le=8192, description="prompt tokens computed per engine step "
                                       "(fewer deep into a long prompt while other requests decode)")
     # counted from submission to admission, so 0 refuses every request (tests use it to force 'overloaded')
@@ -197,7 +197,7 @@ class TelemetryConfig(BaseModel):
 
 
 class UpdatesConfig(BaseModel):
-    """Signed model updates from the fleet (agent/updates/jobs.py)."""
+    """Signed model updates from the fleet (agent/updates/)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

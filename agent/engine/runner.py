@@ -278,7 +278,7 @@ def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
     waits on a partner the scheduler has descheduled, and decode was ~1.6x slower than sleeping
     (bench/tps.py, docs/benchmarks.md). A spinning worker keeps spinning for a bounded while after Run()
     returns, which bridges the engine's few hundred microseconds between steps: forcing the spin to stop
-    at every return (session.force_spinning_stop) lost ~10% of decode speed (measured 2026-12-03, separate
+    at every return (session.force_spinning_stop) lost ~10% of decode speed (measured in separate
     processes, 3 rounds: ~118 vs ~131 tok/s on a loaded 2-core host). With one worker on two cores the
     engine thread keeps a core of its own meanwhile.
     """
@@ -290,6 +290,6 @@ def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
     # A memory pattern reserves one block per distinct set of input shapes, and a batch's shapes change
     # step by step. Without patterns the arena reuses freed tensors: peak RSS at a 1,024-token context
     # fell by ~11 MB, with decode, TTFT-512 and 4-stream speed unchanged within noise
-    # (2026-12-03, fresh processes, 9 interleaved rounds; docs/benchmarks.md).
+    # (fresh processes, 9 interleaved rounds; docs/benchmarks.md, what we tried).
     opts.enable_mem_pattern = False
     return opts

@@ -107,7 +107,7 @@ class Device:
     settings: LiveSettings
     benchmark: Callable[[BenchmarkArgs], RequestFigures] | None = None  # None: no model loaded
     flush: Callable[[], dict] | None = None  # None: no broker configured
-    # queues a rollback job (agent.updates.jobs), raising CommandError if it cannot be queued; None: not wired
+    # queues a rollback job (agent.updates.service), raising CommandError if it cannot be queued; None: not wired
     rollback: Callable[[], dict] | None = None
     clock: Callable[[], float] = field(default=time.time)
 

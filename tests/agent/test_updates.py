@@ -400,21 +400,25 @@ def test_recovery_keeps_the_previous_model_when_the_interrupted_job_reinstalled_
     assert older.is_dir() and dev.store.link("previous") == older.resolve()
 
 
+def swap_failing_on(dev, version: str, calls: list | None = None):
+    """A swap whose engine cannot start `version` (after its check ran); any other bundle serves."""
+    def swap(bundle, check=None):
+        if calls is not None:
+            calls.append(bundle.manifest.version)
+        if check:
+            check(bundle)
+        if bundle.manifest.version == version:
+            raise RuntimeError("engine failed to start")
+        dev.serving = bundle
+    return swap
+
+
 def test_activation_failure_rolls_back_automatically(tmp_path, bundles, keys, server):
     """The new model passed its checks but the engine cannot run it: the device goes back on its own."""
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
     calls = []
-
-    def swap(bundle, check=None):
-        calls.append(bundle.manifest.version)
-        if check:
-            check(bundle)
-        if bundle.manifest.version == v2.manifest.version:
-            raise RuntimeError("engine failed to start")
-        dev.serving = bundle
-
-    dev.ctx.swap = swap
+    dev.ctx.swap = swap_failing_on(dev, v2.manifest.version, calls)
     fallback = dev.store.models / "tiny@fallback"  # the model before v1: the device's rollback target
     shutil.copytree(v1.path, fallback)
     current = dev.store.link("current")
@@ -1393,15 +1397,7 @@ def test_an_activation_that_fails_after_the_links_moved_ends_rolled_back_and_rep
 
     v1, v2 = bundles
     dev = Device(tmp_path, v1, keys)
-
-    def swap(bundle, check=None):
-        if check:
-            check(bundle)
-        if bundle.manifest.version == v2.manifest.version:
-            raise RuntimeError("engine failed to start")
-        dev.serving = bundle
-
-    dev.ctx.swap = swap
+    dev.ctx.swap = swap_failing_on(dev, v2.manifest.version)
     url = server.publish_dir(v2.path, "tiny-v2")
     assert UpdateJob(dev.ctx, job(v2.manifest, keys / "fleet.key", url, min_tokens_per_s=0)).run() is JobState.FAILED
     assert phases[-3:] == [P.SWAPPING, P.REVERTING, P.ROLLED_BACK] and "rolled back" in dev.reports[-1].reason
