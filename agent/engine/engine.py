@@ -53,7 +53,7 @@ class Engine:
         if config.speculative == "draft" and self.draft is None:  # refused: it would quietly run prompt lookup
             raise ValueError("speculative = 'draft' needs a draft model (generate --draft-model); without one use "
                              "'ngram' or 'off'")
-        self.spec = Speculation(lambda: self.config, self.draft)
+        self.spec = Speculation(config, self.draft)
         self.max_context = config.sequence_limit(c.context_length)
         self.kv = self._plan_kv()
         self.max_prompt_tokens = self.kv.max_capacity - 1  # the largest slot, with one generated token
@@ -128,7 +128,7 @@ class Engine:
         sees the old or the new one; what they change in the scheduler the engine thread applies at its next
         step, which this call waits for (up to SETTINGS_WAIT_S: a step is milliseconds to a prefill chunk's
         second), or this call does when that thread is not running (nothing else touches the scheduler then)."""
-        self.config = self.config.model_copy(update=changed)
+        self.config = self.spec.config = self.config.model_copy(update=changed)
         applied = threading.Event()
         self._settings.put((self.config, applied))
         if self.is_running:

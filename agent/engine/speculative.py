@@ -20,7 +20,7 @@ bundles the rows' activations are quantized apart too, and the difference is lar
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -217,16 +217,18 @@ class Speculation:
     """The engine's speculative decoding: each request's mode and draft-length controller, its drafts, the
     accounting of a verify step, and what a finished request's controller hands to the next in its mode.
 
-    `settings` gives the engine's current config (live settings change `speculative` and
-    `speculative_max_batch`). The engine thread calls everything but start(), which submit() calls.
+    `config` is the engine's current config, replaced whole by Engine.update_settings (live settings change
+    `speculative` and `speculative_max_batch`); a value, not a callback into the engine, so that a dropped
+    engine is freed at once rather than kept by a reference cycle until the next garbage collection.
+    The engine thread calls everything but start(), which submit() calls.
     """
 
-    settings: Callable[[], EngineConfig]
+    config: EngineConfig
     draft: DraftModel | None = None
     backoff: dict[str, int] = field(default_factory=dict)  # mode -> the last finished sequence's backoff
 
     def mode_of(self, seq: Request) -> str:
-        return seq.params.speculative or self.settings().speculative
+        return seq.params.speculative or self.config.speculative
 
     def start(self, seq: Request) -> None:
         """Give a new sequence its mode's controller (see next_draft_length)."""
@@ -237,7 +239,7 @@ class Speculation:
         """This step's draft (prompt lookup's or the draft model's), or [] when speculation is off, paused or not
         worth it. capacity: the tokens seq's slot holds (a draft model writes its tokens into its own slot)."""
         mode = self.mode_of(seq)
-        if mode == "off" or batch > self.settings().speculative_max_batch:
+        if mode == "off" or batch > self.config.speculative_max_batch:
             return []
         room = min(seq.params.max_tokens - len(seq.output_ids), min(seq.max_total_tokens, capacity) - seq.num_tokens) - 1
         if mode == "ngram":

@@ -366,3 +366,22 @@ def test_a_failing_remeasurement_does_not_stop_the_loop(tiny_bundle, monkeypatch
     finally:
         e.stop()
     assert failures and out.figures.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_a_dropped_engine_is_freed_at_once_without_waiting_for_the_garbage_collector(tiny_bundle):
+    """No reference cycle runs through an engine: the next engine in the process sizes its KV cache from the
+    process's memory, which a stopped engine kept alive until a collection would still hold."""
+    import gc
+    import weakref
+
+    e = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
+    e.start()
+    e.generate(prompts(1)[0], SamplingParams(max_tokens=3, **GREEDY))
+    e.stop()
+    gone = weakref.ref(e)
+    gc.disable()
+    try:
+        del e
+        assert gone() is None
+    finally:
+        gc.enable()
