@@ -189,13 +189,13 @@ def batch_quality(bundle, reference, slices: list[list[int]], streams: int, **kw
     # the budget is not under test here: this process also holds the fp32 graph and the recorded logits
     e = engine(bundle, memory_budget_mb=16384, speculative_max_batch=1, prefix_cache_fraction=0.0, **kw)
     rows: dict[int, list[np.ndarray]] = {}
-    sample = e._sample
+    sample = e.steps._sample
 
     def recording(seq, logits):  # the row the engine samples each token from, as the batch ran it
         rows.setdefault(seq.seq_id, []).append(np.array(logits, np.float32))
         return sample(seq, logits)
 
-    e._sample = recording
+    e.steps._sample = recording
     outputs = []
     for i in range(0, len(slices), streams):
         handles = [e.submit(p, SamplingParams(max_tokens=128, **GREEDY)) for p in slices[i:i + streams]]
