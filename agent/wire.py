@@ -13,7 +13,7 @@ import enum
 import json
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -100,6 +100,10 @@ class Golden(_Frozen):
 # published outside the artifacts directory, and 'a@b' could never be deployed. Checked where names are
 # made (build) and accepted (publish), not when a manifest is read: bundles built before must still load.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$"
+# A model's name or version (and the agent's version) in telemetry and device state: the fleet groups its
+# tables and report by them and names a model NAME@VERSION. Versions have always fit ("int4-b64a-3f2a9c1d").
+ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN)]
+Precision = Literal["fp32", "int8", "int4"]  # quantize.precision.Precision's values (tests/test_wire.py pins them)
 
 
 def canonical_json(model: BaseModel, exclude: frozenset[str] = frozenset()) -> bytes:
@@ -177,6 +181,10 @@ class ModelConfig(Geometry):
 
 
 # ---- Per-request figures (the engine computes them; the API, telemetry and the fleet carry them) --------
+# Why a request ended: the values of the engine's FinishReason (agent/engine/sequence.py; tests/test_wire.py
+# pins the two), a closed set that the fleet's tables and report group by
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+FINISH_REASONS = get_args(FinishReason)
 # Counts, times and rates are never negative: a negative count made the fleet's "tokens served" go down.
 Count = Annotated[int, Field(ge=0)]
 Amount = Annotated[float, Field(ge=0)]
@@ -202,7 +210,7 @@ class RequestFigures(_Frozen):
     itl_p95_ms: Amount
     e2e_ms: Amount  # submission -> finished
     kv_bytes: Count  # KV-cache bytes of the largest slot the request held
-    finish_reason: str  # stop | length | cancelled | error
+    finish_reason: FinishReason
     preemptions: Count = 0
     # speculative decoding: tokens proposed, and those verification accepted (the drafter's acceptance, so
     # including any a stop string then cut off)
@@ -267,6 +275,11 @@ def device_of(mqtt_topic: str) -> str | None:
 
 
 DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no MQTT wildcards or separators
+# A boot's id: the agent makes a uuid4 (36 characters) at every start. It is compared, never parsed, so any
+# token of the device ids' alphabet is accepted, and nothing over 64 characters (every row stores it).
+BOOT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# One line of text as the fleet shows it (a CPU's name): no control characters (no terminal escapes), bounded
+OneLine = Annotated[str, Field(max_length=128, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
 def is_device_id(text: str) -> bool:
@@ -275,30 +288,34 @@ def is_device_id(text: str) -> bool:
 
 
 class Hardware(_Frozen):
-    cpu: str
-    cores: int
-    memory_mb: int
-    arch: str
+    cpu: OneLine  # platform.processor(), or the machine's name when it has none
+    cores: Count
+    memory_mb: Count
+    arch: str = Field(pattern=r"^[A-Za-z0-9_.-]{0,32}$")  # platform.machine(): x86_64, aarch64, armv7l, ...
 
 
 class DeviceState(_Frozen):
+    """A device's retained state. The agent sends a bare one (no model, hardware or agent_version) when its
+    description does not fit these fields (a bundle named before names were checked), rather than none."""
+
     device_id: str = Field(pattern=DEVICE_ID_PATTERN)
     status: str = Field(pattern=r"^(online|offline|stopped)$")
-    connection: int = Field(ge=0)  # grows on every connect: a late Will from an older session is ignored
-    boot_id: str
+    # grows on every connect: a late Will from an older session is ignored. A JSON integer, as seq is
+    connection: int = Field(ge=0, strict=True)
+    boot_id: str = Field(pattern=BOOT_ID_PATTERN)
     ts: float = EPOCH_SECONDS
-    model: str | None = None
-    version: str | None = None
-    precision: str | None = None
+    model: ModelName | None = None
+    version: ModelName | None = None
+    precision: Precision | None = None
     hardware: Hardware | None = None
-    agent_version: str | None = None
+    agent_version: ModelName | None = None  # e.g. "0.1.0"
 
 
 class RequestRecord(_Frozen):
     """One served request, as telemetry."""
 
-    model: str
-    version: str
+    model: ModelName
+    version: ModelName
     figures: RequestFigures
 
 
@@ -333,8 +350,8 @@ class EventRecord(_Frozen):
 class TelemetryRecord(_Frozen):
     """The unit of delivery: (device_id, boot_id, seq) is unique, so the fleet drops replays."""
 
-    boot_id: str
-    seq: int = Field(ge=0)
+    boot_id: str = Field(pattern=BOOT_ID_PATTERN)
+    seq: int = Field(ge=0, strict=True)  # a JSON integer: "7" is refused, not read as 7
     ts: float = EPOCH_SECONDS
     kind: str = Field(pattern=r"^(request|sample|event)$")
     request: RequestRecord | None = None

@@ -42,6 +42,7 @@ LOG_EVERY_S = 600.0  # ingest-rate summary period (every 10 s was 8,640 lines a 
 REJECTION_LOG_EVERY_S = 60.0  # at most one log line per (device, reason) per period: garbage can be a flood
 REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 devices sending a schema this
 # server does not know would write 300 lines a minute; ids that change with every message, 2,900)
+MAX_WHERE_CHARS = 120  # of the field a logged schema rejection names (an unknown field's name is the sender's)
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
 IDLE_WAIT_S = 0.2  # the writer's wait for a first message (it checks for stop and retention in between)
 PUBACK_WAIT_S = 5.0  # a rollout notice without the broker's PUBACK by then goes again next pass
@@ -53,7 +54,8 @@ INBOX_MAX_MESSAGES = 20_000
 # rejection reasons, as stored in rejected.reason
 TOO_LARGE = "too_large"  # payload over MAX_PAYLOAD_BYTES
 INVALID_JSON = "invalid_json"
-SCHEMA = "schema"  # valid JSON that is not the wire message for this topic
+SCHEMA = "schema"  # valid JSON that is not the wire message for this topic (agent.wire says what each field
+# allows: closed sets such as finish_reason, strict ints such as seq, bounded ids and names such as boot_id, model)
 DEVICE_MISMATCH = "device_mismatch"  # payload device_id differs from the topic's
 EVENT_MISMATCH = "event_mismatch"  # evt/{kind} carrying records that are not `kind` events
 BAD_TOPIC = "bad_topic"  # a topic this consumer does not handle
@@ -81,6 +83,8 @@ def _validate(model, payload: bytes):
         first = e.errors()[0]
         reason = INVALID_JSON if first["type"] == "json_invalid" else SCHEMA
         where = ".".join(str(p) for p in first["loc"]) or "message"
+        if len(where) > MAX_WHERE_CHARS:
+            where = where[:MAX_WHERE_CHARS] + "..."
         raise Rejected(reason, f"{where}: {first['msg']} ({e.error_count()} errors)") from None
 
 

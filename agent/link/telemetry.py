@@ -90,6 +90,7 @@ class Telemetry:
         self._steps_told = 0  # store.clock_steps already recorded as events (under _tokens_lock)
         self._pending_samples: list[tuple[SampleRecord, float]] = []  # (sample, uptime when taken): sampler thread
         self._failures_logged: dict[str, float] = {}  # kind of failure -> when it was last logged
+        self._unnamed: set[tuple[str, str]] = set()  # (model, version) whose requests RequestRecord refuses
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._full_logged_at = -float("inf")
@@ -139,9 +140,17 @@ class Telemetry:
         self._engine = engine
 
     def record_request(self, model: str, version: str, figures: RequestFigures) -> None:
-        self._append(RequestRecord(model=model, version=version, figures=figures))
         with self._tokens_lock:
             self._tokens += figures.completion_tokens
+        try:
+            record = RequestRecord(model=model, version=version, figures=figures)
+        except ValidationError as e:  # a bundle named before names were checked: the fleet would refuse it
+            if (model, version) not in self._unnamed:  # said once per model, not per request
+                self._unnamed.add((model, version))
+                log.warning("telemetry: requests to %r@%r are not recorded: %s (rebuild the bundle with "
+                            "edge-quantize build --name)", model, version, e.errors(include_url=False)[0]["msg"])
+            return
+        self._append(record)
 
     def record_event(self, kind: str, detail: dict) -> None:
         try:

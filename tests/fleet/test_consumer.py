@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -166,6 +167,53 @@ def test_garbage_is_counted_and_dropped_and_ingestion_goes_on(broker, consumers,
                message="every bad message counted")
     wait_until(lambda: stored_keys(fleet_db) == produced_keys(good) | {("dev-good", good.boot_id, 1000)})
     assert not db.execute("select 1 from devices where id in ('dev-x', 'dev-y', 'dev-z')").fetchall()
+    raw.loop_stop()
+
+
+def test_invented_finish_reasons_string_seqs_and_unbounded_ids_or_names_are_refused_and_counted(
+        broker, consumers, devices, fleet_db, caplog):
+    """Found by an outside probe: a device could invent finish_reasons (new rows in `tps` and the report), a
+    string seq was coerced, a 100 kB boot_id was stored with every row, and model and version had no bound."""
+    caplog.set_level(logging.WARNING, logger="fleet.consumer")
+    consumers(client_id="fleet-1")
+    good = devices("dev-good")
+    raw = raw_client(broker)
+
+    def request(device_id: str, change) -> bytes:  # one valid request record, changed by change(record)
+        body = json.loads(TelemetryBatch(device_id=device_id, records=[
+            request_record("boot-x", 1, time.time(), random.Random(1))]).model_dump_json())
+        change(body["records"][0])
+        return json.dumps(body).encode()
+
+    def state(device_id: str, **fields) -> bytes:
+        return json.dumps({**json.loads(good.state("online").model_dump_json()), "device_id": device_id,
+                           **fields}).encode()
+
+    cases = {  # device -> (the field its message breaks, topic, payload)
+        "dev-finish": ("finish_reason", "tele", request(
+            "dev-finish", lambda r: r["request"]["figures"].update(finish_reason="invented"))),
+        "dev-seq": ("seq", "tele", request("dev-seq", lambda r: r.update(seq="7"))),
+        "dev-boot": ("boot_id", "tele", request("dev-boot", lambda r: r.update(boot_id="b" * 100_000))),
+        "dev-model": ("model", "tele", request("dev-model", lambda r: r["request"].update(model="m" * 65))),
+        "dev-version": ("version", "tele", request("dev-version", lambda r: r["request"].update(version="v" * 1000))),
+        "dev-state-boot": ("boot_id", "state", state("dev-state-boot", boot_id="b" * 100_000)),
+        "dev-state-model": ("model", "state", state("dev-state-model", model="a model/with spaces")),
+        "dev-state-connection": ("connection", "state", state("dev-state-connection", connection="3")),
+        "dev-state-precision": ("precision", "state", state("dev-state-precision", precision="int3")),
+    }
+    for device_id, (_, kind, payload) in cases.items():
+        assert len(payload) <= MAX_PAYLOAD_BYTES  # refused for its field, not for its size
+        publish(raw, topic(device_id, kind), payload)
+    good.emit(3)
+    db = connect(fleet_db)
+    wait_until(lambda: {(r["device_id"], r["reason"]): r["count"] for r in db["rejected"].rows}
+               == {(device_id, "schema"): 1 for device_id in cases}, message="every bad message counted")
+    wait_until(lambda: stored_keys(fleet_db) == produced_keys(good), message="the good device's records stored")
+    assert not db.execute(f"select id from devices where id in ({', '.join('?' * len(cases))})", list(cases)).fetchall()
+    for device_id, (field, _, _) in cases.items():  # the logged reason names the field
+        [line] = [r.getMessage() for r in caplog.records if f"device {device_id!r}" in r.getMessage()]
+        assert re.search(rf"schema: (records\.0\.(request\.(figures\.)?)?)?{field}: ", line), line
+        assert len(line) < 400, line  # the 100 kB value is not repeated
     raw.loop_stop()
 
 
