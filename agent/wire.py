@@ -462,6 +462,6 @@ class JobStatusUpdate(_Frozen):
     state: JobState
     step: JobStep | None = None
     percent: float | None = None  # download progress
-    reason: str | None = None  # why FAILED / REJECTED
+    reason: str | None = None  # why FAILED / REJECTED; IN_PROGRESS downloading: "retrying: <why>"
     figures: dict = {}  # measured health-check figures on SUCCEEDED
     ts: float = EPOCH_SECONDS

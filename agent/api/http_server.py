@@ -34,6 +34,7 @@ from agent.api.app import create_app
 from agent.api.backend import Backend, ServerState
 from agent.api.metrics import Metrics
 from agent.config import ApiConfig
+from agent.logs import Repeats as _Repeats
 
 if TYPE_CHECKING:  # the server is handed a loader that returns a started engine
     from agent.engine.engine import Engine
@@ -161,35 +162,7 @@ class _CutOffRequests(logging.Filter):
 _CUT_OFF_REQUESTS = _CutOffRequests()
 
 
-class _Repeats(logging.Filter):
-    """Lets each warning through once a minute, with the count of those held back since. uvicorn logs one per
-    bad connection ("Invalid HTTP request received.", "Exceeded concurrency limit."): a local client sending
-    garbage can write 4,200 lines a second to the journal."""
-
-    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
-        super().__init__()
-        self.window_s, self.clock = window_s, clock
-        self._seen: dict[str, tuple[float, int]] = {}  # message -> (when last let through, held back since)
-        self._lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING or record.exc_info:  # errors and tracebacks: each is news
-            return True
-        message, now = record.getMessage(), self.clock()
-        with self._lock:
-            if len(self._seen) > 1000:  # messages with varying text: forget, rather than grow
-                self._seen.clear()
-            last, held = self._seen.get(message, (-float("inf"), 0))
-            if now - last < self.window_s:
-                self._seen[message] = (last, held + 1)
-                return False
-            self._seen[message] = (now, 0)
-        if held:
-            record.msg, record.args = f"{message} ({held} more in the last {self.window_s:.0f} s)", ()
-        return True
-
-
-_REPEATS = _Repeats()
+_REPEATS = _Repeats()  # uvicorn's warnings, each once a minute
 
 
 # After drain_timeout_s the engine stops, and the streams it held get this long to send their error event and

@@ -8,7 +8,8 @@ Threads, one job each:
   them sent on PUBACK only. Rows unacknowledged when a connection ends stay unsent and go again on the next
   one (the fleet drops replays on (device, boot, seq)).
 - commands ("mqtt-commands"): validates cmd/req/{name} messages, calls the handler, answers on the
-  request's Response Topic with its Correlation Data (MQTT v5 §4.10).
+  request's Response Topic with its Correlation Data (MQTT v5 §4.10). A command that finds COMMAND_QUEUE_MAX
+  waiting is answered "busy" from paho's thread; warnings about single commands go out once a minute a kind.
 
 Presence: on connect, a retained DeviceState "online" (birth); the Last Will, registered in CONNECT, is a
 retained "offline" with the same connection number; a clean stop publishes "stopped" and then sends
@@ -36,12 +37,18 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from pydantic import ValidationError
 
 from agent.config import MqttConfig
+from agent.logs import Repeats, by_format
 from agent.mqtt_link import Backoff, Credentials, LinkState, LinkStateMachine
 from agent.link.outbox import Outbox
 from agent.link.store import TelemetryStore
 from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, topic
 
 log = logging.getLogger(__name__)
+# Warnings about single commands (dropped, refused, expired, not answerable): a publisher decides how many there
+# are, so each kind goes to the journal once a minute, with the count of those held back.
+each_command = logging.getLogger(__name__ + ".commands")
+COMMAND_REPEATS = Repeats(key=by_format)
+each_command.addFilter(COMMAND_REPEATS)
 
 CommandHandler = Callable[[str, CommandRequest], CommandResponse]
 
@@ -49,7 +56,11 @@ CommandHandler = Callable[[str, CommandRequest], CommandResponse]
 # them instead). Above MAX_PAYLOAD_BYTES so that a too-large command still reaches us and gets an error
 # answer; a bound so that no publisher can make the device buffer megabytes.
 MAX_PACKET_BYTES = 4 * MAX_PAYLOAD_BYTES
-COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are dropped (logged): a flood must not grow memory
+# The most QoS 1 messages (commands, job documents) the broker may send us unacknowledged (MQTT v5 §3.1.2.11.3,
+# §4.9; 65,535 if left out): what a flood can make paho hold for us at once, busy answers included (below).
+RECEIVE_MAXIMUM = 64
+COMMAND_QUEUE_MAX = 32  # commands waiting for the worker; more are answered busy: a flood must not grow memory
+BUSY_ERROR = f"busy: {COMMAND_QUEUE_MAX} commands are already waiting on this device; try again later"
 STOP_ACK_TIMEOUT_S = 2.0  # how long a clean stop waits for the "stopped" state's PUBACK
 PUBLISH_OVERHEAD_BYTES = 512  # a PUBLISH's fixed header, topic and properties around its payload
 JOB_STATUSES_KEPT = 8  # job statuses re-sent after a reconnect (a status reported while away is not lost)
@@ -183,6 +194,7 @@ class MqttLink(LinkStateMachine):
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.config.session_expiry_s  # MQTT v5 §3.1.2.11.2
         props.MaximumPacketSize = MAX_PACKET_BYTES  # MQTT v5 §3.1.2.11.4
+        props.ReceiveMaximum = RECEIVE_MAXIMUM  # MQTT v5 §3.1.2.11.3
         try:  # MQTT v5 §3.1.2.4: Clean Start 0 resumes the session (our cmd/req subscription, queued commands)
             conn.client.connect(self.config.host, self.config.port, self.config.keepalive_s, clean_start=False,
                                 properties=props)
@@ -253,7 +265,7 @@ class MqttLink(LinkStateMachine):
                 except Exception:  # the updater validates and reports; nothing it raises may stop the link
                     log.exception("mqtt: the job document on %s was not accepted", msg.topic)
             return
-        self.commands.offer(msg)
+        self.commands.offer(msg, client)
 
     def _watch(self, conn: _Connection) -> None:
         while not conn.closed.wait(0.2):
@@ -337,7 +349,9 @@ class _CommandDesk:
     """cmd/req/{name} messages -> validated CommandRequest -> handler -> CommandResponse on the Response Topic.
 
     paho's thread only queues messages; the worker validates and answers them one at a time, so a slow
-    command (a benchmark) never stalls the network loop. Nothing a publisher sends can end the worker.
+    command (a benchmark) never stalls the network loop. Nothing a publisher sends can end the worker. A
+    command that finds COMMAND_QUEUE_MAX waiting is answered "busy" at once, so `edge-fleet cmd` says so
+    instead of waiting out its --timeout.
     """
 
     def __init__(self, device_id: str, handler: CommandHandler, response_expiry_s: int, stop: threading.Event,
@@ -347,11 +361,29 @@ class _CommandDesk:
         self.response_base = topic(device_id, "cmd", "res")
         self._queue: queue.Queue = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
 
-    def offer(self, msg) -> None:
+    def offer(self, msg, client: paho.Client) -> None:
+        """From paho's thread: queue the command for the worker, or answer it busy on the client it came by."""
         try:
             self._queue.put_nowait((msg, time.monotonic()))
         except queue.Full:
-            log.warning("mqtt: dropped a command on %s: %d commands already waiting", msg.topic, COMMAND_QUEUE_MAX)
+            self._answer_busy(msg, client)
+
+    def _answer_busy(self, msg, client: paho.Client) -> None:
+        # paho's network thread must not wait, and it does not: publish() appends the packet to the client's
+        # out-queue, as paho does with the PUBACK it sends for this request once we return. QoS 0: no PUBACK to
+        # wait for, and no in-flight slot taken from the telemetry outbox. The broker sends us at most
+        # RECEIVE_MAXIMUM unacknowledged requests, and each request's PUBACK is queued behind its answer, so even
+        # a broker that stops reading from us can leave at most that many answers waiting to be written.
+        props = msg.properties
+        response_topic = getattr(props, "ResponseTopic", None)  # MQTT v5 §3.3.2.3.5
+        if response_topic is not None and self._may_answer_on(response_topic):
+            busy = CommandResponse(command=msg.topic.rsplit("/", 1)[-1][:64], ok=False, error=BUSY_ERROR)
+            try:
+                client.publish(response_topic, busy.model_dump_json(), qos=0, properties=self._answer_properties(props))
+            except Exception as e:  # raised in paho's thread, it would end the connection's network loop
+                each_command.warning("mqtt: a busy answer could not be sent: %s", e)
+        each_command.warning("mqtt: a command was dropped: %d commands were already waiting (answered busy if it "
+                             "asked for an answer)", COMMAND_QUEUE_MAX)
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -367,8 +399,8 @@ class _CommandDesk:
             # whatever its wait (measured with Mosquitto 2.0.11).
             expiry = getattr(msg.properties, "MessageExpiryInterval", None)
             if expiry is not None and time.monotonic() - arrived > expiry:
-                log.warning("mqtt: command %r expired while it waited for the one before; not run",
-                            msg.topic.rsplit("/", 1)[-1])
+                each_command.warning("mqtt: command %r expired while it waited for the one before; not run",
+                                     msg.topic.rsplit("/", 1)[-1][:64])
                 continue
             try:
                 self._answer(msg)
@@ -381,26 +413,33 @@ class _CommandDesk:
         props = msg.properties
         response_topic = getattr(props, "ResponseTopic", None)  # MQTT v5 §3.3.2.3.5
         if response_topic is None:
-            log.warning("mqtt: command %r has no response topic; not answered%s", name,
-                        f" (it was refused: {response.error})" if not response.ok else "")
+            # the only trace of a request that asked for no answer: in full when it came alone; in a burst (others
+            # wait behind it), counted like the rest
+            (each_command if self._queue.qsize() else log).warning(
+                "mqtt: command %r has no response topic; not answered%s", name[:64],
+                f" (it was refused: {response.error})" if not response.ok else "")
             return
         if not self._may_answer_on(response_topic):
-            log.warning("mqtt: command %r asks for an answer on %r, outside %s/#; not answered", name,
-                        response_topic, self.response_base)
+            each_command.warning("mqtt: command %r asks for an answer on %r, outside %s/#; not answered", name[:64],
+                                 response_topic[:200], self.response_base)
             return
-        out = Properties(PacketTypes.PUBLISH)
-        out.MessageExpiryInterval = self.response_expiry_s  # MQTT v5 §3.3.2.3.3: stale answers are dropped
-        correlation = getattr(props, "CorrelationData", None)
-        if correlation is not None:
-            out.CorrelationData = correlation  # MQTT v5 §3.3.2.3.6: returned unchanged
+        out = self._answer_properties(props)
         # On the connection up now, not the one the request came on: a long command (a benchmark) can outlive
         # that one, and the broker will not send the request again (it was acknowledged).
         deadline = time.monotonic() + self.response_expiry_s
         while (conn := self.current()) is None:
             if self._stop.wait(0.2) or time.monotonic() > deadline:
-                log.warning("mqtt: the answer to command %r expired while the link was down", name)
+                each_command.warning("mqtt: the answer to command %r expired while the link was down", name[:64])
                 return
         conn.client.publish(response_topic, response.model_dump_json(), qos=1, properties=out)
+
+    def _answer_properties(self, request: Properties) -> Properties:
+        out = Properties(PacketTypes.PUBLISH)
+        out.MessageExpiryInterval = self.response_expiry_s  # MQTT v5 §3.3.2.3.3: stale answers are dropped
+        correlation = getattr(request, "CorrelationData", None)
+        if correlation is not None:
+            out.CorrelationData = correlation  # MQTT v5 §3.3.2.3.6: returned unchanged
+        return out
 
     def respond(self, name: str, payload: bytes) -> CommandResponse:
         """The answer to one request: the handler's, or an error saying what was wrong (and logged)."""
@@ -411,7 +450,7 @@ class _CommandDesk:
             except ValidationError as e:
                 error = "malformed request: " + _summarize(e)
         if error is not None:
-            log.warning("mqtt: command %r refused: %s", name[:64], error)
+            each_command.warning("mqtt: command %r refused: %s", name[:64], error)
             return CommandResponse(command=name[:64], ok=False, error=error)
         try:
             return self.handler(name, request)

@@ -129,9 +129,10 @@ class UpdateJob:
         ts = time.time()
         try:  # ts too: a report replayed after a restart keeps it (stamped anew by a clock that is behind at
             # boot, it looked older than the job's earlier reports, and the fleet ignored it)
+            # the journal keeps why a job ended, not why its download is retrying (that is only news)
+            ended = {"reason": kw["reason"]} if "reason" in kw and state in wire.TERMINAL_JOB_STATES else {}
             self.ctx.store.write_journal(JobJournal(job_id=self.doc.job_id, state=state, step=step, ts=ts,
-                                                    target=str(self.staging) if self.staging else None, **{
-                                                        k: v for k, v in kw.items() if k == "reason"}))
+                                                    target=str(self.staging) if self.staging else None, **ended))
             unjournaled = None
         except OSError as e:
             log.error("job %s: cannot write the update journal: %s", self.doc.job_id, e)
@@ -233,7 +234,12 @@ class UpdateJob:
             raise JobFailed(JobState.FAILED, "job has no base_url to download from")
         self.staging = self.ctx.store.staging_root / self._digest()
         total = sum(f.size_bytes for f in m.files.values()) or 1
-        done = 0
+        done = 0  # bytes of the files before the one downloading
+
+        def report(n_bytes: int, retrying: str | None) -> None:  # n_bytes of this file; retrying: why it retries
+            self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING, percent=round(100 * (done + n_bytes) / total, 1),
+                        **({"reason": retrying} if retrying else {}))
+
         try:
             self.ctx.store.clear_staging(keep=self.staging)  # another manifest's partial download: not resumed
             self.staging.mkdir(parents=True, exist_ok=True)
@@ -241,9 +247,7 @@ class UpdateJob:
             # restart during the download is reported as one, not "before it started"
             self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING, percent=0.0)
             for rel, entry in sorted(m.files.items()):
-                download.fetch_file(self.doc.base_url, self.staging, rel, entry,
-                                    lambda n: self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING,
-                                                          percent=round(100 * (done + n) / total, 1)), self.stopping)
+                download.fetch_file(self.doc.base_url, self.staging, rel, entry, report, self.stopping)
                 done += entry.size_bytes
             (self.staging / wire.MANIFEST).write_text(m.model_dump_json(indent=2))
         except OSError as e:  # the local side (fetch_file retries the network): a signed 300-character file name

@@ -13,6 +13,7 @@ import logging
 import os
 import pwd
 import queue
+import re
 import signal
 import socket
 import sqlite3
@@ -540,6 +541,64 @@ def test_an_answer_goes_out_on_the_connection_up_when_the_command_ends(broker, l
     assert wait_until(lambda: link.is_connected and link.store.connections >= 2)
     release.set()
     assert fleet.wait(lambda f: b"slow" in f.responses), "the answer was lost with the old connection"
+    fleet.close()
+
+
+def test_a_command_flood_is_answered_ok_or_busy_and_logged_in_a_few_counted_lines(broker, links):
+    """A burst on a device's command topic: each command dropped for a full queue went unanswered (`edge-fleet
+    cmd` waited out its --timeout) and wrote a warning of its own. Now every one is answered, ok or busy, and
+    the warnings go out once a window (shortened to 1 s here) with the count of those held back."""
+    import agent.link.mqtt as mqtt_module
+    from agent.logs import Repeats, by_format
+    from loglines import LogLines  # here, not at the top: the SIGKILL child runs this file as a script
+
+    flood, batch = 2000, 250  # in batches, so that the broker's queue for the device (1,000) never overflows
+    held = threading.Event()
+
+    def held_up(name: str, request: CommandRequest) -> CommandResponse:
+        held.wait(TIMEOUT_S)  # the worker holds the first command until the flood is in: the queue stays full
+        return CommandResponse(command=name, ok=True, result={})
+
+    link = links(broker.url, "dev-flood", handler=held_up)
+    fleet = Fleet(broker, subscribe=["edge/v1/dev-flood/cmd/res/#"], client_id="fleet-flood")
+    assert wait_until(lambda: link.is_connected)
+    repeats, logs = Repeats(1.0, key=by_format), LogLines()
+    mqtt_module.each_command.removeFilter(mqtt_module.COMMAND_REPEATS)  # one without the other tests' history
+    mqtt_module.each_command.addFilter(repeats)
+    logging.getLogger("agent.link.mqtt").addHandler(logs)
+
+    def send(first: int, last: int) -> None:
+        for i in range(first, last):
+            props = Properties(PacketTypes.PUBLISH)
+            props.ResponseTopic, props.CorrelationData = topic("dev-flood", "cmd", "res"), b"flood-%d" % i
+            fleet.client.publish(topic("dev-flood", "cmd", "req", "ping"), b"{}", qos=1, properties=props)
+        waiting = mqtt_module.COMMAND_QUEUE_MAX + 1  # answered once released: the one held and its queue
+        assert fleet.wait(lambda f: len(f.responses) >= last - waiting, TIMEOUT_S), "a command went unanswered"
+
+    try:
+        started = time.monotonic()
+        for first in range(0, flood, batch):
+            send(first, first + batch)
+        elapsed_s = time.monotonic() - started
+        time.sleep(1.1)  # past the window: the next drop's line says how many were held back
+        send(flood, flood + 1)
+        held.set()
+        assert fleet.wait(lambda f: all(b"flood-%d" % i in f.responses for i in range(flood + 1)), TIMEOUT_S)
+    finally:
+        held.set()
+        logging.getLogger("agent.link.mqtt").removeHandler(logs)
+        mqtt_module.each_command.removeFilter(repeats)
+        mqtt_module.each_command.addFilter(mqtt_module.COMMAND_REPEATS)
+    answers = [CommandResponse.model_validate_json(fleet.responses[b"flood-%d" % i].payload)
+               for i in range(flood + 1)]
+    ok = [a for a in answers if a.ok]
+    busy = [a for a in answers if not a.ok]
+    assert len(ok) == mqtt_module.COMMAND_QUEUE_MAX + 1  # the one held, and those that queued behind it
+    assert all(a.command == "ping" and a.error.startswith("busy: ") for a in busy), {a.error for a in busy}
+    lines = [line for line in logs.lines if "was dropped" in line]
+    assert len(lines) <= elapsed_s / 1.0 + 2, lines  # once a window, not once a command
+    counted = sum(int(m.group(1)) for line in lines if (m := re.search(r"\((\d+) more in the last 1 s\)", line)))
+    assert len(lines) + counted == len(busy), lines  # each drop in a line or in a count
     fleet.close()
 
 

@@ -1417,3 +1417,30 @@ def test_an_illegal_job_transition_is_an_internal_error(tmp_path, bundles, keys)
     assert rollback.run() is JobState.FAILED and rollback.phase is JobPhase.FAILED  # no previous model
     with pytest.raises(AssertionError, match="failed -> checking"):  # a job that ended does not run again
         rollback.run()
+
+
+def test_a_download_the_server_refuses_reports_retrying_with_the_reason_until_it_fails(tmp_path, bundles, keys,
+                                                                                       monkeypatch):
+    """With the artifact server refusing connections, a device sent no status between its first 0% and the
+    failure DOWNLOAD_STALL_S (five minutes) later: the fleet could not tell a download that retries from a device
+    gone quiet, while the jobs behind it waited. Scaled down: a status every 0.2 s, a give-up after 3 s."""
+    from broker import free_port
+
+    monkeypatch.setattr(download, "PROGRESS_EVERY_S", 0.2)
+    monkeypatch.setattr(download, "DOWNLOAD_STALL_S", 3.0)
+    v1, v2 = bundles
+    dev = Device(tmp_path, v1, keys)
+    refusing = f"http://127.0.0.1:{free_port()}/tiny-v2"  # nothing listens there: every connection is refused
+    refused = job(v2.manifest, keys / "fleet.key", refusing, min_tokens_per_s=0)
+    assert UpdateJob(dev.ctx, refused).run() is JobState.FAILED
+    downloading = [r for r in dev.reports if r.step is wire.JobStep.DOWNLOADING]
+    first, retrying = downloading[0], downloading[1:]
+    assert first.percent == 0.0 and first.reason is None
+    assert len(retrying) >= 5, [r.reason for r in retrying]  # ~15 in 3 s at one per 0.2 s
+    for r in retrying:
+        assert r.state is JobState.IN_PROGRESS and r.percent == 0.0
+        assert r.reason.startswith("retrying: Connection refused (no progress for "), r.reason
+    end = dev.reports[-1]
+    assert end.state is JobState.FAILED and "no progress for 3 s" in end.reason
+    gaps_s = [b.ts - a.ts for a, b in zip(downloading, downloading[1:] + [end])]
+    assert max(gaps_s) < 1.0, gaps_s  # every 0.2 s, whatever the backoff between attempts (up to 1.6 s here)
