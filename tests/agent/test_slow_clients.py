@@ -157,7 +157,7 @@ def _run_child(work, reports_w: int, release_r: int) -> None:
         out = os.fdopen(reports_w, "w", buffering=1)
         work(lambda report: out.write(json.dumps(report) + "\n"), lambda: os.read(release_r, 1))
         status = 0
-    except BaseException:
+    except BaseException:  # noqa: BLE001  anything: the child must end in os._exit, never back in pytest
         traceback.print_exc()
     finally:
         os._exit(status)
@@ -204,11 +204,11 @@ def test_a_slow_header_flood_from_another_user_leaves_requests_and_health_answer
     took every place of max_connections (256) for 30 s at a time: every other request and /health got a
     plain-text 503. Now that user holds at most half the places, the rest serve others, and each dribbling
     connection is closed head_timeout_s (5 s) after it opened."""
-    with serving(tiny_fp32_bundle, tiny_engine) as path:
-        with as_nobody(lambda report, hold: dribble(path, 300, 7.5, report)) as child_report:
-            assert child_report()["opened"] == 300
-            answers = normal_traffic(path, 6.0)
-            end = child_report()
+    with (serving(tiny_fp32_bundle, tiny_engine) as path,
+          as_nobody(lambda report, hold: dribble(path, 300, 7.5, report)) as child_report):
+        assert child_report()["opened"] == 300
+        answers = normal_traffic(path, 6.0)
+        end = child_report()
     assert answers and all(status == 200 for _, status, _ in answers), [a for a in answers if a[1] != 200][:3]
     assert end["closed_by_server"] >= 100, end  # the head deadline, not the 30 s request timeout
 
@@ -265,14 +265,14 @@ def test_one_user_over_its_cap_is_refused_while_others_are_served(tiny_fp32_bund
         report({"status": status, "headers": headers, "body": body.decode()})
         hold()  # its two connections stay open while the parent is served
 
-    with serving(tiny_fp32_bundle, tiny_engine, max_connections=8, max_connections_per_peer=2) as path:
-        with as_nobody(greedy) as child_report:
-            refused = child_report()
-            assert refused_as_openai(refused["status"], refused["headers"], refused["body"].encode()), refused
-            assert "uid 65534" in json.loads(refused["body"])["error"]["message"]
-            with fresh_client(path) as http:
-                assert http.post("/v1/completions", json=COMPLETION).status_code == 200
-                assert http.get("/health").status_code == 200
+    with (serving(tiny_fp32_bundle, tiny_engine, max_connections=8, max_connections_per_peer=2) as path,
+          as_nobody(greedy) as child_report):
+        refused = child_report()
+        assert refused_as_openai(refused["status"], refused["headers"], refused["body"].encode()), refused
+        assert "uid 65534" in json.loads(refused["body"])["error"]["message"]
+        with fresh_client(path) as http:  # while the other user still holds its two
+            assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+            assert http.get("/health").status_code == 200
 
 
 # ---- the bookkeeping on its own --------------------------------------------------------------------------
