@@ -90,8 +90,19 @@ class ApiConfig(BaseModel):
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 'overloaded' answer")
     drain_timeout_s: float = Field(30.0, ge=0, le=50, description="on shutdown, time in-flight requests get to "
                                    "finish (under the unit's TimeoutStopSec=100, with the shutdown's other steps)")
-    max_connections: int = Field(256, ge=1, description="open connections beyond these get 503 (each holds a file "
-                                 "descriptor: keep it under the process's limit, LimitNOFILE=)")
+    max_connections: int = Field(256, ge=1, description="connections served at once (waiting for a request or "
+                                 "running one); a request past them gets 503 with Retry-After. As many again may "
+                                 "wait for a place, so keep twice this under the process's file descriptor limit, "
+                                 "LimitNOFILE=")
+    max_connections_per_peer: int | None = Field(None, ge=1, description="of max_connections, the most one client "
+                                                 "may hold (a Unix socket's peer uid, a TCP peer's address); None: "
+                                                 "half of max_connections. Under the shipped unit (PrivateUsers=yes) "
+                                                 "every user but root and the agent's own is seen as one: nobody")
+    status_reserve: int = Field(4, ge=0, description="of max_connections, places only /health and /metrics may "
+                                "take, so that they answer when requests fill the rest (at most half of them)")
+    head_timeout_s: float = Field(5.0, gt=0, description="a connection must send its whole request head within "
+                                  "this of opening or of its last response (and within request_timeout_s); idle or "
+                                  "slow ones are closed, and under pressure one that takes over 1 s makes way")
     request_timeout_s: float = Field(30.0, gt=0, description="a connection must send a whole request head, and "
                                      "then its body, within this; idle or stalled ones are closed")
 
@@ -103,9 +114,28 @@ class ApiConfig(BaseModel):
                 raise ValueError(f"tcp host {host!r} is not loopback; set tcp_any_host = true to listen on it")
         return self
 
+    @model_validator(mode="after")
+    def _check_per_peer(self):
+        if self.max_connections_per_peer is not None and self.max_connections_per_peer > self.max_connections:
+            raise ValueError(f"max_connections_per_peer ({self.max_connections_per_peer}) must be at most "
+                             f"max_connections ({self.max_connections})")
+        return self
+
     @property
     def tcp_address(self) -> tuple[str, int] | None:
         return split_host_port(self.tcp) if self.tcp else None
+
+    @property
+    def connections_per_peer(self) -> int:
+        return self.max_connections_per_peer or max(1, self.max_connections // 2)
+
+    @property
+    def status_places(self) -> int:
+        return min(self.status_reserve, self.max_connections // 2)
+
+    @property
+    def head_deadline_s(self) -> float:
+        return min(self.head_timeout_s, self.request_timeout_s)
 
 
 def _is_loopback(host: str) -> bool:

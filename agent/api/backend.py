@@ -61,6 +61,14 @@ def unavailable(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, message, "server_error", "unavailable", retry_after_s=retry_after_s)
 
 
+def too_many_connections(message: str, retry_after_s: int) -> Response:
+    """The answer to a request refused by the connection limits (agent.api.admission); the connection closes
+    after it, so that the refused client does not keep holding a file descriptor."""
+    response = ApiError(503, message, "server_error", "too_many_connections", retry_after_s=retry_after_s).response()
+    response.headers["Connection"] = "close"
+    return response
+
+
 # ---- what is being served ---------------------------------------------------------------------------
 class ServerState(enum.Enum):
     LOADING = "loading"  # the socket answers; the model is being verified and loaded

@@ -1,10 +1,13 @@
-"""The HTTP server plumbing under the local API: pre-bound Unix (and optional TCP) sockets, uvicorn with a
-deadline on each request head, log filters, and the drain on SIGTERM / SIGINT.
+"""The HTTP server plumbing under the local API: pre-bound Unix (and optional TCP) sockets, uvicorn under the
+connection limits (agent.api.admission) with a deadline on each request head, log filters, and the drain on
+SIGTERM / SIGINT.
 
 The Unix socket is bound with its mode and group set before listen(), so no client can connect through
 looser permissions. A socket file left by a crash is replaced only if it is a socket and nothing answers on
-it; any other file at that path is an error. SIGTERM or Ctrl-C drains: /health turns 503, the listeners
-close, in-flight requests get `drain_timeout_s` to finish, then the engine stops.
+it; any other file at that path is an error. Each connection is seen as it opens: its peer (the uid behind a
+Unix socket, SO_PEERCRED) is counted against the per-peer cap, and a request refused by the limits gets 503
+in OpenAI's error shape with Retry-After. SIGTERM or Ctrl-C drains: /health turns 503, the listeners close,
+in-flight requests get `drain_timeout_s` to finish, then the engine stops.
 
 Example:
     server = ApiServer(Backend(manifest), [bind_unix(path, 0o660, None)], ApiConfig())
@@ -21,6 +24,7 @@ import os
 import signal
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,8 +34,9 @@ from typing import TYPE_CHECKING
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from agent.api.admission import SLOW_HEAD_S, ConnectionLimits, Decision
 from agent.api.app import create_app
-from agent.api.backend import Backend, ServerState
+from agent.api.backend import Backend, ServerState, too_many_connections
 from agent.api.metrics import Metrics
 from agent.config import ApiConfig
 from agent.logs import Repeats as _Repeats
@@ -118,29 +123,98 @@ def unlink_if_socket(path: Path) -> None:
 
 
 # ---- the server -------------------------------------------------------------------------------------
-class _DeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline for each request head: a connection that opens and sends
-    nothing, or half its headers, was held for good (uvicorn's keep-alive timer starts only after a response
-    and stops at the first byte), and enough of them took every file descriptor."""
+PEERCRED = "3i"  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}: SO_PEERCRED on Linux, unix(7)
 
-    request_timeout_s = 30.0
+
+def peer_of(transport: asyncio.Transport) -> str:
+    """Who is at the other end, for the per-peer cap: a Unix socket's peer uid as it was at connect() (a client
+    can fork pids, not uids), or a TCP peer's address."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        if not hasattr(socket, "SO_PEERCRED"):  # not Linux: every local client is one peer
+            return "unix"
+        try:
+            _pid, uid, _gid = struct.unpack(PEERCRED, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                      struct.calcsize(PEERCRED)))
+        except OSError:
+            return "unix"
+        return f"uid {uid}"
+    peer = transport.get_extra_info("peername")
+    return f"address {peer[0]}" if isinstance(peer, tuple) and peer else "unknown"
+
+
+class _LimitedProtocol(H11Protocol):
+    """uvicorn's h11 protocol under the connection limits (agent.api.admission), with a deadline for each
+    request head. uvicorn's own limit_concurrency is not used: it counts connections still sending their head
+    and answers every request past it, /health too, with a plain-text 503. Without the deadline a connection
+    that opens and sends nothing, or half its headers, is held for good (uvicorn's keep-alive timer starts only
+    after a response and stops at the first byte).
+
+    The class attributes are set per server (ApiServer). Only the event loop's thread runs these methods.
+    """
+
+    head_timeout_s = 5.0
+    retry_after_s = 1
+    limits: ConnectionLimits
+    metrics: Metrics
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._app, self.app = self.app, self._gate  # uvicorn runs self.app for each request
+        self._refusal: str | None = None  # why the current request is refused, if it is
+        self._head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        decision = self.limits.open(self, peer_of(transport), self.loop.time())
+        self._carry_out(decision)
+        if decision.refusal is not None:  # past every limit: its descriptor goes back at once, unanswered
+            transport.close()
+            return
         self._await_request()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request head arrived: uvicorn made its cycle and a task to run it
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            decision = self.limits.admit(self, self.scope["path"], self.loop.time())
+            self._carry_out(decision)
+            self._refusal = decision.refusal
+
+    async def _gate(self, scope, receive, send) -> None:
+        # uvicorn runs one request at a time on a connection: _refusal is this request's
+        if self._refusal is None:
+            await self._app(scope, receive, send)
+        else:
+            await too_many_connections(self._refusal, self.retry_after_s)(scope, receive, send)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        self.limits.responded(self, self.loop.time())
         self._await_request()
+        super().on_response_complete()  # may begin a pipelined request, in handle_events
 
     def connection_lost(self, exc) -> None:
-        self._head_deadline.cancel()
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        self.limits.closed(self)
         super().connection_lost(exc)
 
+    def _carry_out(self, decision: Decision) -> None:
+        for slow in decision.evict:
+            slow.transport.close()
+        if decision.evict:
+            log.warning("connection limits: closing connections that sent no request head within %.0f s, to "
+                        "make room for those that did", SLOW_HEAD_S)
+        if decision.refusal is not None:
+            log.warning("connection limit %s reached: refusing connections", decision.limit)
+            self.metrics.observe_error("too_many_connections")
+
     def _await_request(self) -> None:
-        if getattr(self, "_head_deadline", None) is not None:
+        if self._head_deadline is not None:
             self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(self.request_timeout_s, self._close_if_idle, self.cycle)
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._close_if_idle, self.cycle)
 
     def _close_if_idle(self, cycle_then) -> None:
         if self.cycle is cycle_then and not self.transport.is_closing():  # no new request began since
@@ -177,6 +251,7 @@ class _Uvicorn(uvicorn.Server):
         self._cut_off: threading.Timer | None = None
         for f in (_CUT_OFF_REQUESTS, _REPEATS):  # once each: the same filter is not added twice
             logging.getLogger("uvicorn.error").addFilter(f)
+        log.addFilter(_REPEATS)  # the connection limits warn once per refused connection
 
     on_stopping: Callable[[], None] | None = None  # told as the drain begins (sd_notify STOPPING=1)
 
@@ -238,10 +313,12 @@ class ApiServer:
         self.backend, self.sockets = backend, sockets
         self.metrics = metrics or Metrics()
         app = create_app(backend, self.metrics, config)
-        protocol = type("Protocol", (_DeadlineProtocol,), {"request_timeout_s": config.request_timeout_s})
-        uv = uvicorn.Config(app, http=protocol, loop="asyncio", lifespan="off", access_log=False, log_config=None,
-                            timeout_graceful_shutdown=config.drain_timeout_s + CUT_OFF_GRACE_S,
-                            limit_concurrency=config.max_connections)
+        protocol = type("Protocol", (_LimitedProtocol,), {
+            "head_timeout_s": config.head_deadline_s, "retry_after_s": config.retry_after_s, "metrics": self.metrics,
+            "limits": ConnectionLimits(config.max_connections, config.connections_per_peer, config.status_places)})
+        # ws="none": the API has no WebSocket endpoint, and an upgraded connection would leave the limits' books
+        uv = uvicorn.Config(app, http=protocol, ws="none", loop="asyncio", lifespan="off", access_log=False,
+                            log_config=None, timeout_graceful_shutdown=config.drain_timeout_s + CUT_OFF_GRACE_S)
         self.uvicorn = _Uvicorn(uv, backend, config.drain_timeout_s)
         self.load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
