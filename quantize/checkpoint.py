@@ -8,6 +8,7 @@ weights came from GGUF or safetensors (the onnxruntime-genai builder's split).
 """
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,18 +120,34 @@ def validate(ckpt: Checkpoint) -> None:
             raise CheckpointError(f"{ckpt.source_name}: tensor {name} has shape {tuple(w.shape)}, expected {shape}")
 
 
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"))
+
+
+def file_kind(path: Path) -> str | None:
+    """What is at path ("a character device", "a directory", ...), following links; None if nothing is."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a parent is a file
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
+
+
 def load_checkpoint(source: Path) -> Checkpoint:
     """Read a GGUF file or a Hugging Face folder (config.json + *.safetensors) into a Checkpoint."""
     source = Path(source)
-    if source.is_dir():
+    kind = file_kind(source)
+    if kind == "a directory":
         from quantize import hf
 
         ckpt = hf.load(source)
-    elif source.is_file():
+    elif kind == "a regular file":
         from quantize import gguf_reader
 
         ckpt = gguf_reader.load(source)
-    else:
+    elif kind is None:
         raise CheckpointError(f"{source}: no such file or directory")
+    else:  # /dev/zero, a FIFO: reading one would never end, or never begin
+        raise CheckpointError(f"{source}: not a regular file ({kind}): give a GGUF file or a Hugging Face folder")
     validate(ckpt)
     return ckpt

@@ -18,8 +18,8 @@ from agent.clikit import run
 from agent.config import MAX_THREADS
 from agent.engine.bundle import BundleError, open_bundle
 from quantize.calibrate import HESSIAN_BUDGET_MB
-from quantize.checkpoint import CheckpointError
-from quantize.package import PackageError
+from quantize.checkpoint import CheckpointError, file_kind
+from quantize.package import PackageError, check_destination
 
 USER_ERRORS = (CheckpointError, PackageError, BundleError, OSError, ValueError)
 
@@ -35,6 +35,17 @@ def default_calibration_text() -> str:
 
 def _fail(e: Exception) -> None:
     raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+
+
+def _open_bundle(path: Path):
+    """open_bundle, with a path that is not a folder named for what it is (the manifest's read said only
+    "Not a directory")."""
+    kind = file_kind(path)
+    if kind is None:
+        raise BundleError(f"{path}: no such file or directory")
+    if kind != "a directory":
+        raise BundleError(f"{path}: not a model bundle (it is {kind}; a bundle is a directory)")
+    return open_bundle(path)
 
 
 @click.group()
@@ -90,8 +101,7 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
     from quantize.precision import QuantSpec
 
     try:
-        if out.exists() and not force:
-            raise PackageError(f"{out} already exists (use --force to replace it)")
+        check_destination(out, force)  # before reading the source: converting a 1B model takes minutes
         # measured defaults (docs/benchmarks.md): int4 GPTQ b64 with down b128 at Q4_0's size; int8 GPTQ b32
         block = int(block_size or (64 if precision == "int4" else 32))
         down = int(down_block_size or (128 if precision == "int4" else block))
@@ -183,7 +193,7 @@ def eval_(bundle, reference, text_file, threads, as_json):
     from quantize.package import MIN_TEXT_TOKENS, encode
 
     try:
-        b, ref = open_bundle(bundle), open_bundle(reference)
+        b, ref = _open_bundle(bundle), _open_bundle(reference)
         _check_reference(b, ref)
         text = read_text(text_file)
         ids = encode(b.tokenizer_json(), text)
@@ -209,7 +219,7 @@ def inspect(bundle, as_json):
     Example: edge-quantize inspect bundles/smollm2-int4
     """
     try:
-        b = open_bundle(bundle)
+        b = _open_bundle(bundle)
     except USER_ERRORS as e:
         _fail(e)
     info = {"name": b.manifest.name, "version": b.manifest.version, "precision": b.manifest.precision,

@@ -18,6 +18,7 @@ from agent.engine.bundle import file_sha256
 from agent.wire import Geometry
 from quantize import rope
 from quantize.checkpoint import Checkpoint, CheckpointError, SourceBlocks, finite
+from quantize.gguf_layout import check_layout
 from quantize.tokenizer import tokenizer_from_gguf
 
 # Q5_0 / Q5_1: llama-quantize's fallbacks for Q4_K / Q5_K when a row is not a multiple of 256 (SmolLM2's
@@ -49,71 +50,12 @@ GLOBAL_NAMES = {
 def open_reader(path: Path) -> GGUFReader:
     """GGUFReader, with any parse failure (truncated file, bad magic) turned into one clear error."""
     try:
-        check_metadata_bounds(path)
+        check_layout(path)  # every count and offset against the file size: GGUFReader trusts them
         return GGUFReader(path)
     except CheckpointError:
         raise
     except Exception as e:  # the gguf package raises assorted ValueError/IndexError/struct errors
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-
-
-# Byte sizes of GGUF's scalar value types (gguf.GGUFValueType): 0-7 u8 i8 u16 i16 u32 i32 f32 bool, 10-12 u64 i64 f64.
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def check_metadata_bounds(path: Path) -> None:
-    """Walk the header's key/value section and check every length and count against the file's size.
-
-    GGUFReader trusts array counts: it builds per-element parts in a Python loop and reads past the end
-    of the file as empty arrays, so one corrupted count makes it allocate until the machine runs out of
-    memory (tests/reliability/test_bad_input.py feeds it such files). Here each count must fit in the bytes left,
-    which also bounds this walk by the file's size.
-    """
-    import mmap
-    import struct
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        size = len(m)
-
-        def take(offset: int, n: int) -> int:
-            if n < 0 or offset + n > size:
-                raise CheckpointError(f"{path}: not a readable GGUF file (metadata runs past the end of the file "
-                                      f"at byte {offset})")
-            return offset + n
-
-        def u(offset: int, fmt: str) -> tuple[int, int]:
-            end = take(offset, struct.calcsize(fmt))
-            return struct.unpack_from("<" + fmt, m, offset)[0], end
-
-        def value(offset: int, vtype: int, depth: int = 0) -> int:
-            if vtype in _SCALAR_BYTES:
-                return take(offset, _SCALAR_BYTES[vtype])
-            if vtype == _STRING:
-                n, offset = u(offset, "Q")
-                return take(offset, n)
-            if vtype == _ARRAY and depth < 2:
-                itype, offset = u(offset, "I")
-                count, offset = u(offset, "Q")
-                if itype in _SCALAR_BYTES:
-                    return take(offset, count * _SCALAR_BYTES[itype])
-                take(offset, count * 8)  # each string or nested array needs 8 bytes at least
-                for _ in range(count):
-                    offset = value(offset, itype, depth + 1)
-                return offset
-            raise CheckpointError(f"{path}: not a readable GGUF file (unknown metadata value type {vtype})")
-
-        magic, offset = u(0, "I")
-        if magic != 0x46554747:  # "GGUF" little-endian; big-endian files are left to GGUFReader's own check
-            return
-        _version, offset = u(offset, "I")
-        _tensors, offset = u(offset, "Q")
-        kv_count, offset = u(offset, "Q")
-        take(offset, kv_count * 12)  # a key (8-byte length) and a value type (4 bytes) each, at least
-        for _ in range(kv_count):
-            offset = value(offset, _STRING)  # the key
-            vtype, offset = u(offset, "I")
-            offset = value(offset, vtype)
 
 
 _REQUIRED = object()
@@ -136,7 +78,33 @@ def _bounded(key: str, value, limit: int) -> int:
     return int(value)
 
 
+def _real(key: str, value) -> float:
+    """A float32 metadata value (or its default) as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"metadata {key} = {value!r} is not a number")
+    return float(value)
+
+
+def _vocab_size(reader: GGUFReader, path: Path) -> int:
+    """llama.vocab_size is optional: llama.cpp then counts tokenizer.ggml.tokens, as here, and without a token
+    list the embedding's rows. Every fallback is a Python int, the type the key itself (a uint32) reads as:
+    _bounded takes Python numbers only."""
+    given = _field(reader, "llama.vocab_size", None)
+    if given is not None:
+        return given
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None or len(embd.shape) != 2:
+        raise CheckpointError(f"{path}: no llama.vocab_size, no tokenizer.ggml.tokens and no 2-D token_embd.weight "
+                              "to take the vocabulary size from")
+    return int(embd.shape[1])  # GGUF lists shapes innermost first: [hidden, vocab]
+
+
 def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
+    """The model's shape from the `llama.*` keys: the ones llama.cpp requires (context, embedding and feed-forward
+    lengths, block and head counts, the RMS norm epsilon) and the optional ones at llama.cpp's defaults."""
     arch = _field(reader, "general.architecture", None)
     if arch != "llama":
         raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
@@ -147,11 +115,10 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
     names = {t.name for t in reader.tensors}
     if not any(n.startswith(f"blk.{layers - 1}.") for n in names) or any(n.startswith(f"blk.{layers}.") for n in names):
         raise CheckpointError(f"block_count {layers} does not match the tensors in the file")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    head_dim = int(_field(reader, a + "attention.key_length", hidden // heads))
+    head_dim = _bounded("key_length", _field(reader, a + "attention.key_length", hidden // heads), 1 << 16)
     return Geometry(
         architecture="llama",
-        vocab_size=_bounded("vocab_size", _field(reader, a + "vocab_size", embd.shape[1]), 1 << 22),
+        vocab_size=_bounded("vocab_size", _vocab_size(reader, path), 1 << 22),
         hidden_size=hidden,
         intermediate_size=_bounded("feed_forward_length", _field(reader, a + "feed_forward_length"), 1 << 18),
         num_layers=layers,
@@ -159,8 +126,8 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
         num_kv_heads=_bounded("head_count_kv", _field(reader, a + "attention.head_count_kv", heads), heads),
         head_dim=head_dim,
         context_length=_bounded("context_length", _field(reader, a + "context_length", 2048), 1 << 20),
-        rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_real("rope.freq_base", _field(reader, a + "rope.freq_base", 10000.0)),
+        rms_norm_eps=_real("layer_norm_rms_epsilon", _field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         rope_freq_factors=_rope_factors(reader, head_dim, path),
     )

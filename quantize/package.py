@@ -5,6 +5,7 @@ interrupted build never leaves a half-written bundle; an existing output is refu
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import fcntl
 import glob
@@ -23,7 +24,7 @@ from agent.engine.bundle import Bundle, file_sha256, open_bundle
 from agent.engine.runner import open_runner
 from agent.engine.tokenizer import TextTokenizer
 from quantize.calibrate import HESSIAN_BUDGET_MB, Calibration, calibration
-from quantize.checkpoint import Checkpoint
+from quantize.checkpoint import Checkpoint, file_kind
 from quantize.evaluate import compare, greedy
 from quantize.graph import build_graph
 from quantize.kv_int8 import int8_kv_graph, kv_absmax
@@ -135,6 +136,48 @@ def _check_replaceable(out: Path, force: bool) -> None:
                            f"folder); choose another --out")
 
 
+def _temporary_names(out: Path) -> list[str]:
+    """The folders a build of out makes beside it (see STALE): their names must fit in the file system."""
+    pid = os.getpid()
+    return [f".{out.name}.partial-{pid}-ref", f".{out.name}.old-{pid}"]
+
+
+def check_destination(out: Path, force: bool) -> None:
+    """Refuse an output the build could not write, before any work is done: an existing out must be replaceable
+    (_check_replaceable), the nearest folder on its path that exists must be a directory this process may write
+    (the build creates the rest), and the temporary names beside out must fit. Errors name --out, never the
+    hidden temporary folder the build would have failed on, after converting the whole source."""
+    if out.exists() or out.is_symlink():
+        _check_replaceable(out, force)
+    existing = out.parent
+    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PackageError(f"--out {out}: {existing} is {file_kind(existing) or 'a link to nothing'}, "
+                           "not a directory")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise PackageError(f"--out {out}: {existing} is on a read-only file system")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PackageError(f"--out {out}: {existing} is not writable by this user")
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    longest = max(len(os.fsencode(n)) for n in _temporary_names(out))
+    if longest > name_max:
+        raise PackageError(f"--out {out}: the name is too long: the build's temporary folders beside it add "
+                           f"{longest - len(os.fsencode(out.name))} bytes to it, and the file system allows {name_max}")
+
+
+@contextlib.contextmanager
+def _errors_name_out(out: Path, tmp: Path):
+    """An OSError about the build's hidden folders (a full disk, say) becomes a PackageError naming --out."""
+    try:
+        yield
+    except OSError as e:
+        where = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else ""
+        if not where.startswith(str(tmp)):
+            raise
+        raise PackageError(f"--out {out}: the bundle could not be written ({e.strerror or e})") from e
+
+
 def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
     """Rename tmp onto out; an existing out (force) is moved aside first and removed after. Checked again
     here: an output that appeared while the build ran (another build, a user) is not ours to replace."""
@@ -157,8 +200,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
     if not re.fullmatch(wire.MODEL_NAME_PATTERN, name):
         raise PackageError(f"model name {name!r}: use 1-64 letters, digits and . _ + - (starting with a letter "
                            f"or digit), since it names directories and URLs")
-    if out.exists() or out.is_symlink():
-        _check_replaceable(out, force)
+    check_destination(out, force)
     check_tokenizer(ckpt)
     golden_tokens(ckpt, len(encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)))
     for what, text in (("calibration", calibration_text), ("evaluation", eval_text)):
@@ -166,22 +208,23 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
         if text is not None and len(encode(ckpt.tokenizer.tokenizer_json, text)) < MIN_TEXT_TOKENS:
             raise PackageError(f"the {what} text has fewer than {MIN_TEXT_TOKENS} tokens")
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    _remove_stale(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    held = _hold(tmp)
-    try:
-        calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
-        _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
-                        hessian_budget_mb)
-        for p in tmp.rglob("*"):  # onnx writes the weights 0600: an agent or artifact server running as
-            if p.is_file():       # another user than the builder could not read them
-                p.chmod(0o644)
-        _replace_dir(tmp, out, force)
-    finally:
+    with _errors_name_out(out, tmp):
+        _remove_stale(out)
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(tmp.with_name(tmp.name + "-ref"), ignore_errors=True)
-        os.close(held)
+        tmp.mkdir(parents=True)
+        held = _hold(tmp)
+        try:
+            calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
+            _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
+                            hessian_budget_mb)
+            for p in tmp.rglob("*"):  # onnx writes the weights 0600: an agent or artifact server running as
+                if p.is_file():       # another user than the builder could not read them
+                    p.chmod(0o644)
+            _replace_dir(tmp, out, force)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp.with_name(tmp.name + "-ref"), ignore_errors=True)
+            os.close(held)
     return open_bundle(out)
 
 

@@ -48,13 +48,33 @@ class TextPart(_Request):
     text: str
 
 
+MAX_SHOWN_CHARS = 60  # a refused value is shown up to this many characters, then "…"
+
+
+def _cut(text: str) -> str:
+    """text, cut with an ellipsis when long: a cut without one read as the whole value."""
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS - 1] + "…"
+
+
+def _unsupported(field: str, value) -> str:
+    """What is refused, named: an object (or a list of them) by its "type", as OpenAI's response_format, tools,
+    tool_choice and prediction carry one; any other value shown as JSON. "response_format type 'json_schema'"
+    tells a LangChain user what to change; the schema's first 60 characters did not."""
+    items = value if isinstance(value, list) else [value]
+    kinds = list(dict.fromkeys(i.get("type") for i in items if isinstance(i, dict)))
+    if items and all(isinstance(i, dict) for i in items) and all(isinstance(k, str) for k in kinds):
+        named = _cut(" or ".join(repr(k) for k in kinds))
+        return f"{field} type {named}" if isinstance(value, dict) else f"{field} of type {named}"
+    return _cut(json.dumps(value))
+
+
 def _off(*values) -> Any:
     """A parameter accepted only as null or one of `values` (what it is when the feature is off)."""
-    def check(v):
+    def check(v, info: ValidationInfo):
         if v is None or any(type(v) is type(d) and v == d for d in values):
             return None
         allowed = " or ".join(["null", *(json.dumps(d) for d in values)])
-        raise ValueError(f"{json.dumps(v)[:60]} is not supported by this server (only {allowed})")
+        raise ValueError(f"{_unsupported(info.field_name, v)} is not supported by this server (only {allowed})")
     return Annotated[Any, AfterValidator(check)]
 
 
@@ -242,8 +262,13 @@ def describe_validation_error(e: ValidationError, model: type[BaseModel] | None 
         return "the request body must be a JSON object", None
     more = f" (and {e.error_count() - 1} more problem(s))" if e.error_count() > 1 else ""
     msg = err["msg"].removeprefix("Value error, ")
-    named = param is None or msg.startswith(param.rsplit(".", 1)[-1])  # SamplingParams' messages name the field
-    return (msg if named else f"{param}: {msg}") + more, param
+    if param is None:
+        return msg + more, param
+    # a message that names its field (SamplingParams', "response_format type ...") gets the path to it in front
+    path, _, field = param.rpartition(".")
+    if msg.startswith(field):
+        return (f"{path}.{msg}" if path else msg) + more, param
+    return f"{param}: {msg}" + more, param
 
 
 # ---- responses --------------------------------------------------------------------------------------

@@ -1033,3 +1033,31 @@ def test_a_budget_above_the_services_memory_limit_is_lowered_to_fit_and_said(tmp
     monkeypatch.setattr(agent.process, "memory_limit_bytes", lambda: None)  # unknown: as configured
     monkeypatch.setattr("agent.service.preflight.memory_limit_bytes", lambda: None)
     assert fitted_budget(config) is config
+
+
+def test_an_unsupported_value_is_named_by_its_type_not_cut_mid_json(tiny):
+    """Found by an outside probe: refused values were cut at 60 characters with no ellipsis, so LangChain's
+    structured output read '… {"name": "r", "strict is not supported' and its user blamed `strict`."""
+    http = tiny.http()
+    schema = {"type": "json_schema", "json_schema": {"name": "r", "strict": True, "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    cases = [
+        ({"response_format": schema}, "response_format",
+         "response_format type 'json_schema' is not supported by this server (only null or {\"type\": \"text\"})"),
+        ({"tools": [tool]}, "tools", "tools of type 'function' is not supported by this server (only null or [])"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+         "tool_choice type 'function' is not supported by this server (only null or \"none\" or \"auto\")"),
+        ({"messages": [*USER_HI, {"role": "assistant", "content": "", "tool_calls": calls}]}, "messages.1.tool_calls",
+         "messages.1.tool_calls of type 'function' is not supported by this server (only null or [])"),
+    ]
+    for extra, param, message in cases:
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER_HI, "max_tokens": 2} | extra)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"], err["message"]) == (400, param, message), r.text
+    audio = {"voice": "alloy", "format": "wav", "note": "x" * 100}  # no "type" to name it by: shown, cut
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER_HI, "audio": audio})
+    message = r.json()["error"]["message"]
+    shown = json.dumps(audio)[:59] + "…"  # 60 characters with the ellipsis
+    assert message == f"audio: {shown} is not supported by this server (only null)", message

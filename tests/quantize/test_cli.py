@@ -300,3 +300,83 @@ def test_an_onnxruntime_too_old_for_the_graphs_is_named(tiny_gguf, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert_one_line_error(r, "onnxruntime 1.31.1 is too old", "1.32 or newer")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "deeper under a file", "a name too long"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_source_is_read(where, tiny_gguf, tmp_path):
+    """Found by an outside probe: the whole source was converted first (minutes for a 1B model), then the build
+    failed with a bare errno naming its hidden .NAME.partial-PID folder. (As root, a chmod 0o555 folder is
+    writable; a file on the path is not, for anyone.)"""
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    out, words = {
+        "under a file": (blocker / "out", [f"{blocker} is a regular file, not a directory"]),
+        "deeper under a file": (blocker / "a" / "out", [f"{blocker} is a regular file, not a directory"]),
+        "a name too long": (tmp_path / ("x" * 240), ["the name is too long", "the file system allows 255"]),
+    }[where]
+    r = run("build", str(tiny_gguf), "--out", str(out))
+    assert_one_line_error(r, f"--out {out}: ", *words)
+    assert "reading" not in r.stdout and ".partial" not in r.stderr  # refused before the source was opened
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and blocker.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a 0o555 folder")
+def test_a_read_only_output_folder_is_refused_before_the_source_is_read(tiny_gguf, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    r = run("build", str(tiny_gguf), "--out", str(folder / "out"))
+    assert_one_line_error(r, f"--out {folder / 'out'}: {folder} is not writable by this user")
+    assert "reading" not in r.stdout
+
+
+def test_an_unwritable_or_read_only_destination_is_refused_by_name(tmp_path, monkeypatch):
+    """What a non-root user's read-only folder and a read-only mount look like to check_destination (as root,
+    neither can be made here)."""
+    import types
+
+    from quantize.package import PackageError, check_destination
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(PackageError, match=f"^--out {tmp_path / 'a' / 'b'}: {tmp_path} is not writable by this user"):
+        check_destination(tmp_path / "a" / "b", force=False)
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_flag=os.ST_RDONLY))
+    with pytest.raises(PackageError, match=f"^--out {tmp_path / 'b'}: {tmp_path} is on a read-only file system"):
+        check_destination(tmp_path / "b", force=False)
+
+
+def test_a_write_that_fails_during_the_build_names_out_not_the_temporary_folder(tiny_checkpoint, tmp_path,
+                                                                               monkeypatch):
+    """Found by an outside probe: a full disk (or any failed write) was reported as a bare errno naming the
+    hidden .NAME.partial-PID folder; the folder is removed, as after any failed build."""
+    import errno
+
+    import quantize.package
+    from quantize.package import PackageError, build_bundle
+    from quantize.precision import QuantSpec
+
+    def disk_full(ckpt, spec, folder, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.onnx.data"))
+
+    monkeypatch.setattr(quantize.package, "write_graph", disk_full)
+    out = tmp_path / "b"
+    with pytest.raises(PackageError) as e:
+        build_bundle(tiny_checkpoint, QuantSpec(), out, name="tiny", progress=lambda s: None)
+    assert str(e.value) == f"--out {out}: the bundle could not be written (No space left on device)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_of_a_device_or_pipe_says_what_it_is(tmp_path):
+    """Found by an outside probe: `build /dev/zero` said "no such file or directory" of a file that exists."""
+    assert_one_line_error(run("build", "/dev/zero", "--out", str(tmp_path / "o")),
+                          "/dev/zero: not a regular file (a character device)")
+    assert not (tmp_path / "o").exists()
+
+
+def test_inspect_of_a_plain_file_is_one_clear_line(tmp_path):
+    """Found by an outside probe: `inspect FILE` printed "[Errno 20] Not a directory: 'FILE/manifest.json'"."""
+    plain = tmp_path / "model.gguf"
+    plain.write_bytes(b"GGUF")
+    r = run("inspect", str(plain))
+    assert_one_line_error(r, f"{plain}: not a model bundle (it is a regular file; a bundle is a directory)")
+    assert "Errno" not in r.stderr
+    assert_one_line_error(run("inspect", str(tmp_path / "nope")), f"{tmp_path / 'nope'}: no such file or directory")

@@ -143,3 +143,113 @@ def test_a_nan_or_infinite_weight_is_an_error_naming_the_tensor(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="blk.0.ffn_down.weight holds NaN"):
         load_checkpoint(path)
+
+
+def _last_tensor(path):
+    """The tensor whose data ends the file, and the byte its data ends at."""
+    from gguf import GGUFReader
+
+    last = max(GGUFReader(path).tensors, key=lambda t: t.data_offset)
+    return last, int(last.data_offset) + int(last.n_bytes)
+
+
+def test_a_file_cut_inside_the_tensor_data_names_the_tensor_and_the_bytes(tiny_gguf, tmp_path):
+    """Found by an outside probe: gguf's reader failed with numpy's "cannot reshape array of size …"."""
+    last, end = _last_tensor(tiny_gguf)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:int(last.data_offset) + 10])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(cut)
+    assert str(e.value) == (f"{cut}: the file ends at byte {int(last.data_offset) + 10}; tensor {last.name} needs "
+                            f"bytes up to {end} (a file cut short, or a corrupt tensor offset or shape)")
+
+
+@pytest.mark.parametrize("count", [2**32, 2**64 - 1])
+def test_an_absurd_tensor_count_is_named_against_the_file_size(tiny_gguf, tmp_path, count):
+    """Found by an outside probe: gguf's reader read the descriptions past the end of the file and failed with
+    numpy's "index 0 is out of bounds for axis 0 with size 0"."""
+    data = bytearray(tiny_gguf.read_bytes())
+    data[8:16] = count.to_bytes(8, "little")  # after the magic and the version: the tensor count
+    bad = tmp_path / "many.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"the header lists {count} tensors: the file ends at byte "
+                                              rf"{len(data)}; their descriptions alone need bytes up to \d+"):
+        load_checkpoint(bad)
+
+
+def test_a_tensor_offset_past_the_end_names_the_tensor(tmp_path):
+    """A corrupt offset (not a cut) gets the same message: the tensor and the bytes it would need."""
+    from gguf import GGUFReader
+
+    path = write_tiny_llama(tmp_path / "t.gguf", types=(QT.F32,))
+    t = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_up.weight")
+    data = bytearray(path.read_bytes())
+    at = t.field.offset + 8 + len(t.name) + 4 + 8 * len(t.shape) + 4  # name, n_dims, dims, type: the offset
+    data[at:at + 8] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"; tensor blk\.1\.ffn_up\.weight needs bytes up to \d{13}"):
+        load_checkpoint(path)
+
+
+def test_a_source_that_is_not_a_regular_file_says_what_it_is(tmp_path):
+    """Found by an outside probe: `build /dev/zero` said "no such file or directory" of a file that exists."""
+    import os
+
+    with pytest.raises(CheckpointError, match="^/dev/zero: not a regular file \\(a character device\\)"):
+        load_checkpoint("/dev/zero")
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(CheckpointError, match="pipe: not a regular file \\(a named pipe\\)"):
+        load_checkpoint(tmp_path / "pipe")
+    with pytest.raises(CheckpointError, match="nope.gguf: no such file or directory"):
+        load_checkpoint(tmp_path / "nope.gguf")
+
+
+# What llama.cpp's loader requires of a `llama` GGUF (llama_model::load_hparams and the BPE vocabulary loader);
+# everything else (vocab_size, head_count_kv, rope.*, key_length, token types, BOS/EOS ids...) is optional.
+LLAMA_CPP_REQUIRED_KEYS = ("general.architecture", "llama.context_length", "llama.embedding_length",
+                           "llama.block_count", "llama.feed_forward_length", "llama.attention.head_count",
+                           "llama.attention.layer_norm_rms_epsilon", "tokenizer.ggml.model", "tokenizer.ggml.tokens",
+                           "tokenizer.ggml.merges")
+
+
+def rewrite_with_keys(source, path, keys):
+    """source's tensors and only the named metadata keys, written anew with gguf's GGUFWriter."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(str(path), reader.fields["general.architecture"].contents())  # writes the architecture
+    for key in keys:
+        f = reader.fields[key]
+        if key != "general.architecture":
+            sub_type = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("keys", ["llama.cpp's required keys only", "all but llama.vocab_size"])
+def test_a_gguf_with_only_the_keys_llama_cpp_requires_builds(keys, tmp_path):
+    """Found by an outside probe: without llama.vocab_size (optional; several converters leave it out) the
+    fallback was a numpy integer, refused as "metadata vocab_size = np.uint64(…) is out of range"."""
+    from gguf import GGUFReader
+
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    full = write_tiny_llama(tmp_path / "full.gguf", kv_heads=4)  # head_count_kv is optional: it defaults to heads
+    wanted = (LLAMA_CPP_REQUIRED_KEYS if keys.startswith("llama.cpp")
+              else [k for k in GGUFReader(full).fields if not k.startswith("GGUF.") and k != "llama.vocab_size"])
+    path = rewrite_with_keys(full, tmp_path / "few.gguf", wanted)
+    assert "llama.vocab_size" not in GGUFReader(path).fields
+    ckpt = load_checkpoint(path)
+    reference = load_checkpoint(full)
+    g = ckpt.geometry
+    assert type(g.vocab_size) is int and g.vocab_size == reference.geometry.vocab_size
+    assert (g.num_kv_heads, g.rope_theta, g.head_dim) == (4, 10000.0, 16)  # llama.cpp's defaults
+    bundle = build_bundle(ckpt, QuantSpec(), tmp_path / "b", name="few", progress=lambda s: None)
+    assert bundle.config.vocab_size == g.vocab_size
