@@ -59,10 +59,11 @@ def broker_options(command):
         click.option("--mqtt", "url", required=True, envvar="EDGE_FLEET_MQTT", show_envvar=True,
                      help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]."),
         click.option("--username", default=None, envvar="EDGE_FLEET_USERNAME", show_envvar=True,
-                     help="Broker user (with use_username_as_clientid it is also the client id: one user per "
-                          "concurrent connection)."),
+                     help="Broker user (default: none, anonymous; with use_username_as_clientid it is also the "
+                          "client id: one user per concurrent connection)."),
         click.option("--password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-                     envvar="EDGE_FLEET_PASSWORD_FILE", show_envvar=True, help="File holding the broker password."),
+                     envvar="EDGE_FLEET_PASSWORD_FILE", show_envvar=True,
+                     help="File holding the broker password (default: none)."),
         click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
                      envvar="EDGE_FLEET_CA_FILE", show_envvar=True,
                      help="mqtts: CA certificate of the broker (default: the system's trust store)."),
@@ -119,7 +120,7 @@ def echo_rows(rows: list[dict], as_json: bool) -> None:
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
-@click.group()
+@click.group(context_settings={"show_default": True})
 def cli() -> None:
     """Fleet server: device telemetry over MQTT into SQLite, queries, reports and remote commands."""
 
@@ -144,8 +145,10 @@ def retention(keep: str, keep_samples: str) -> dict[str, float]:
               help="MQTT client id; the broker keeps this id's session (and queues for it) between runs. "
                    "Every replica needs its own.")
 @click.option("--shared-group", default=None, help="Split telemetry with the other replicas of this group "
-                                                   "($share/GROUP/...); state still reaches every replica.")
-@click.option("--artifacts-http", default=None, help="Serve published bundles on HOST:PORT and drive rollouts.")
+                                                   "($share/GROUP/...); state still reaches every replica "
+                                                   "(default: none, one consumer takes it all).")
+@click.option("--artifacts-http", default=None,
+              help="Serve published bundles on HOST:PORT and drive rollouts (default: off).")
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
               show_default=True, help="Where `edge-fleet publish` puts bundles (the HTTP root).")
 @click.option("--artifacts-url", default=None, help="The URL devices fetch bundles from (default: "
@@ -156,7 +159,8 @@ def retention(keep: str, keep_samples: str) -> dict[str, float]:
               help="File holding --jobs-username's password (default --password-file).")
 @click.option("--job-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Sign every job document with this Ed25519 key (edge-fleet keygen), for devices whose "
-                   "[updates] job_keys trust its .pub. Not the manifest key: this one stays on the server.")
+                   "[updates] job_keys trust its .pub. Not the manifest key: this one stays on the server "
+                   "(default: none, jobs go unsigned).")
 @click.option("--keep", default="90d", show_default=True,
               help="Delete requests and events older than this, hourly; 'forever' keeps them all.")
 # Samples are ~8 rows in 10 of a fleet's database (83 GB for 500 devices over 90 days at the agents' default
@@ -226,7 +230,8 @@ def devices(db_path, as_json):
 
 @cli.command()
 @since_option("24h")
-@click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True)
+@click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True,
+              help="One row per device, model, version (MODEL@VERSION) or hour.")
 @db_option
 @json_option
 @user_errors
@@ -242,7 +247,7 @@ def tps(since, by, db_path, as_json):
 @cli.command()
 @click.argument("device")
 @since_option("7d")
-@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True, help="Most events to print.")
 @db_option
 @json_option
 @user_errors
@@ -306,7 +311,8 @@ def report(out, since, db_path):
 @click.argument("words", nargs=-1, required=True)
 @broker_options
 @click.option("--all", "to_all", is_flag=True, help="Every online device in the registry (needs --db).")
-@click.option("--group", default=None, help="Online devices whose id matches this glob, e.g. 'store-12-*'.")
+@click.option("--group", default=None,
+              help="Online devices whose id matches this glob, e.g. 'store-12-*' (default: none).")
 @click.option("--timeout", "timeout_s", type=Seconds(min=0.1), default=10.0, show_default=True,
               help="Seconds to wait for answers.")
 @db_option
@@ -383,9 +389,10 @@ def _db(db_path: Path):
 
 @cli.command()
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The private signing key (edge-fleet keygen); devices trust its .pub ([updates] trusted_keys).")
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
-              show_default=True)
+              show_default=True, help="Where the bundle is copied: `edge-fleet serve --artifacts-dir` serves it.")
 @db_option
 @user_errors
 def publish(bundle, key_path, artifacts_dir, db_path):
@@ -403,20 +410,26 @@ def publish(bundle, key_path, artifacts_dir, db_path):
 @cli.command()
 @click.argument("target")
 @click.option("--to", "devices", multiple=True, help="Device id (repeatable).")
-@click.option("--group", default=None, help="Devices whose id matches this glob.")
+@click.option("--group", default=None, help="Devices whose id matches this glob (default: none).")
 @click.option("--all", "to_all", is_flag=True, help="Every device in the registry.")
 @click.option("--include-offline", is_flag=True,
               help="With --all/--group: offline devices too (each waits out --device-timeout if it stays away).")
-@click.option("--wave-size", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
-@click.option("--allow-downgrade", is_flag=True)
-@click.option("--min-tokens-per-s", type=float, default=None, help="Health-check floor (default: 70% of current).")
+@click.option("--wave-size", type=click.IntRange(1), default=1,
+              help="Devices sent the job at once; the next wave starts when a wave has ended.")
+@click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0,
+              help="Share of the devices so far that may fail before the rollout halts (0: the first failure).")
+@click.option("--allow-downgrade", is_flag=True,
+              help="Let devices install a model built before the one they run (the manifests' build time).")
+@click.option("--min-tokens-per-s", type=float, default=None,
+              help="The health check's decode floor (default: 70% of the current model's tokens/s, which a "
+                   "slower precision fails; 0: only the device's own [updates] min_tokens_per_s).")
 @click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800, show_default=True,
               help="Seconds a notified device may take before it counts as TIMED_OUT.")
 @click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero unless it SUCCEEDED.")
 @click.option("--timeout", "timeout_s", type=Seconds(min=0), default=600, show_default=True,
               help="With --wait: seconds to wait for the job to end.")
-@click.option("--mqtt", "url", default=None, help="Accepted for symmetry; the serving fleet process publishes.")
+@click.option("--mqtt", "url", default=None,
+              help="Accepted for symmetry (default: none); the serving fleet process publishes.")
 @db_option
 @user_errors
 def deploy(target, devices, group, to_all, include_offline, wave_size, max_failure_rate, allow_downgrade,
