@@ -407,6 +407,14 @@ def publish(bundle, key_path, artifacts_dir, db_path):
     click.echo(register(store.db, bundle, key_path, artifacts_dir))
 
 
+def wait_options(command):
+    """--wait and --timeout, as deploy and rollback take them."""
+    command = click.option("--timeout", "timeout_s", type=Seconds(min=0), default=600,
+                           help="With --wait: seconds to wait for the job to end.")(command)
+    return click.option("--wait", is_flag=True, help="Block until the job ends and print each device's state; "
+                                                     "exit non-zero unless it SUCCEEDED.")(command)
+
+
 @cli.command()
 @click.argument("target")
 @click.option("--to", "devices", multiple=True, help="Device id (repeatable).")
@@ -423,70 +431,69 @@ def publish(bundle, key_path, artifacts_dir, db_path):
 @click.option("--min-tokens-per-s", type=float, default=None,
               help="The health check's decode floor (default: 70% of the current model's tokens/s, which a "
                    "slower precision fails; 0: only the device's own [updates] min_tokens_per_s).")
-@click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800, show_default=True,
+@click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800,
               help="Seconds a notified device may take before it counts as TIMED_OUT.")
-@click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero unless it SUCCEEDED.")
-@click.option("--timeout", "timeout_s", type=Seconds(min=0), default=600, show_default=True,
-              help="With --wait: seconds to wait for the job to end.")
+@wait_options
 @click.option("--mqtt", "url", default=None,
               help="Accepted for symmetry (default: none); the serving fleet process publishes.")
 @db_option
 @user_errors
 def deploy(target, devices, group, to_all, include_offline, wave_size, max_failure_rate, allow_downgrade,
            min_tokens_per_s, device_timeout_s, wait, timeout_s, url, db_path):
-    """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running).
+    """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running). A bare
+    MODEL lists its published versions.
 
     Example: edge-fleet deploy smollm2-135m-instruct@int4-b64a-1a2b3c4d --all --wave-size 2 --wait
     """
-    from fleet.updates import create_job, job_rows, wait_for_job
+    from fleet import deployment
+    from fleet.updates import create_job
 
+    store = _db(db_path)
+    if "@" not in target:
+        _list_versions(store.db, target)
     if not (devices or group or to_all):  # no target at all is a usage error, not "no device needs it"
         raise click.UsageError("say which devices: --to DEVICE (repeatable), --group GLOB or --all")
-    store = _db(db_path)
-    chosen = list(dict.fromkeys(_devices(store.db, devices, group, to_all)))  # each device once
-    chosen = _needing(store.db, chosen, target, offline_too=include_offline or not (to_all or group))
-    job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
-                        device_timeout_s=device_timeout_s)
-    click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {min(wave_size, len(chosen))}")
-    if not wait:
-        return
+    chosen = deployment.choose_devices(store.db, list(devices), group, to_all)
+    plan = deployment.needing(store.db, chosen, target, offline_too=include_offline or not (to_all or group))
+    for why, ids in plan.skipped.items():
+        click.echo(f"skipped {len(ids)} device(s) {why}: {deployment.named(ids)}")
+    if not plan.devices:
+        raise click.ClickException("no device needs this deployment")
+    manifest = deployment.published_manifest(store.db, target)
+    if manifest is not None and (problems := deployment.refusals(store.db, manifest, plan.devices, allow_downgrade,
+                                                                min_tokens_per_s)):
+        raise click.ClickException(f"{target} would be refused: " + "\n".join(problems) + "\n(no job was created)")
+    job_id = create_job(store.db, target, plan.devices, wave_size, max_failure_rate, allow_downgrade,
+                        min_tokens_per_s, device_timeout_s=device_timeout_s)
+    click.echo(f"job {job_id}: {target} to {len(plan.devices)} device(s) in waves of "
+               f"{min(wave_size, len(plan.devices))}")
+    if wait:
+        _wait_for(store.db, db_path, job_id, timeout_s)
+
+
+def _list_versions(db, name: str) -> None:
+    """`deploy NAME`: the versions it could mean, then an error (a deployment needs exactly one)."""
+    from fleet.deployment import published_versions
+
+    versions = published_versions(db, name)
+    if not versions:
+        raise click.ClickException(f"no published model named {name!r} (edge-fleet publish BUNDLE --key KEY)")
+    echo_rows(versions, False)
+    raise click.ClickException(f"{name}: say which version: deploy {versions[-1]['target']} (the last built) or "
+                               f"another above")
+
+
+def _wait_for(db, db_path: Path, job_id: str, timeout_s: float) -> list[dict]:
+    """--wait: block until the job ends, print its devices' rows, exit 1 unless it SUCCEEDED."""
+    from fleet.updates import job_rows, wait_for_job
+
     state = wait_for_job(db_path, job_id, timeout_s)
-    echo_rows(job_rows(store.db, job_id), False)
+    rows = job_rows(db, job_id)
+    echo_rows(rows, False)
     click.echo(f"job {job_id}: {state}")
     if state != "SUCCEEDED":
         sys.exit(1)
-
-
-def _needing(db, chosen: list[str], target: str, offline_too: bool) -> list[str]:
-    """The chosen devices that need the job: not those already on the target (re-running a halted rollout),
-    nor the offline devices of --all or --group, each of which would wait out its timeout: both would count
-    as failures and halt the rollout at once. A device named with --to is deployed to even when offline."""
-    rows = {r["id"]: r for r in db.query("select id, status, model, version from devices")}
-    current = [d for d in chosen if d in rows and f"{rows[d]['model']}@{rows[d]['version']}" == target]
-    offline = [] if offline_too else [d for d in chosen if d in rows and rows[d]["status"] != "online"]
-    for what, ids in (("already on " + target, current), ("offline (--include-offline to add them)", offline)):
-        if ids:
-            click.echo(f"skipped {len(ids)} device(s) {what}: {', '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}")
-    skipped = set(current) | set(offline)  # sets: list membership made 10,000 devices take 0.4 s
-    left = [d for d in chosen if d not in skipped]
-    if not left:
-        raise click.ClickException("no device needs this deployment")
-    return left
-
-
-def _devices(db, devices, group, to_all) -> list[str]:
-    import fnmatch
-
-    known = [r["id"] for r in db.query("select id from devices order by id")]
-    if to_all:
-        return known
-    if group:
-        return [d for d in known if fnmatch.fnmatch(d, group)]
-    registered = set(known)
-    unknown = [d for d in devices if d not in registered]
-    if unknown:  # it would never report: the job would wait out its device timeout and fail
-        raise click.ClickException(f"unknown device {unknown[0]!r}: not in the fleet's registry (edge-fleet devices)")
-    return list(devices)
+    return rows
 
 
 @cli.command()
@@ -545,18 +552,25 @@ def cancel(job_id, db_path):
 
 @cli.command()
 @click.argument("device")
+@wait_options
 @db_option
 @user_errors
-def rollback(device, db_path):
-    """Send a device back to its previous model (a one-device job).
+def rollback(device, wait, timeout_s, db_path):
+    """Send a device back to its previous model (a one-device job); with --wait, say which model it serves.
 
-    Example: edge-fleet rollback box-0042
+    Example: edge-fleet rollback box-0042 --wait
     """
+    from fleet.deployment import choose_devices
     from fleet.updates import create_job
 
     db = _db(db_path).db
-    _devices(db, [device], None, False)  # a known device
-    click.echo(f"job {create_job(db, None, [device], 1, 0.0, operation='rollback')}: rollback of {device}")
+    choose_devices(db, [device], None, False)  # a known device
+    job_id = create_job(db, None, [device], 1, 0.0, operation="rollback")
+    click.echo(f"job {job_id}: rollback of {device}")
+    if wait:
+        figures = json.loads(_wait_for(db, db_path, job_id, timeout_s)[0]["figures"] or "{}")
+        click.echo(f"{device} serves {figures.get('rolled_back_to') or '(unknown)'}"
+                   + (" (it had been rolled back already)" if figures.get("already") else ""))
 
 
 def main() -> None:
