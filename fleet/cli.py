@@ -59,10 +59,11 @@ def broker_options(command):
         click.option("--mqtt", "url", required=True, envvar="EDGE_FLEET_MQTT", show_envvar=True,
                      help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]."),
         click.option("--username", default=None, envvar="EDGE_FLEET_USERNAME", show_envvar=True,
-                     help="Broker user (with use_username_as_clientid it is also the client id: one user per "
-                          "concurrent connection)."),
+                     help="Broker user (default: none, anonymous; with use_username_as_clientid it is also the "
+                          "client id: one user per concurrent connection)."),
         click.option("--password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-                     envvar="EDGE_FLEET_PASSWORD_FILE", show_envvar=True, help="File holding the broker password."),
+                     envvar="EDGE_FLEET_PASSWORD_FILE", show_envvar=True,
+                     help="File holding the broker password (default: none)."),
         click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
                      envvar="EDGE_FLEET_CA_FILE", show_envvar=True,
                      help="mqtts: CA certificate of the broker (default: the system's trust store)."),
@@ -119,7 +120,7 @@ def echo_rows(rows: list[dict], as_json: bool) -> None:
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
-@click.group()
+@click.group(context_settings={"show_default": True})
 def cli() -> None:
     """Fleet server: device telemetry over MQTT into SQLite, queries, reports and remote commands."""
 
@@ -144,8 +145,10 @@ def retention(keep: str, keep_samples: str) -> dict[str, float]:
               help="MQTT client id; the broker keeps this id's session (and queues for it) between runs. "
                    "Every replica needs its own.")
 @click.option("--shared-group", default=None, help="Split telemetry with the other replicas of this group "
-                                                   "($share/GROUP/...); state still reaches every replica.")
-@click.option("--artifacts-http", default=None, help="Serve published bundles on HOST:PORT and drive rollouts.")
+                                                   "($share/GROUP/...); state still reaches every replica "
+                                                   "(default: none, one consumer takes it all).")
+@click.option("--artifacts-http", default=None,
+              help="Serve published bundles on HOST:PORT and drive rollouts (default: off).")
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
               show_default=True, help="Where `edge-fleet publish` puts bundles (the HTTP root).")
 @click.option("--artifacts-url", default=None, help="The URL devices fetch bundles from (default: "
@@ -156,7 +159,8 @@ def retention(keep: str, keep_samples: str) -> dict[str, float]:
               help="File holding --jobs-username's password (default --password-file).")
 @click.option("--job-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Sign every job document with this Ed25519 key (edge-fleet keygen), for devices whose "
-                   "[updates] job_keys trust its .pub. Not the manifest key: this one stays on the server.")
+                   "[updates] job_keys trust its .pub. Not the manifest key: this one stays on the server "
+                   "(default: none, jobs go unsigned).")
 @click.option("--keep", default="90d", show_default=True,
               help="Delete requests and events older than this, hourly; 'forever' keeps them all.")
 # Samples are ~8 rows in 10 of a fleet's database (83 GB for 500 devices over 90 days at the agents' default
@@ -226,7 +230,8 @@ def devices(db_path, as_json):
 
 @cli.command()
 @since_option("24h")
-@click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True)
+@click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True,
+              help="One row per device, model, version (MODEL@VERSION) or hour.")
 @db_option
 @json_option
 @user_errors
@@ -242,7 +247,7 @@ def tps(since, by, db_path, as_json):
 @cli.command()
 @click.argument("device")
 @since_option("7d")
-@click.option("--limit", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=100, show_default=True, help="Most events to print.")
 @db_option
 @json_option
 @user_errors
@@ -306,7 +311,8 @@ def report(out, since, db_path):
 @click.argument("words", nargs=-1, required=True)
 @broker_options
 @click.option("--all", "to_all", is_flag=True, help="Every online device in the registry (needs --db).")
-@click.option("--group", default=None, help="Online devices whose id matches this glob, e.g. 'store-12-*'.")
+@click.option("--group", default=None,
+              help="Online devices whose id matches this glob, e.g. 'store-12-*' (default: none).")
 @click.option("--timeout", "timeout_s", type=Seconds(min=0.1), default=10.0, show_default=True,
               help="Seconds to wait for answers.")
 @db_option
@@ -383,9 +389,10 @@ def _db(db_path: Path):
 
 @cli.command()
 @click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--key", "key_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The private signing key (edge-fleet keygen); devices trust its .pub ([updates] trusted_keys).")
 @click.option("--artifacts-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("artifacts"),
-              show_default=True)
+              show_default=True, help="Where the bundle is copied: `edge-fleet serve --artifacts-dir` serves it.")
 @db_option
 @user_errors
 def publish(bundle, key_path, artifacts_dir, db_path):
@@ -400,80 +407,93 @@ def publish(bundle, key_path, artifacts_dir, db_path):
     click.echo(register(store.db, bundle, key_path, artifacts_dir))
 
 
+def wait_options(command):
+    """--wait and --timeout, as deploy and rollback take them."""
+    command = click.option("--timeout", "timeout_s", type=Seconds(min=0), default=600,
+                           help="With --wait: seconds to wait for the job to end.")(command)
+    return click.option("--wait", is_flag=True, help="Block until the job ends and print each device's state; "
+                                                     "exit non-zero unless it SUCCEEDED.")(command)
+
+
 @cli.command()
 @click.argument("target")
 @click.option("--to", "devices", multiple=True, help="Device id (repeatable).")
-@click.option("--group", default=None, help="Devices whose id matches this glob.")
+@click.option("--group", default=None, help="Devices whose id matches this glob (default: none).")
 @click.option("--all", "to_all", is_flag=True, help="Every device in the registry.")
 @click.option("--include-offline", is_flag=True,
               help="With --all/--group: offline devices too (each waits out --device-timeout if it stays away).")
-@click.option("--wave-size", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True)
-@click.option("--allow-downgrade", is_flag=True)
-@click.option("--min-tokens-per-s", type=float, default=None, help="Health-check floor (default: 70% of current).")
-@click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800, show_default=True,
+@click.option("--wave-size", type=click.IntRange(1), default=1,
+              help="Devices sent the job at once; the next wave starts when a wave has ended.")
+@click.option("--max-failure-rate", type=click.FloatRange(0, 1), default=0.0,
+              help="Share of the devices so far that may fail before the rollout halts (0: the first failure).")
+@click.option("--allow-downgrade", is_flag=True,
+              help="Let devices install a model built before the one they run (the manifests' build time).")
+@click.option("--min-tokens-per-s", type=float, default=None,
+              help="The health check's decode floor (default: 70% of the current model's tokens/s, which a "
+                   "slower precision fails; 0: only the device's own [updates] min_tokens_per_s).")
+@click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800,
               help="Seconds a notified device may take before it counts as TIMED_OUT.")
-@click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero unless it SUCCEEDED.")
-@click.option("--timeout", "timeout_s", type=Seconds(min=0), default=600, show_default=True,
-              help="With --wait: seconds to wait for the job to end.")
-@click.option("--mqtt", "url", default=None, help="Accepted for symmetry; the serving fleet process publishes.")
+@wait_options
+@click.option("--mqtt", "url", default=None,
+              help="Accepted for symmetry (default: none); the serving fleet process publishes.")
 @db_option
 @user_errors
 def deploy(target, devices, group, to_all, include_offline, wave_size, max_failure_rate, allow_downgrade,
            min_tokens_per_s, device_timeout_s, wait, timeout_s, url, db_path):
-    """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running).
+    """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running). A bare
+    MODEL lists its published versions.
 
     Example: edge-fleet deploy smollm2-135m-instruct@int4-b64a-1a2b3c4d --all --wave-size 2 --wait
     """
-    from fleet.updates import create_job, job_rows, wait_for_job
+    from fleet import deployment
+    from fleet.updates import create_job
 
+    store = _db(db_path)
+    if "@" not in target:
+        _list_versions(store.db, target)
     if not (devices or group or to_all):  # no target at all is a usage error, not "no device needs it"
         raise click.UsageError("say which devices: --to DEVICE (repeatable), --group GLOB or --all")
-    store = _db(db_path)
-    chosen = list(dict.fromkeys(_devices(store.db, devices, group, to_all)))  # each device once
-    chosen = _needing(store.db, chosen, target, offline_too=include_offline or not (to_all or group))
-    job_id = create_job(store.db, target, chosen, wave_size, max_failure_rate, allow_downgrade, min_tokens_per_s,
-                        device_timeout_s=device_timeout_s)
-    click.echo(f"job {job_id}: {target} to {len(chosen)} device(s) in waves of {min(wave_size, len(chosen))}")
-    if not wait:
-        return
+    chosen = deployment.choose_devices(store.db, list(devices), group, to_all)
+    plan = deployment.needing(store.db, chosen, target, offline_too=include_offline or not (to_all or group))
+    for why, ids in plan.skipped.items():
+        click.echo(f"skipped {len(ids)} device(s) {why}: {deployment.named(ids)}")
+    if not plan.devices:
+        raise click.ClickException("no device needs this deployment")
+    manifest = deployment.published_manifest(store.db, target)
+    if manifest is not None and (problems := deployment.refusals(store.db, manifest, plan.devices, allow_downgrade,
+                                                                min_tokens_per_s)):
+        raise click.ClickException(f"{target} would be refused: " + "\n".join(problems) + "\n(no job was created)")
+    job_id = create_job(store.db, target, plan.devices, wave_size, max_failure_rate, allow_downgrade,
+                        min_tokens_per_s, device_timeout_s=device_timeout_s)
+    click.echo(f"job {job_id}: {target} to {len(plan.devices)} device(s) in waves of "
+               f"{min(wave_size, len(plan.devices))}")
+    if wait:
+        _wait_for(store.db, db_path, job_id, timeout_s)
+
+
+def _list_versions(db, name: str) -> None:
+    """`deploy NAME`: the versions it could mean, then an error (a deployment needs exactly one)."""
+    from fleet.deployment import published_versions
+
+    versions = published_versions(db, name)
+    if not versions:
+        raise click.ClickException(f"no published model named {name!r} (edge-fleet publish BUNDLE --key KEY)")
+    echo_rows(versions, False)
+    raise click.ClickException(f"{name}: say which version: deploy {versions[-1]['target']} (the last built) or "
+                               f"another above")
+
+
+def _wait_for(db, db_path: Path, job_id: str, timeout_s: float) -> list[dict]:
+    """--wait: block until the job ends, print its devices' rows, exit 1 unless it SUCCEEDED."""
+    from fleet.updates import job_rows, wait_for_job
+
     state = wait_for_job(db_path, job_id, timeout_s)
-    echo_rows(job_rows(store.db, job_id), False)
+    rows = job_rows(db, job_id)
+    echo_rows(rows, False)
     click.echo(f"job {job_id}: {state}")
     if state != "SUCCEEDED":
         sys.exit(1)
-
-
-def _needing(db, chosen: list[str], target: str, offline_too: bool) -> list[str]:
-    """The chosen devices that need the job: not those already on the target (re-running a halted rollout),
-    nor the offline devices of --all or --group, each of which would wait out its timeout: both would count
-    as failures and halt the rollout at once. A device named with --to is deployed to even when offline."""
-    rows = {r["id"]: r for r in db.query("select id, status, model, version from devices")}
-    current = [d for d in chosen if d in rows and f"{rows[d]['model']}@{rows[d]['version']}" == target]
-    offline = [] if offline_too else [d for d in chosen if d in rows and rows[d]["status"] != "online"]
-    for what, ids in (("already on " + target, current), ("offline (--include-offline to add them)", offline)):
-        if ids:
-            click.echo(f"skipped {len(ids)} device(s) {what}: {', '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}")
-    skipped = set(current) | set(offline)  # sets: list membership made 10,000 devices take 0.4 s
-    left = [d for d in chosen if d not in skipped]
-    if not left:
-        raise click.ClickException("no device needs this deployment")
-    return left
-
-
-def _devices(db, devices, group, to_all) -> list[str]:
-    import fnmatch
-
-    known = [r["id"] for r in db.query("select id from devices order by id")]
-    if to_all:
-        return known
-    if group:
-        return [d for d in known if fnmatch.fnmatch(d, group)]
-    registered = set(known)
-    unknown = [d for d in devices if d not in registered]
-    if unknown:  # it would never report: the job would wait out its device timeout and fail
-        raise click.ClickException(f"unknown device {unknown[0]!r}: not in the fleet's registry (edge-fleet devices)")
-    return list(devices)
+    return rows
 
 
 @cli.command()
@@ -532,18 +552,25 @@ def cancel(job_id, db_path):
 
 @cli.command()
 @click.argument("device")
+@wait_options
 @db_option
 @user_errors
-def rollback(device, db_path):
-    """Send a device back to its previous model (a one-device job).
+def rollback(device, wait, timeout_s, db_path):
+    """Send a device back to its previous model (a one-device job); with --wait, say which model it serves.
 
-    Example: edge-fleet rollback box-0042
+    Example: edge-fleet rollback box-0042 --wait
     """
+    from fleet.deployment import choose_devices
     from fleet.updates import create_job
 
     db = _db(db_path).db
-    _devices(db, [device], None, False)  # a known device
-    click.echo(f"job {create_job(db, None, [device], 1, 0.0, operation='rollback')}: rollback of {device}")
+    choose_devices(db, [device], None, False)  # a known device
+    job_id = create_job(db, None, [device], 1, 0.0, operation="rollback")
+    click.echo(f"job {job_id}: rollback of {device}")
+    if wait:
+        figures = json.loads(_wait_for(db, db_path, job_id, timeout_s)[0]["figures"] or "{}")
+        click.echo(f"{device} serves {figures.get('rolled_back_to') or '(unknown)'}"
+                   + (" (it had been rolled back already)" if figures.get("already") else ""))
 
 
 def main() -> None:

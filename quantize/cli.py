@@ -48,7 +48,7 @@ def _open_bundle(path: Path):
     return open_bundle(path)
 
 
-@click.group()
+@click.group(context_settings={"show_default": True})
 def cli() -> None:
     """Build ONNX Runtime model bundles from GGUF or Hugging Face checkpoints."""
 
@@ -56,7 +56,8 @@ def cli() -> None:
 @cli.command()
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Bundle directory to write.")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="int4", show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="int4", show_default=True,
+              help="Weights: fp32 (the quality reference for eval), int8 or int4.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
               help="Quantization block size [default: 64 for int4, 32 for int8].")
 @click.option("--down-block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
@@ -74,7 +75,8 @@ def cli() -> None:
               help="Calibration text for importance and GPTQ (default: the bundled one; never the eval text).")
 @click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
               help="MatMulNBits activation compute: 4 = int8 per block, 0/1 = fp32.")
-@click.option("--embedding", type=click.Choice(["fp32", "int8", "int4"]), default=None)
+@click.option("--embedding", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+              help="The embedding table's precision (default: --precision, but never below int8).")
 @click.option("--lm-head", type=click.Choice(["fp32", "int8", "int4"]), default=None,
               help="The lm_head's precision (default: int8 for int4 bundles). A head apart from the embedding's "
                    "precision is stored apart from it, and GPTQ'd like the layers.")
@@ -84,7 +86,7 @@ def cli() -> None:
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
-              help="threads for calibration and evaluation (default: the cores this process may use)")
+              help="Threads for calibration and evaluation (default: the cores this process may use).")
 @click.option("--force", is_flag=True, help="Replace an existing bundle (or empty folder) at --out; anything "
                                             "else there is refused.")
 @click.option("--hessian-memory-mb", type=click.IntRange(min=1), default=HESSIAN_BUDGET_MB, show_default=True,
@@ -178,15 +180,17 @@ def _check_reference(b, ref) -> None:
 
 @cli.command("eval")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--reference", required=True, type=click.Path(path_type=Path), help="The fp32 bundle.")
-@click.option("--text", "text_file", required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--reference", required=True, type=click.Path(path_type=Path),
+              help="The fp32 bundle of the same checkpoint (edge-quantize build --precision fp32).")
+@click.option("--text", "text_file", required=True, type=click.Path(exists=True, path_type=Path),
+              help="UTF-8 text to measure over, e.g. quantize/data/eval_en.txt (what build measures by default).")
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
-              help="threads for calibration and evaluation (default: the cores this process may use)")
+              help="Threads for calibration and evaluation (default: the cores this process may use).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def eval_(bundle, reference, text_file, threads, as_json):
     """Perplexity, KL divergence and top-1 agreement of BUNDLE against the fp32 reference over a text.
 
-    Example: edge-quantize eval bundles/int4 --reference bundles/fp32 --text passage.txt --json
+    Example: edge-quantize eval bundles/int4 --reference bundles/fp32 --text quantize/data/eval_en.txt --json
     """
     from agent.engine.runner import open_runner
     from quantize.evaluate import compare
@@ -212,7 +216,7 @@ def eval_(bundle, reference, text_file, threads, as_json):
 
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(bundle, as_json):
     """Print a bundle's geometry, sizes, precision and quality.
 

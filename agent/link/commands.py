@@ -142,6 +142,8 @@ class Commands:
     def get_config(self, args: dict) -> CommandResponse:
         _NoArgs.model_validate(args)
         config = self.device.config.model_dump(mode="json")  # secrets dump as "**********"
+        # a mode reads as configured and as chmod takes it ("0660"), not as the integer it is (432)
+        config["api"]["socket_mode"] = format(self.device.config.api.socket_mode, "04o")
         return _ok("get_config", {"config": config, "sampling_defaults": self.device.settings.sampling.given()})
 
     def set_config(self, args: dict) -> CommandResponse:

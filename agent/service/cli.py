@@ -41,36 +41,60 @@ def _require_utf8(name: str, value: str) -> None:
         raise ValueError(f"{name} is not valid UTF-8 text (is the terminal's locale UTF-8?)") from None
 
 
-@click.group()
-@click.option("-v", "--verbose", is_flag=True, help="Log engine details to stderr.")
+VERBOSE_HELP = "More on stderr: what the engine does (serve: debug lines too). Before or after the command."
+
+
+def _log_level(command: str | None, verbose: bool) -> int:
+    # the service says what it does (connected, reloaded, switched models: a few lines an hour); the
+    # one-shot commands only what went wrong; -v one level more of each
+    if command == "serve":
+        return logging.DEBUG if verbose else logging.INFO
+    return logging.INFO if verbose else logging.WARNING
+
+
+def _verbose_after_command(ctx: click.Context, param: click.Parameter, verbose: bool) -> None:
+    """`edge-agent serve ... -v`: the group set the level before this command's options were parsed."""
+    if verbose:
+        logging.getLogger().setLevel(_log_level(ctx.info_name, True))
+
+
+def verbose_option(command):
+    return click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_verbose_after_command,
+                        help=VERBOSE_HELP)(command)
+
+
+@click.group(context_settings={"show_default": True})
+@click.option("-v", "--verbose", is_flag=True, help=VERBOSE_HELP)
 def cli(verbose: bool) -> None:
     """The edge LLM agent."""
-    # the service says what it does (connected, reloaded, switched models: a few lines an hour); the
-    # one-shot commands only what went wrong
-    service = click.get_current_context().invoked_subcommand == "serve"
-    setup_logging(logging.INFO if verbose or service else logging.WARNING)
+    setup_logging(_log_level(click.get_current_context().invoked_subcommand, verbose))
 
 
 @cli.command()
 @click.argument("prompt")
 @click.option("--model", "model", required=True, type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
-@click.option("--system", default=None, help="System message (with --chat).")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0)
-@click.option("--top-k", type=int, default=0)
-@click.option("--seed", type=int, default=None)
+@click.option("--system", default=None, help="System message (with --chat; default: none).")
+@click.option("--max-tokens", type=int, default=128, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0,
+              help="Sample from the likeliest tokens up to this probability (1 = all).")
+@click.option("--top-k", type=int, default=0, help="Sample from the k likeliest tokens (0 = all).")
+@click.option("--seed", type=int, default=None, help="Random seed, for the same output again (default: a new one).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--threads", type=int, default=None)
-@click.option("--memory-budget-mb", type=int, default=1024, show_default=True)
-@click.option("--ignore-eos", is_flag=True)
+@click.option("--threads", type=int, default=None,
+              help="ONNX Runtime's threads (default: the cores this process may use).")
+@click.option("--memory-budget-mb", type=int, default=1024,
+              help="Memory for the whole process, MB: weights, KV cache, activations, runtime.")
+@click.option("--ignore-eos", is_flag=True, help="Go on past the end-of-sequence token, up to --max-tokens.")
 @click.option("--speculative", type=click.Choice(["off", "ngram", "draft"]), default="off", show_default=True,
               help="Speculative decoding: prompt lookup (ngram) or a draft model (draft).")
-@click.option("--draft-model", type=click.Path(path_type=Path), default=None, help="Draft bundle for --speculative draft.")
+@click.option("--draft-model", type=click.Path(path_type=Path), default=None,
+              help="Draft bundle for --speculative draft (default: none).")
 @click.option("--kv-cache", "kv_dtype", type=click.Choice(["fp32", "int8"]), default="fp32", show_default=True,
               help="KV cache type: int8 holds 4x the tokens in the same memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@verbose_option
 def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k, seed, stop, threads,
              memory_budget_mb, ignore_eos, speculative, draft_model, kv_dtype, as_json):
     """Generate a completion of PROMPT, streaming it to the terminal, then print the figures.
@@ -129,16 +153,25 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None,
               help="Unix socket to listen on (default: the config's api.socket).")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Agent TOML config (model, [engine], [api], [telemetry], [updates]); flags override it.")
-@click.option("--threads", type=int, default=None)
-@click.option("--memory-budget-mb", type=int, default=None)
-@click.option("--tcp", default=None, help="Also listen on HOST:PORT (loopback unless the config sets tcp_any_host).")
+              help="Agent TOML config (model, [engine], [api], [telemetry], [updates]); flags override it (default: "
+                   "none, every setting at its default).")
+@click.option("--threads", type=int, default=None,
+              help="ONNX Runtime's threads (default: the config's [engine] threads, else the cores this "
+                   "process may use).")
+@click.option("--memory-budget-mb", type=int, default=None,
+              help="Memory for the whole process, MB: weights, KV cache, activations, runtime (default: the "
+                   "config's [engine] memory_budget_mb, else 1024).")
+@click.option("--tcp", default=None, help="Also listen on HOST:PORT (loopback unless the config sets tcp_any_host; "
+                                          "default: none).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Models, telemetry.db and the update journal (default: /var/lib/edge-agent as root).")
-@click.option("--mqtt", default=None, help="Fleet broker, mqtt://HOST:PORT or mqtts://... (TLS settings: config).")
+              help="Models, telemetry.db and the update journal (default: the config's telemetry.state_dir, else "
+                   "$STATE_DIRECTORY, /var/lib/edge-agent as root, ~/.local/share/edge-agent otherwise).")
+@click.option("--mqtt", default=None, help="Fleet broker, mqtt://HOST:PORT or mqtts://... (TLS settings: config; "
+                                           "default: the config's [telemetry.mqtt] url, else none).")
 @click.option("--device-id", default=None, help="This device's id on the fleet (default: the host name).")
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Public key whose signed model updates are accepted (repeatable).")
+@verbose_option
 def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state_dir, mqtt, device_id, trusted_keys):
     """Serve the OpenAI-compatible API on a Unix socket, in the foreground, until SIGTERM or Ctrl-C.
 
@@ -167,6 +200,7 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state
                    "else ~/.local/share/edge-agent; a state_dir set in agent.toml is not read: pass it here).")
 @click.option("--since", default="1h", show_default=True, help="Window: a number and s, m, h or d.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@verbose_option
 def telemetry(state_dir, since, as_json):
     """Summarise this device's recorded telemetry: decode speed and TTFT p50/p95 by model, version and hour,
     and requests by finish reason.
@@ -186,9 +220,11 @@ def telemetry(state_dir, since, as_json):
 
 
 @cli.command("check-config")
-@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path), help="agent.toml")
+@click.option("--config", "config_path", required=True, type=click.Path(path_type=Path),
+              help="The agent's TOML config file, e.g. /etc/edge-agent/agent.toml.")
 @click.option("--syntax-only", is_flag=True,
               help="Only validate the file (on another machine than the device: skip the model, group and key checks).")
+@verbose_option
 def check_config(config_path, syntax_only):
     """Validate a config file, and check what `serve` needs on this machine (the model bundle, the socket
     group, the trusted keys, writable directories) without starting anything; exit 0 when none of that would

@@ -391,7 +391,7 @@ class UpdateJob:
             raise JobFailed(JobState.FAILED, f"rollback to {target.name} failed, still serving "
                                              f"{serving.name if serving else 'the current model'}: {first_line}") from e
         self._enter(JobPhase.SUCCEEDED)
-        self.status(JobState.SUCCEEDED, figures={"rolled_back_to": target.name})
+        self.status(JobState.SUCCEEDED, figures={"rolled_back_to": _install_name(bundle.manifest)})  # MODEL@VERSION
         return JobState.SUCCEEDED
 
     def _pause(self) -> None:

@@ -1,5 +1,6 @@
 """edge-agent generate: the --json object, one-line user errors, and a clean end when the reader goes away or
-the user presses Ctrl-C (the engine thread must leave ONNX Runtime before the interpreter exits)."""
+the user presses Ctrl-C (the engine thread must leave ONNX Runtime before the interpreter exits); the three
+command lines' help (every option explained, with its default) and -v after the command."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 
 from quantize.package import build_bundle
@@ -123,3 +125,59 @@ def test_an_interrupted_command_exits_130_and_a_bug_is_one_line(tmp_path):
     r = demo("hungry")  # found in review: "internal error (MemoryError): " and nothing more
     assert r.returncode == 1 and "Error: out of memory" in r.stderr and "internal error" not in r.stderr
     assert demo("fine", "--n", "3").stdout == "3\n" and demo("fine").returncode == 2 and demo("--help").returncode == 0
+
+
+def _option_problems(command: click.Command, ctx: click.Context) -> list[str]:
+    """What a user reading `--help` misses about command's options: no help text, or a default not shown."""
+    problems = []
+    for option in (p for p in command.params if isinstance(p, click.Option) and not p.hidden):
+        name = f"{ctx.command_path} {option.opts[-1]}"
+        if not (option.help or "").strip():
+            problems.append(f"{name}: no help")
+        elif option.required or option.multiple or option.is_flag:  # no default to show
+            continue
+        elif option.get_default(ctx, call=False) is None:
+            if "default" not in option.help.lower():  # nothing to show: the help must say what happens
+                problems.append(f"{name}: default None, and the help does not say what it means")
+        elif "default" not in option.get_help_extra(ctx):
+            problems.append(f"{name}: default {option.get_default(ctx, call=False)!r} not shown")
+    return problems
+
+
+@pytest.mark.parametrize("module", ["agent.service.cli", "fleet.cli", "quantize.cli"])
+def test_every_option_of_every_command_has_help_and_shows_its_default(module):
+    """Found by a new user: serve --threads, --memory-budget-mb, publish --key, deploy --wave-size and others
+    had no help, and most defaults went unshown."""
+    import importlib
+
+    group = importlib.import_module(module).cli
+    root = click.Context(group, info_name=module.split(".")[0], **group.context_settings)
+    problems = _option_problems(group, root)
+    for name, command in group.commands.items():
+        problems += _option_problems(command, click.Context(command, info_name=name, parent=root))
+    assert not problems, "\n".join(problems)
+
+
+def test_verbose_works_after_the_command_too(tmp_path):
+    """Found by a new user: `edge-agent serve ... -v` was "No such option: -v" (only `edge-agent -v serve` worked)."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from agent.service.cli import cli
+
+    config = tmp_path / "agent.toml"
+    config.write_text("[engine]\nmemory_budget_mb = 512\n")
+    root = logging.getLogger()
+    level = root.level
+    try:
+        r = CliRunner().invoke(cli, ["check-config", "--config", str(config), "--syntax-only", "-v"])
+        assert r.exit_code == 0 and "ok" in r.output, r.output
+        assert root.level == logging.INFO  # a one-shot command's -v: what the engine does
+    finally:
+        root.setLevel(level)
+    r = subprocess.run([sys.executable, "-m", "agent.service.cli", "serve", "--model", str(tmp_path / "nope"),
+                        "--socket", str(tmp_path / "a.sock"), "--state-dir", str(tmp_path / "state"), "-v"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "No such option" not in r.stderr and "nope" in r.stderr, r.stderr
+    assert not any(s in r.stderr for s in CRASH_SIGNS), r.stderr

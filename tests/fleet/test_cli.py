@@ -346,3 +346,87 @@ def test_cancel_stops_a_rollout_and_names_the_devices_it_already_reached(filled_
     result = run_main("cancel", "job-nope", "--db", filled_db)
     assert result.returncode != 0 and "unknown job 'job-nope'" in result.stderr
     store.close()
+
+
+def publish_row(db_path, version: str, precision: str, built: str) -> str:
+    """A published smollm2 version as `edge-fleet publish` records it (its manifest, unsigned here)."""
+    from agent.wire import Golden, Manifest
+
+    manifest = Manifest(name="smollm2", version=version, precision=precision, quant={}, source_sha256="0" * 64,
+                        source_name="smollm2.gguf", created_at=built, files={},
+                        golden=Golden(prompt="hi", prompt_ids=[1], continuation_ids=[2]))
+    store = FleetStore(db_path)
+    store.db["models"].upsert({"name": "smollm2", "version": version, "manifest": manifest.model_dump_json(),
+                               "signature": "", "key_id": "", "published_at": time.time()}, pk=("name", "version"))
+    store.close()
+    return f"smollm2@{version}"
+
+
+def job_count(db_path) -> int:
+    return connect(db_path).execute("select count(*) from jobs").fetchone()[0]
+
+
+def test_deploy_of_a_model_name_without_a_version_lists_its_published_versions(filled_db):
+    """Found by a new user: `deploy smollm2` said "say which devices", then "smollm2 is not published"."""
+    publish_row(filled_db, "int8-b2", "int8", "2026-12-01T10:00:00+00:00")
+    publish_row(filled_db, "int4-c3", "int4", "2026-12-02T10:00:00+00:00")
+    result = run_main("deploy", "smollm2", "--db", filled_db)
+    assert result.returncode == 1 and job_count(filled_db) == 0, result.stderr
+    table = result.stdout.splitlines()
+    assert table[0].split() == ["target", "precision", "built", "published"]
+    assert [line.split()[:2] for line in table[2:]] == [["smollm2@int8-b2", "int8"], ["smollm2@int4-c3", "int4"]]
+    assert "say which version: deploy smollm2@int4-c3 (the last built)" in result.stderr
+    result = run_main("deploy", "llama", "--all", "--db", filled_db)
+    assert result.returncode == 1 and "no published model named 'llama'" in result.stderr, result.stderr
+
+
+def test_a_slower_precision_that_the_default_speed_floor_would_fail_is_refused_before_the_job(filled_db):
+    """Found by a new user: INT8 over INT4 failed on every device (decode under 70% of INT4's) after the
+    rollout had started; the flag that sets the floor was named nowhere."""
+    target = publish_row(filled_db, "int8-c3", "int8", "2026-12-06T10:00:00+00:00")  # the devices run int4
+    result = run_main("deploy", target, "--to", "dev-3", "--to", "dev-4", "--db", filled_db)
+    assert result.returncode == 1 and job_count(filled_db) == 0, result.stderr
+    assert ("int8 decodes slower than the int4 that 2 device(s) run (dev-3, dev-4): the health check's default "
+            "floor, 70% of the current model's tokens/s, would fail it; set the floor with --min-tokens-per-s N"
+            in result.stderr), result.stderr
+    assert "no job was created" in result.stderr and "Traceback" not in result.stderr
+    assert "to 2 device(s)" in run("deploy", target, "--to", "dev-3", "--to", "dev-4", "--min-tokens-per-s", "0",
+                                   "--db", filled_db).output
+    faster = publish_row(filled_db, "int4-d4", "int4", "2026-12-06T11:00:00+00:00")
+    assert "to 1 device(s)" in run("deploy", faster, "--to", "dev-3", "--db", filled_db).output
+
+
+def test_a_downgrade_by_build_time_is_refused_before_the_job_unless_allowed(filled_db):
+    """Devices refuse a model built before the one they run (manifests' created_at); when the fleet knows what
+    they run, deploy says so first, with the flag."""
+    publish_row(filled_db, "int4-a1", "int4", "2026-12-05T10:00:00+00:00")  # what dev-3 runs
+    older = publish_row(filled_db, "int4-z0", "int4", "2026-12-04T10:00:00+00:00")
+    result = run_main("deploy", older, "--to", "dev-3", "--db", filled_db)
+    assert result.returncode == 1 and job_count(filled_db) == 0, result.stderr
+    assert ("built 2026-12-04T10:00:00+00:00, before what 1 device(s) run (dev-3; dev-3: smollm2@int4-a1, built "
+            "2026-12-05T10:00:00+00:00): devices refuse a downgrade unless --allow-downgrade") in result.stderr
+    assert "to 1 device(s)" in run("deploy", older, "--to", "dev-3", "--allow-downgrade", "--db", filled_db).output
+
+
+def settle_job(db_path, state: str, figures: dict | None) -> str:
+    """What the rollout driver records when the device reports the job's end."""
+    db = connect(db_path)
+    job_id = wait_until(lambda: db.execute("select id from jobs").fetchone(), message="the job")[0]
+    db.execute("update job_devices set state = ?, figures = ? where job_id = ?",
+               [state, json.dumps(figures) if figures else None, job_id])
+    db.execute("update jobs set state = ? where id = ?", [state, job_id])
+    db.conn.commit()
+    return job_id
+
+
+@pytest.mark.parametrize("state, code", [("SUCCEEDED", 0), ("FAILED", 1)])
+def test_rollback_waits_like_deploy_and_names_the_model_the_device_serves(filled_db, state, code):
+    """Found by a new user: rollback had no --wait, and the job named the folder the model had come from."""
+    waiting = subprocess.Popen([sys.executable, "-m", "fleet.cli", "rollback", "dev-3", "--wait", "--timeout", "60",
+                                "--db", str(filled_db)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    job_id = settle_job(filled_db, state, {"rolled_back_to": "smollm2@int4-a1"} if state == "SUCCEEDED" else None)
+    out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == code, out + err
+    assert f"job {job_id}: rollback of dev-3" in out and f"job {job_id}: {state}" in out
+    assert ("dev-3 serves smollm2@int4-a1" in out) is (state == "SUCCEEDED"), out
