@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from benchdocs import replace_section  # noqa: E402
-from tps import CACHE, build_artifacts  # noqa: E402
+from tps import build_artifacts  # noqa: E402
 
 from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
-import glob
 import hashlib
 import json
 import os

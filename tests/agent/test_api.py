@@ -4,7 +4,6 @@ a client that disconnects cancelling its request, socket safety, and `edge-agent
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os

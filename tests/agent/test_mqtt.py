@@ -11,7 +11,6 @@ import itertools
 import json
 import logging
 import os
-import pwd
 import queue
 import re
 import signal

@@ -101,7 +101,7 @@ def sent_job(store, devices: list[str]) -> str:
 def test_a_replayed_or_older_report_never_revives_a_finished_device(tmp_path):
     """Found in review: the device's retained IN_PROGRESS, replayed when the fleet reconnected, turned a
     SUCCEEDED device back into IN_PROGRESS (and a TIMED_OUT one too, so the job never ended)."""
-    from fleet.updates import RolloutDriver, create_job
+    from fleet.updates import RolloutDriver
 
     store = published_store(tmp_path)
     job_id = sent_job(store, ["dev-a"])
@@ -283,7 +283,7 @@ def test_a_report_that_arrives_while_the_database_is_locked_is_recorded_once_it_
     busy timeout (a backup, a replica) was lost, though acknowledged: the device later timed out."""
     import sqlite3
 
-    from fleet.updates import RolloutDriver, create_job
+    from fleet.updates import RolloutDriver
 
     store = published_store(tmp_path)
     job_id = sent_job(store, ["dev-a"])
@@ -307,7 +307,7 @@ def test_a_report_that_arrives_while_the_database_is_locked_is_recorded_once_it_
 def test_reports_queued_when_the_driver_stops_are_recorded(tmp_path):
     """Found in review: stop() left the reports that came in during the last pass unrecorded, though the broker
     had already handed them over."""
-    from fleet.updates import RolloutDriver, create_job
+    from fleet.updates import RolloutDriver
 
     store = published_store(tmp_path)
     job_id = sent_job(store, ["dev-a"])

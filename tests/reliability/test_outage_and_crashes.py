@@ -16,7 +16,6 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import pytest
 
 from processes import Agent, FleetServer, client, committed, integrity, wait
 
