@@ -115,6 +115,7 @@ class MqttLink(LinkStateMachine):
         self._job_status: dict[str, str] = {}  # job id -> latest JobStatusUpdate JSON, re-sent on reconnect
         self._job_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._state_changes = 0  # publish_state() calls: one landing before CONNECTED is published after it
 
     def _current(self) -> _Connection | None:
         conn = self._conn
@@ -219,10 +220,14 @@ class MqttLink(LinkStateMachine):
         wanted += [topic(self.device_id, "jobs", "notify")] if self.on_job is not None else []
         for name in wanted:
             conn.subscriptions[conn.client.subscribe(name, options=live_only)[1]] = name
+        changes = self._state_changes
+        # "online" before CONNECTED, so that a stop() beginning now says "stopped" after it, never before
         conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,
                             retain=True)
         if not self._move(LinkState.CONNECTED):
             return False  # stop() began meanwhile; it says goodbye on this connection
+        if self._state_changes != changes:  # a change told while not yet CONNECTED: the birth may predate it
+            self.publish_state()
         log.info("mqtt: connected to %s (connection %d)", self.config.url, conn.number)
         self.outbox.attach(conn)
         with self._job_lock:
@@ -235,6 +240,7 @@ class MqttLink(LinkStateMachine):
         model update or rollback): the fleet's registry must name the model now, not the one at the last
         reconnect, since `edge-fleet deploy` picks the devices it skips by it. Offline, the next birth says it.
         The Will registered at CONNECT still names the model of that moment (MQTT cannot change it)."""
+        self._state_changes += 1
         conn = self._conn if self.is_connected else None
         if conn is not None:
             conn.client.publish(topic(self.device_id, "state"), self._state_json("online", conn.number), qos=1,

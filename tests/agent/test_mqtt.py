@@ -1017,3 +1017,29 @@ def test_a_refused_subscription_takes_the_device_offline_and_is_retried(tmp_path
         assert wait_until(lambda: caplog.text.count("refused our subscription") >= 2)  # it asks again
     finally:
         b.stop()
+
+
+def test_a_state_change_told_while_the_link_connects_is_published_once_it_is_connected(broker, tmp_path):
+    """publish_state() called after the birth "online" went out but before the link counts itself connected
+    was dropped, leaving the fleet's registry on the old model until the next reconnect."""
+    fleet = Fleet(broker, subscribe=["edge/v1/+/state"])
+    described = {"model": "smollm2", "version": "int4-a"}
+    store = TelemetryStore(tmp_path / "t.db", "dev-g")
+    link = MqttLink(fast_config(broker.url), "dev-g", store, describe=lambda: dict(described))
+    move = link._move
+
+    def change_in_the_gap(to):  # the update lands between the birth and CONNECTED
+        if to is LinkState.CONNECTED and described["version"] == "int4-a":
+            described["version"] = "int4-b"
+            link.publish_state()
+        return move(to)
+
+    link._move = change_in_the_gap
+    link.start()
+    try:
+        assert fleet.wait(lambda f: (s := f.last_state("dev-g")) is not None and s.version == "int4-b")
+        assert retained_state(broker, "dev-g").version == "int4-b"
+    finally:
+        link.stop()
+        store.close()
+        fleet.close()
