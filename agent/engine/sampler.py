@@ -68,7 +68,8 @@ def top_k_candidates(x: np.ndarray, top_k: int) -> np.ndarray:
 def softmax(x: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """Probabilities of x [n] / temperature as a new float32 array (float32 exp is SIMD, ~7 digits a term)."""
     e = np.subtract(x, np.max(x), dtype=np.float32)
-    e *= np.float32(1 / temperature)
+    with np.errstate(over="ignore"):  # a logit far below the max (a -1e38 bias) scales to -inf: probability 0
+        e *= np.float32(1 / temperature)
     np.exp(e, out=e)  # in place: each 49k-entry temporary costs fresh pages
     e /= e.sum(dtype=np.float64)
     return e

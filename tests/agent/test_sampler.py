@@ -279,3 +279,17 @@ def test_params_defaults_frozen_and_strict():
     with pytest.raises(ValidationError, match="best_of"):
         SamplingParams(best_of=1)
     assert SamplingParams(stop="###").stop == ["###"]  # OpenAI allows a lone string
+
+
+def test_a_logit_far_below_the_max_gets_probability_zero_without_a_numpy_warning():
+    """A logit pushed to -3e38 (a logit_bias, then a low temperature) overflowed to -inf with numpy's "overflow
+    encountered in multiply" printed; its probability is 0 either way."""
+    import warnings
+
+    from agent.engine.sampler import softmax
+
+    x = np.array([-3e38, 0.0, 1.0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        probs = softmax(x, 1e-4)
+    assert probs[0] == 0.0 and probs[2] == 1.0
