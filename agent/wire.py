@@ -139,7 +139,7 @@ class Geometry(_Frozen):
     """A dense decoder's shape: what the quantizer reads from a checkpoint and builds the graph by, and what the
     agent sizes its KV cache by (a bundle's model_config.json holds it, in ModelConfig)."""
 
-    architecture: str  # one of quantize.checkpoint.SUPPORTED_ARCHITECTURES
+    architecture: str  # a row of quantize.architectures.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -155,6 +155,17 @@ class Geometry(_Frozen):
     sliding_window: int | None = None  # Mistral-style local attention, None when unused
     # RoPE scaling: divisors of its frequencies (quantize.rope), already in the graph's cos/sin tables
     rope_freq_factors: tuple[float, ...] | None = None
+    # The per-model numbers of the block variants quantize.architectures names; the defaults are Llama's, so a
+    # model_config.json that leaves them out describes the same model. The agent reads none of them.
+    window_layers: tuple[int, ...] | None = None  # the layers sliding_window applies to; None: every layer
+    rope_local_theta: float | None = None  # RoPE base of the window_layers (Gemma 3), None: rope_theta
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3)
+    rotary_dim: int | None = None  # the leading channels of each head that RoPE turns (Phi-4-mini), None: all
+    rope_attention_factor: float = 1.0  # LongRoPE's scale on cos and sin
+    embedding_multiplier: float = 1.0  # Gemma's sqrt(hidden), Granite's embedding_multiplier
+    attention_scale: float | None = None  # softmax scale, None: 1/sqrt(head_dim)
+    residual_multiplier: float = 1.0  # on each block's output before the residual add (Granite)
+    logit_multiplier: float = 1.0  # on the logits (Granite's 1/logits_scaling)
 
 
 class ModelConfig(Geometry):

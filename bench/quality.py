@@ -44,7 +44,8 @@ from agent.engine.runner import open_runner  # noqa: E402
 from quantize.bundled import bundled_gguf_path  # noqa: E402
 from quantize.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa: E402
-from quantize.gguf_reader import GLOBAL_NAMES, LAYER_NAMES, unpermute_rows  # noqa: E402
+from quantize.architectures import GLOBAL_NAMES, LLAMA_BLOCK as LAYER_NAMES  # noqa: E402
+from quantize.gguf_reader import unpermute_rows  # noqa: E402
 from quantize.package import build_bundle, encode  # noqa: E402
 from quantize.precision import QuantSpec  # noqa: E402
 

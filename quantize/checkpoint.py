@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.wire import Geometry
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from quantize.architectures import by_name
 
 
 class CheckpointError(ValueError):
@@ -76,6 +75,7 @@ class Checkpoint:
 
 def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of geometry g must hold, with its HF shape."""
+    arch = by_name(g.architecture)
     q_dim, kv_dim = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (g.vocab_size, g.hidden_size),
@@ -83,11 +83,13 @@ def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
     }
     if not g.tie_word_embeddings:
         shapes["lm_head.weight"] = (g.vocab_size, g.hidden_size)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if arch.sandwich_norm:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(g.num_layers):
         p = f"model.layers.{i}."
+        shapes |= {p + n + ".weight": (g.hidden_size,) for n in norms}
         shapes |= {
-            p + "input_layernorm.weight": (g.hidden_size,),
-            p + "post_attention_layernorm.weight": (g.hidden_size,),
             p + "self_attn.q_proj.weight": (q_dim, g.hidden_size),
             p + "self_attn.k_proj.weight": (kv_dim, g.hidden_size),
             p + "self_attn.v_proj.weight": (kv_dim, g.hidden_size),
@@ -102,6 +104,8 @@ def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (kv_dim,),
                 p + "self_attn.v_proj.bias": (kv_dim,),
             }
+        if arch.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (g.head_dim,), p + "self_attn.k_norm.weight": (g.head_dim,)}
     return shapes
 
 
@@ -112,6 +116,10 @@ def validate(ckpt: Checkpoint) -> None:
     if ckpt.geometry.head_dim % 16:
         raise CheckpointError(f"{ckpt.source_name}: head_dim {ckpt.geometry.head_dim} is not supported (ONNX "
                               "Runtime's GroupQueryAttention needs a multiple of 16)")
+    rotary = ckpt.geometry.rotary_dim
+    if rotary is not None and (rotary % 16 or rotary > ckpt.geometry.head_dim):
+        raise CheckpointError(f"{ckpt.source_name}: a rotary width of {rotary} channels is not supported (ONNX "
+                              "Runtime's rotary needs a multiple of 16, at most head_dim)")
     for name, shape in expected_weight_shapes(ckpt.geometry).items():
         w = ckpt.weights.get(name)
         if w is None:

@@ -1,8 +1,8 @@
-"""Read a llama.cpp GGUF file (architecture `llama`) into the internal Checkpoint form.
+"""Read a llama.cpp GGUF file of any architecture in quantize.architectures into the internal Checkpoint form.
 
-Tensors are dequantized to float32 with the `gguf` package. llama.cpp's converter permutes the rows of
-the Q and K projections so that rotary pairs are interleaved (GGML's RoPE mode 0); we undo that so the
-checkpoint is in Hugging Face's half-split order, the order the graph's GroupQueryAttention rotary uses
+Tensors are dequantized to float32 with the `gguf` package. For Llama-style models llama.cpp's converter
+permutes the rows of the Q and K projections so that rotary pairs are interleaved (GGML's RoPE mode 0); we
+undo that so the checkpoint is in Hugging Face's half-split order, the order the graph's GroupQueryAttention rotary uses
 (`rotary_interleaved=0`). Q4_0, Q4_1 and Q8_0 tensors also keep their raw blocks for --keep-source-quant.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from agent.engine.bundle import file_sha256
 from agent.wire import Geometry
 from quantize import rope
+from quantize.architectures import BY_GGUF, GLOBAL_NAMES, Architecture, supported
 from quantize.checkpoint import Checkpoint, CheckpointError, SourceBlocks, finite
 from quantize.gguf_layout import check_layout
 from quantize.tokenizer import tokenizer_from_gguf
@@ -26,25 +27,8 @@ from quantize.tokenizer import tokenizer_from_gguf
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 KEPT_BLOCK_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
 
-# GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
-LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors: read into the geometry
 IGNORED_SUFFIXES = (".attn_rot_embd",)  # old converters' RoPE inverse frequencies: recomputed from rope_theta
-GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 
 def open_reader(path: Path) -> GGUFReader:
@@ -85,11 +69,11 @@ def _real(key: str, value) -> float:
     return float(value)
 
 
-def _vocab_size(reader: GGUFReader, path: Path) -> int:
-    """llama.vocab_size is optional: llama.cpp then counts tokenizer.ggml.tokens, as here, and without a token
+def _vocab_size(reader: GGUFReader, a: str, path: Path) -> int:
+    """{arch}.vocab_size is optional: llama.cpp then counts tokenizer.ggml.tokens, as here, and without a token
     list the embedding's rows. Every fallback is a Python int, the type the key itself (a uint32) reads as:
     _bounded takes Python numbers only."""
-    given = _field(reader, "llama.vocab_size", None)
+    given = _field(reader, a + "vocab_size", None)
     if given is not None:
         return given
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -97,18 +81,23 @@ def _vocab_size(reader: GGUFReader, path: Path) -> int:
         return len(tokens.data)
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None or len(embd.shape) != 2:
-        raise CheckpointError(f"{path}: no llama.vocab_size, no tokenizer.ggml.tokens and no 2-D token_embd.weight "
+        raise CheckpointError(f"{path}: no {a}vocab_size, no tokenizer.ggml.tokens and no 2-D token_embd.weight "
                               "to take the vocabulary size from")
     return int(embd.shape[1])  # GGUF lists shapes innermost first: [hidden, vocab]
 
 
+def architecture_of(reader: GGUFReader, path: Path) -> Architecture:
+    name = _field(reader, "general.architecture", None)
+    if name not in BY_GGUF:
+        raise CheckpointError(f"{path}: unsupported GGUF architecture {name!r} (supported: {supported('gguf')})")
+    return BY_GGUF[name]
+
+
 def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
-    """The model's shape from the `llama.*` keys: the ones llama.cpp requires (context, embedding and feed-forward
+    """The model's shape from the `{arch}.*` keys: the ones llama.cpp requires (context, embedding and feed-forward
     lengths, block and head counts, the RMS norm epsilon) and the optional ones at llama.cpp's defaults."""
-    arch = _field(reader, "general.architecture", None)
-    if arch != "llama":
-        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (supported: 'llama')")
-    a = "llama."
+    arch = architecture_of(reader, path)
+    a = arch.key_prefix
     hidden = _bounded(a + "embedding_length", _field(reader, a + "embedding_length"), 1 << 16)
     heads = _bounded(a + "attention.head_count", _field(reader, a + "attention.head_count"), 1024)
     layers = _bounded(a + "block_count", _field(reader, a + "block_count"), 1024)
@@ -117,8 +106,8 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
         raise CheckpointError(f"block_count {layers} does not match the tensors in the file")
     head_dim = _bounded("key_length", _field(reader, a + "attention.key_length", hidden // heads), 1 << 16)
     return Geometry(
-        architecture="llama",
-        vocab_size=_bounded("vocab_size", _vocab_size(reader, path), 1 << 22),
+        architecture=arch.name,
+        vocab_size=_bounded("vocab_size", _vocab_size(reader, a, path), 1 << 22),
         hidden_size=hidden,
         intermediate_size=_bounded("feed_forward_length", _field(reader, a + "feed_forward_length"), 1 << 18),
         num_layers=layers,
@@ -129,14 +118,42 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
         rope_theta=_real("rope.freq_base", _field(reader, a + "rope.freq_base", 10000.0)),
         rms_norm_eps=_real("layer_norm_rms_epsilon", _field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
-        rope_freq_factors=_rope_factors(reader, head_dim, path),
+        attention_bias=arch.qkv_bias,
+        rope_freq_factors=_rope_factors(reader, a, head_dim, path),
+        **_variant(reader, arch, hidden, head_dim, layers),
     )
 
 
-def _rope_factors(reader: GGUFReader, head_dim: int, path: Path) -> rope.Factors:
+def _variant(reader: GGUFReader, arch: Architecture, hidden: int, head_dim: int, layers: int) -> dict:
+    """The Geometry fields of the architecture's block variant, from the keys llama.cpp reads for it (its
+    hard-coded values where it has no key: Gemma 3's window pattern and local RoPE base, SmolLM3's NoPE step)."""
+    a = arch.key_prefix
+    window = _field(reader, a + "attention.sliding_window", None)
+    numbers = {
+        "rotary_dim": _bounded("rope.dimension_count", _field(reader, a + "rope.dimension_count", head_dim), head_dim),
+        "embedding_multiplier": hidden ** 0.5 if arch.embedding_scale_sqrt_hidden
+        else _real("embedding_scale", _field(reader, a + "embedding_scale", 1.0)),
+        "attention_scale": None if (s := _field(reader, a + "attention.scale", None)) is None
+        else _real("attention.scale", s),
+        "residual_multiplier": _real("residual_scale", _field(reader, a + "residual_scale", 1.0)),
+        "logit_multiplier": 1 / _real("logit_scale", _field(reader, a + "logit_scale", 1.0) or 1.0),
+    }
+    if window:
+        numbers["sliding_window"] = _bounded("attention.sliding_window", window, 1 << 20)
+        if arch.swa_period:
+            numbers["window_layers"] = tuple(i for i in range(layers) if (i + 1) % arch.swa_period)
+            numbers["rope_local_theta"] = _real("rope.freq_base_swa", _field(
+                reader, a + "rope.freq_base_swa", arch.default_rope_local_theta))
+    if arch.nope_period:
+        numbers["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % arch.nope_period == 0)
+    if numbers["rotary_dim"] == head_dim:
+        numbers["rotary_dim"] = None
+    return numbers
+
+
+def _rope_factors(reader: GGUFReader, a: str, head_dim: int, path: Path) -> rope.Factors:
     """RoPE scaling as llama.cpp reads it: a type (linear when only a factor is given), a factor (or the old
     `rope.scale_linear`), and Llama 3's per-frequency divisors in the rope_freqs tensor."""
-    a = "llama."
     kind = _field(reader, a + "rope.scaling.type", "linear")
     factor = _field(reader, a + "rope.scaling.factor", 0.0) or _field(reader, a + "rope.scale_linear", 0.0) or 1.0
     if not isinstance(kind, str) or isinstance(factor, bool) or not isinstance(factor, (int, float)):
@@ -157,13 +174,19 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_names(arch: Architecture, gguf_name: str) -> list[str] | None:
+    """The internal name(s) a GGUF tensor holds (a fused tensor holds several), None if the architecture has none."""
     if gguf_name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[gguf_name]
+        return [GLOBAL_NAMES[gguf_name]]
     parts = gguf_name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
-    return None
+    if parts[0] != "blk" or len(parts) != 3 or parts[2] not in arch.block_names:
+        return None
+    name = f"model.layers.{parts[1]}.{arch.block_names[parts[2]]}"
+    if name.endswith("qkv_proj.weight"):
+        return [name.replace("qkv_proj", x) for x in ("q_proj", "k_proj", "v_proj")]
+    if name.endswith("gate_up_proj.weight"):
+        return [name.replace("gate_up_proj", x) for x in ("gate_proj", "up_proj")]
+    return [name]
 
 
 def _tensor_rows(t, path: Path) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -194,27 +217,40 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path}: malformed GGUF{also} ({type(e).__name__}: {e})") from e
 
 
+def _split_rows(names: list[str], w: np.ndarray, g: Geometry) -> list[np.ndarray]:
+    """A fused tensor's rows, one part per name: q, k, v by head counts, gate and up in halves."""
+    if len(names) == 1:
+        return [w]
+    sizes = ([g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.num_kv_heads * g.head_dim] if len(names) == 3
+             else [g.intermediate_size] * 2)
+    if sum(sizes) != w.shape[0]:
+        raise CheckpointError(f"fused tensor {names[0]} has {w.shape[0]} rows, expected {sum(sizes)}")
+    return np.split(w, np.cumsum(sizes)[:-1], axis=0)
+
+
 def _load(path: Path) -> Checkpoint:
     reader = open_reader(path)
+    arch = architecture_of(reader, path)
     geometry = read_geometry(reader, path)
     weights: dict[str, np.ndarray] = {}
     blocks: dict[str, SourceBlocks] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
         if t.name == ROPE_FREQS or t.name.endswith(IGNORED_SUFFIXES):
             continue
-        if name is None:  # a bias, say: building the model without it would give a wrong model, silently
-            raise CheckpointError(f"{path}: tensor {t.name} is not supported for architecture 'llama' "
+        names = hf_names(arch, t.name)
+        if names is None:  # a bias, say: building the model without it would give a wrong model, silently
+            raise CheckpointError(f"{path}: tensor {t.name} is not supported for architecture {arch.name!r} "
                                   "(the graph has no place for it)")
         w, shape = _tensor_rows(t, path)
-        n_heads = {"attn_q.weight": geometry.num_heads, "attn_k.weight": geometry.num_kv_heads}.get(
-            t.name.split(".", 2)[-1])
-        if n_heads:
-            w = unpermute_rows(w, n_heads)
-        weights[name] = w
-        if t.tensor_type in KEPT_BLOCK_TYPES and len(shape) == 2:
-            raw = np.asarray(t.data).reshape(shape[0], -1)
-            blocks[name] = SourceBlocks(t.tensor_type.name, shape, unpermute_rows(raw, n_heads) if n_heads else raw)
+        raw = np.asarray(t.data).reshape(shape[0], -1) if t.tensor_type in KEPT_BLOCK_TYPES and len(shape) == 2 else None
+        parts = zip(names, _split_rows(names, w, geometry),
+                    _split_rows(names, raw, geometry) if raw is not None else [None] * len(names))
+        for name, rows, raw_rows in parts:
+            n_heads = _permuted_heads(arch, name, geometry)
+            weights[name] = unpermute_rows(rows, n_heads) if n_heads else rows
+            if raw_rows is not None:
+                blocks[name] = SourceBlocks(t.tensor_type.name, (rows.shape[0], shape[1]),
+                                            unpermute_rows(raw_rows, n_heads) if n_heads else raw_rows)
     return Checkpoint(
         geometry=geometry,
         weights=weights,
@@ -223,3 +259,11 @@ def _load(path: Path) -> Checkpoint:
         source_name=path.name,
         source_blocks=blocks,
     )
+
+
+def _permuted_heads(arch: Architecture, name: str, g: Geometry) -> int | None:
+    """The head count whose rows llama.cpp's converter interleaved in this tensor, None if it did not."""
+    if not arch.permuted_qk:
+        return None
+    return {"self_attn.q_proj.weight": g.num_heads, "self_attn.k_proj.weight": g.num_kv_heads}.get(
+        name.split(".", 3)[-1])

@@ -5,142 +5,31 @@ one preallocated buffer, ragged rows via seqlens_k / query_seqlens), SkipSimplif
 for quantized precisions, MatMulNBits and GatherBlockQuantized. The caller picks which positions get
 logits (`logits_indices`), so a prefill pays for the vocabulary projection of one position, not all.
 
-    input_ids ─ Embed ─┬─ [layer 0 .. n-1] ─ SkipSimplifiedLN(final) ─ GatherND(logits_indices) ─ lm_head ─ logits
+    input_ids ─ Embed [* m_emb] ─┬─ [layer 0 .. n-1] ─ SkipSimplifiedLN(final) ─ GatherND(logits_indices) ─ lm_head
+                                                                                                 [* m_logit] ─ logits
 
-    layer i:  residual, x = SkipSimplifiedLN(prev_out, residual)        (layer 0: SimplifiedLN)
-              qkv = x @ Wqkv  ─ GQA(past_i, seqlens_k, query_seqlens) ─ @ Wo ─┐
-              residual, x = SkipSimplifiedLN(attn_out, residual)              │ present_i
-              gate, up = split(x @ Wgate_up);  out = (silu(gate) * up) @ Wdown
+The layers are quantize.blocks' (the block variant is the architecture's); the graph's inputs and outputs
+(agent.wire) are the same for every architecture.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import onnx
 from tqdm import tqdm
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from agent import wire
 from agent.wire import Geometry
-from quantize import nbits, rope
-from quantize.checkpoint import Checkpoint, SourceBlocks
+from quantize import nbits
+from quantize.blocks import decoder_layer, rms_norm, rotary_caches, skip_norm
+from quantize.checkpoint import Checkpoint
+from quantize.linear import (LM_HEAD, MS_DOMAIN, OPSET, GraphBuilder, HessianSource, Importance, LinearPlan,
+                             linear)
 from quantize.precision import Precision, QuantSpec
 
-OPSET = 21
-MS_DOMAIN = "com.microsoft"
-LM_HEAD = "lm_head.weight"  # the lm_head's HF weight name: its key for calibration, like every projection's
-
-# Per-tensor importance (mean squared activation per input channel), keyed by HF weight name.
-Importance = dict[str, np.ndarray]
-
-
-class HessianSource(Protocol):
-    """GPTQ's Hessians by HF weight name, each taken once: a dict, or calibrate.Hessians (made on demand)."""
-
-    def pop(self, key: str, default: np.ndarray | None = None, /) -> np.ndarray | None: ...
-
-
-@dataclass
-class GraphBuilder:
-    """Accumulates nodes and initializers; every node gets a readable path-like name."""
-
-    nodes: list = field(default_factory=list)
-    initializers: list = field(default_factory=list)
-    report: list[str] = field(default_factory=list)  # what each weight became, for the build report
-    importance: Importance = field(default_factory=dict)  # calibration statistics, by HF weight name
-    hessians: HessianSource = field(default_factory=dict)  # sum of x x^T [K, K] per input, for GPTQ
-    linear_inputs: dict[str, str] = field(default_factory=dict)  # HF weight name -> its input tensor's name
-
-    def const(self, name: str, array: np.ndarray) -> str:
-        # (np.ascontiguousarray would turn a 0-d scalar into shape [1], which Range rejects)
-        self.initializers.append(numpy_helper.from_array(np.require(array, requirements="C"), name))
-        return name
-
-    def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs) -> list[str]:
-        outputs = [f"{name}/output_{k}" for k in range(n_out)]
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain or None, **attrs))
-        return outputs
-
-    def one(self, op: str, inputs: list[str], name: str, domain: str = "", **attrs) -> str:
-        return self.node(op, inputs, name, 1, domain, **attrs)[0]
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    """How one projection is computed: its precision and, if kept from the GGUF, the source blocks."""
-
-    precision: Precision
-    block_size: int = 32
-    symmetric: bool = False
-    source: list[SourceBlocks] | None = None  # the fused rows' blocks, in order
-
-
-def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, plan: LinearPlan,
-           key: str | None = None) -> str:
-    """y = x @ w.T for w [N, K], in the plan's precision. Returns the output name.
-
-    key names the (first) HF weight: its calibration importance weights the quantization error, and the
-    input tensor is recorded so that calibration can capture it.
-    """
-    n, k = w.shape
-    if key:
-        b.linear_inputs[key] = x
-    importance = b.importance.get(key) if key else None
-    if plan.precision == "fp32":
-        b.report.append(f"{name}: fp32 [{n}x{k}]")
-        return b.one("MatMul", [x, b.const(f"{name}.weight", w.T.astype(np.float32))], f"{name}/MatMul")
-    if plan.source is not None:
-        return _linear_from_source(b, name, x, plan.source, spec)
-    bits = 8 if plan.precision == "int8" else 4
-    # popped: each is read once, and the last reference goes with it (GBs past 1B parameters, all alive while
-    # the graph grew to the model's size)
-    hessian = b.hessians.pop(key, None) if key else None
-    if spec.method == "gptq" and hessian is not None:
-        q = nbits.quantize_gptq(w, bits, plan.block_size, plan.symmetric, hessian, importance=importance,
-                                act_order=spec.act_order, damp=spec.gptq_damp, overwrite_hessian=True)
-    elif spec.method in ("search", "gptq"):
-        q = nbits.quantize_search(w, bits, plan.block_size, plan.symmetric, importance)
-    else:
-        q = nbits.quantize_rtn(w, bits, plan.block_size, plan.symmetric)
-    b.report.append(f"{name}: int{bits} {spec.method} block {plan.block_size} "
-                    f"{'sym' if plan.symmetric else 'asym'}{' imatrix' if importance is not None else ''}")
-    return _matmul_nbits(b, name, x, q, spec.accuracy_level)
-
-
-def _matmul_nbits(b: GraphBuilder, name: str, x: str, q: nbits.BlockQuantized, accuracy_level: int) -> str:
-    inputs = [x, b.const(f"{name}.qweight", q.packed), b.const(f"{name}.scales", q.scales.astype(np.float32))]
-    if q.zero_points is not None:
-        inputs.append(b.const(f"{name}.zero_points", q.zero_points))
-    return b.one("MatMulNBits", inputs, f"{name}/MatMulNBits", MS_DOMAIN, K=q.k, N=q.n, bits=q.bits,
-                 block_size=q.block_size, accuracy_level=accuracy_level)
-
-
-def _linear_from_source(b: GraphBuilder, name: str, x: str, blocks: list[SourceBlocks], spec: QuantSpec) -> str:
-    """MatMulNBits over a GGUF's own blocks. Q4_1's per-block minimums m add sum_block(x) @ m.T.
-
-    For a Q4_1 block, w = d*q + m, so x.w = sum(x*d*q) + m*sum(x): the first term is MatMulNBits with
-    zero point 0, the second a small [.., k_blocks] x [k_blocks, N] MatMul of per-block activation sums.
-    (Float zero points would express it directly but ran ~40x slower on CPU.)
-    """
-    parts = [nbits.from_gguf_blocks(s) for s in blocks]
-    q = nbits.concat_rows([p[0] for p in parts])
-    b.report.append(f"{name}: kept source blocks {'+'.join(s.ggml_type for s in blocks)}")
-    y = _matmul_nbits(b, name, x, q, spec.accuracy_level)
-    mins = [p[1] for p in parts]
-    if all(m is None for m in mins):
-        return y
-    mins = np.concatenate([m if m is not None else np.zeros((s.shape[0], q.k // q.block_size), np.float32)
-                           for m, s in zip(mins, blocks)], axis=0)  # [N, k_blocks]
-    shape = b.const(f"{name}.block_shape", np.array([0, 0, q.k // q.block_size, q.block_size], np.int64))
-    xb = b.one("Reshape", [x, shape], f"{name}/min_correction/Reshape")
-    sums = b.one("ReduceSum", [xb, b.const(f"{name}.axis", np.array([-1], np.int64))],
-                 f"{name}/min_correction/ReduceSum", keepdims=0)
-    corr = b.one("MatMul", [sums, b.const(f"{name}.block_mins", mins.T.astype(np.float32))],
-                 f"{name}/min_correction/MatMul")
-    return b.one("Add", [y, corr], f"{name}/min_correction/Add")
+__all__ = ["LM_HEAD", "Importance", "build_graph", "capture_width"]
 
 
 def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: QuantSpec) -> str:
@@ -217,68 +106,6 @@ def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str,
     return x, lm_head
 
 
-def rotary_cache(b: GraphBuilder, g: Geometry) -> None:
-    """cos_cache / sin_cache [context_length, head_dim/2] for half-split RoPE, computed by the graph.
-
-    Built from positions x inverse frequencies at session start (ORT folds it to a constant) rather
-    than stored: for an 8k context the two tables would add 2 MB to the file.
-    """
-    inv_freq = rope.inv_freq(g.rope_theta, g.head_dim, g.rope_freq_factors).astype(np.float32)
-    n = "/model/rotary"
-    pos = b.one("Range", [b.const(f"{n}.start", np.array(0, np.float32)),
-                          b.const(f"{n}.limit", np.array(g.context_length, np.float32)),
-                          b.const(f"{n}.delta", np.array(1, np.float32))], f"{n}/Range")
-    col = b.one("Unsqueeze", [pos, b.const(f"{n}.axis", np.array([1], np.int64))], f"{n}/Unsqueeze")
-    ang = b.one("Mul", [col, b.const(f"{n}.inv_freq", inv_freq[None, :])], f"{n}/Mul")
-    b.one("Cos", [ang], f"{n}/Cos")
-    b.nodes[-1].output[0] = "cos_cache"
-    b.one("Sin", [ang], f"{n}/Sin")
-    b.nodes[-1].output[0] = "sin_cache"
-
-
-def _skip_norm(b: GraphBuilder, name: str, x: str, residual: str, gamma: np.ndarray, eps: float) -> tuple[str, str]:
-    """(normed, new residual) = SkipSimplifiedLN(x, residual)."""
-    out = b.node("SkipSimplifiedLayerNormalization", [x, residual, b.const(f"{name}.weight", gamma)],
-                 f"{name}/SkipLayerNorm", 4, MS_DOMAIN, epsilon=eps)
-    return out[0], out[3]
-
-
-def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict) -> str:
-    g = ckpt.geometry
-    p = f"model.layers.{i}.self_attn."
-    wqkv = np.concatenate([ckpt.weights[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")], axis=0)
-    qkv = linear(b, f"/model/layers.{i}/attn/qkv_proj", x, wqkv, spec, plans["qkv"][i], p + "q_proj.weight")
-    if g.attention_bias:
-        bias = np.concatenate([ckpt.weights[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
-        qkv = b.one("Add", [qkv, b.const(f"{p}qkv_proj.bias", bias.astype(np.float32))], f"/model/layers.{i}/attn/qkv_proj/Add")
-    cos, sin = "cos_cache", "sin_cache"
-    outs = b.node("GroupQueryAttention",
-                  [qkv, "", "", wire.past_key(i), wire.past_value(i), wire.SEQLENS_K, wire.TOTAL_SEQUENCE_LENGTH,
-                   cos, sin, "", "", "", "", "", "", "", wire.QUERY_SEQLENS],
-                  f"/model/layers.{i}/attn/GroupQueryAttention", 3, MS_DOMAIN,
-                  num_heads=g.num_heads, kv_num_heads=g.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-                  local_window_size=g.sliding_window or -1)
-    # GQA's outputs are the graph's present KV: rename them so that IOBinding can bind them by name.
-    gqa = b.nodes[-1]
-    gqa.output[1], gqa.output[2] = wire.present_key(i), wire.present_value(i)
-    return linear(b, f"/model/layers.{i}/attn/o_proj", outs[0], ckpt.weights[p + "o_proj.weight"], spec,
-                  plans["o"][i], p + "o_proj.weight")
-
-
-def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict) -> str:
-    p = f"model.layers.{i}.mlp."
-    inter = ckpt.geometry.intermediate_size
-    w = np.concatenate([ckpt.weights[p + "gate_proj.weight"], ckpt.weights[p + "up_proj.weight"]], axis=0)
-    gu = linear(b, f"/model/layers.{i}/mlp/gate_up_proj", x, w, spec, plans["gate_up"][i], p + "gate_proj.weight")
-    gate, up = b.node("Split", [gu, b.const(f"{p}split", np.array([inter, inter], np.int64))],
-                      f"/model/layers.{i}/mlp/Split", 2, axis=-1)
-    sig = b.one("Sigmoid", [gate], f"/model/layers.{i}/mlp/act/Sigmoid")
-    silu = b.one("Mul", [gate, sig], f"/model/layers.{i}/mlp/act/Mul")
-    h = b.one("Mul", [silu, up], f"/model/layers.{i}/mlp/Mul")
-    return linear(b, f"/model/layers.{i}/mlp/down_proj", h, ckpt.weights[p + "down_proj.weight"], spec,
-                  plans["down"][i], p + "down_proj.weight")
-
-
 def plan_linears(ckpt: Checkpoint, spec: QuantSpec) -> dict:
     """Per layer, a LinearPlan for each fused projection (qkv, o, gate_up, down)."""
     groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
@@ -330,6 +157,25 @@ def io_spec(g: Geometry) -> tuple[list, list]:
     return inputs, outputs
 
 
+def _embedding_and_head(b: GraphBuilder, ckpt: Checkpoint, spec: QuantSpec) -> tuple[str, Callable[[str], str]]:
+    """(the embedding's output, scaled by the embedding multiplier, and the lm_head builder), sharing one table
+    when they are tied and of one precision."""
+    g = ckpt.geometry
+    table = ckpt.weights["model.embed_tokens.weight"]
+    if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":  # one copy
+        x, lm_head = tied_int8(b, table, spec)
+    elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "fp32":
+        x, lm_head = tied_fp32(b, table)
+    else:
+        x = embedding(b, table, spec.embedding_precision, spec)
+        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec,  # noqa: E731
+                                   LinearPlan(spec.lm_head_precision, spec.block_size, spec.symmetric), key=LM_HEAD)
+    if g.embedding_multiplier != 1:
+        x = b.one("Mul", [x, b.const("/model/embed_tokens.multiplier", np.array(g.embedding_multiplier, np.float32))],
+                  "/model/embed_tokens/multiplier")
+    return x, lm_head
+
+
 def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
                 hessians: HessianSource | None = None,
                 capture: bool = False, show_progress: bool = False) -> tuple[onnx.ModelProto, list[str]]:
@@ -341,36 +187,23 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     g = ckpt.geometry
     plans = plan_linears(ckpt, spec)
     b = GraphBuilder(importance=importance or {}, hessians=hessians or {})
-    rotary_cache(b, g)
-    table = ckpt.weights["model.embed_tokens.weight"]
-    if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":  # one copy
-        x, lm_head = tied_int8(b, table, spec)
-    elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "fp32":
-        x, lm_head = tied_fp32(b, table)
-    else:
-        x = embedding(b, table, spec.embedding_precision, spec)
-        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec,  # noqa: E731
-                                   LinearPlan(spec.lm_head_precision, spec.block_size, spec.symmetric), key=LM_HEAD)
+    rotary_caches(b, g)
+    x, lm_head = _embedding_and_head(b, ckpt, spec)
     residual = x
-    x = b.one("SimplifiedLayerNormalization", [x, b.const("model.layers.0.input_layernorm.weight",
-              ckpt.layer(0, "input_layernorm.weight"))], "/model/layers.0/input_layernorm/LayerNorm",
-              epsilon=g.rms_norm_eps, axis=-1, stash_type=1)
+    x = rms_norm(b, "model.layers.0.input_layernorm", x, ckpt.layer(0, "input_layernorm.weight"), g.rms_norm_eps)
     for i in tqdm(range(g.num_layers), desc=f"  {spec.precision} layers", unit="layer", disable=not show_progress,
                   leave=False):
-        if i > 0:
-            x, residual = _skip_norm(b, f"model.layers.{i}.input_layernorm", x, residual,
-                                     ckpt.layer(i, "input_layernorm.weight"), g.rms_norm_eps)
-        attn = attention(b, ckpt, i, x, spec, plans)
-        x, residual = _skip_norm(b, f"model.layers.{i}.post_attention_layernorm", attn, residual,
-                                 ckpt.layer(i, "post_attention_layernorm.weight"), g.rms_norm_eps)
-        x = mlp(b, ckpt, i, x, spec, plans)
-    x, _ = _skip_norm(b, "model.norm", x, residual, ckpt.weights["model.norm.weight"], g.rms_norm_eps)
+        x, residual = decoder_layer(b, ckpt, i, x, residual, spec, plans)
+    x, _ = skip_norm(b, "model.norm", x, residual, ckpt.weights["model.norm.weight"], g.rms_norm_eps)
     final = x
     idx = b.one("Unsqueeze", [wire.LOGITS_INDICES, b.const("/model/logits_axis", np.array([-1], np.int64))],
                 "/model/logits_indices/Unsqueeze")
     x = b.one("GatherND", [x, idx], "/model/logits_indices/GatherND", batch_dims=1)  # [B, n, hidden]
-    lm_head(x)
-    b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's node is the last one added
+    logits = lm_head(x)
+    if g.logit_multiplier != 1:
+        b.one("Mul", [logits, b.const("/lm_head.multiplier", np.array(g.logit_multiplier, np.float32))],
+              "/lm_head/logit_multiplier")
+    b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's (or its multiplier's) node is the last one added
     # calibration sees the lm_head's input at every position, not only where this graph computes logits
     b.linear_inputs[LM_HEAD] = final
     inputs, outputs = io_spec(g)

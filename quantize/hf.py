@@ -27,15 +27,10 @@ from tokenizers import Tokenizer
 from agent import durable
 from agent.wire import Geometry
 from quantize import rope
+from quantize.architectures import BY_HF_CLASS, Architecture, by_name, supported
 from quantize.checkpoint import Checkpoint, CheckpointError, expected_weight_shapes, finite
 from quantize.tokenizer import tokenizer_from_hf_folder
 
-# config.json `architectures[0]` -> Geometry.architecture
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 SAVE_DTYPES = {"float32": np.float32, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors refuses larger headers too; a corrupt length must not read the file
@@ -61,63 +56,128 @@ def read_config(folder: Path) -> dict:
     return config
 
 
-def _architecture(config: dict, folder: Path) -> str:
+def _architecture(config: dict, folder: Path) -> Architecture:
     names = config.get("architectures") or [None]
-    if names[0] not in ARCHITECTURES:
-        raise CheckpointError(f"{folder}: unsupported architecture {names[0]!r} "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[names[0]]
+    if names[0] not in BY_HF_CLASS:
+        raise CheckpointError(f"{folder}: unsupported architecture {names[0]!r} (supported: {supported('hf')})")
+    return BY_HF_CLASS[names[0]]
 
 
-def _check_supported_options(config: dict, arch: str, folder: Path) -> None:
+def _check_supported_options(config: dict, arch: Architecture, folder: Path) -> None:
     """Reject config options that change the maths the graph builder implements (RoPE's: quantize.rope)."""
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"{folder}: unsupported hidden_act {act!r} (supported: 'silu')")
+    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    expected = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}[arch.activation]
+    if act not in expected:
+        raise CheckpointError(f"{folder}: unsupported hidden_act {act!r} (supported for {arch.name}: "
+                              f"{', '.join(map(repr, expected))})")
     # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on every MLP projection; the
     # graph only has Qwen2's q/k/v biases.
     for key in ("attention_bias", "mlp_bias"):
-        if arch != "qwen2" and config.get(key):
-            raise CheckpointError(f"{folder}: unsupported {key}=true for {arch} "
+        if not arch.qkv_bias and config.get(key):
+            raise CheckpointError(f"{folder}: unsupported {key}=true for {arch.name} "
                                   "(only Qwen2's q/k/v biases are supported)")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise CheckpointError(f"{folder}: unsupported {key}={config[key]!r} (no soft-capping is supported)")
 
 
-def _sliding_window(config: dict, arch: str, num_layers: int, folder: Path) -> int | None:
-    """The attention window, or None when every layer attends to the whole context.
+def _layer_kinds(config: dict, num_layers: int, default_windowed) -> list[bool]:
+    """Per layer, whether it is windowed: transformers' `layer_types` when given, else default_windowed(i)."""
+    kinds = config.get("layer_types")
+    if kinds:
+        return [kind == "sliding_attention" for kind in kinds]
+    return [bool(default_windowed(i)) for i in range(num_layers)]
+
+
+def _sliding_window(config: dict, arch: Architecture, num_layers: int, folder: Path) -> dict:
+    """sliding_window and window_layers, as transformers reads them (none when every layer sees everything).
 
     Mistral applies `sliding_window` to every layer (transformers' default when the key is missing: 4096).
-    Qwen2 applies it only when `use_sliding_window` is true, and then to the layers `layer_types` marks
-    "sliding_attention" or, without that list, to layers >= `max_window_layers` (default 28), as
-    transformers reads them; Geometry has one window for all layers, so a split is an error.
+    Qwen2 and Qwen3 apply it only when `use_sliding_window` is true, and then to the layers `layer_types` marks
+    "sliding_attention" or, without that list, to layers >= `max_window_layers` (default 28); a window on
+    some of their layers only is refused. Gemma 3 windows the layers `layer_types` marks, or all but every
+    `sliding_window_pattern`-th.
     """
-    window = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch == "mistral" else None)
-    if arch == "llama" or window is None:
-        return None
-    if arch == "qwen2":
+    window = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch.name == "mistral" else None)
+    if arch.name in ("llama", "granite", "smollm3", "phi3") or window is None:
+        return {}
+    windowed = [True] * num_layers
+    if arch.swa_period:
+        period = int(config.get("sliding_window_pattern") or arch.swa_period)
+        windowed = _layer_kinds(config, num_layers, lambda i: (i + 1) % period)
+    elif arch.name in ("qwen2", "qwen3"):
         if not config.get("use_sliding_window", False):
-            return None
-        kinds = config.get("layer_types") or ["sliding_attention" if i >= int(config.get(
-            "max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS)) else "full_attention" for i in range(num_layers)]
-        windowed = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-        if not windowed:
-            return None
-        if len(windowed) < num_layers:
-            raise CheckpointError(f"{folder}: unsupported Qwen2 sliding window on layers {windowed[0]}..{windowed[-1]} "
-                                  f"only ({len(windowed)} of {num_layers}); a window must cover all layers or none")
-    context = int(config["max_position_embeddings"])
-    return int(window) if int(window) < context else None
+            return {}
+        first = int(config.get("max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS))
+        windowed = _layer_kinds(config, num_layers, lambda i: i >= first)
+        layers = [i for i, w in enumerate(windowed) if w]
+        if layers and len(layers) < num_layers:
+            raise CheckpointError(f"{folder}: unsupported {arch.name} sliding window on layers {layers[0]}..{layers[-1]} "
+                                  f"only ({len(layers)} of {num_layers}); a window must cover all layers or none")
+    layers = tuple(i for i, w in enumerate(windowed) if w)
+    if not layers or int(window) >= int(config["max_position_embeddings"]):
+        return {}
+    return {"sliding_window": int(window), "window_layers": None if len(layers) == num_layers else layers}
+
+
+def _rotary_dim(config: dict, head_dim: int, where: str) -> int | None:
+    """The leading channels of each head RoPE turns (transformers' partial_rotary_factor), None for all of them.
+    GroupQueryAttention needs its cos/sin tables a multiple of 8 wide."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial is None or partial == 1:
+        return None
+    dim = int(head_dim * partial) if isinstance(partial, (int, float)) and 0 < partial < 1 else 0
+    if dim == 0 or dim % 16:
+        raise CheckpointError(f"{where}: unsupported partial_rotary_factor {partial!r} with head_dim {head_dim} "
+                              "(ONNX Runtime's rotary needs the turned part a multiple of 16 wide)")
+    return dim
+
+
+def _variant(config: dict, arch: Architecture, hidden: int, layers: int, head_dim: int, where: str) -> dict:
+    """The Geometry fields of arch's block variant, from transformers' config keys."""
+    numbers: dict = {
+        "embedding_multiplier": hidden ** 0.5 if arch.embedding_scale_sqrt_hidden
+        else float(config.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(config.get("residual_multiplier", 1.0)),
+        "logit_multiplier": 1 / float(config.get("logits_scaling", 1.0) or 1.0),
+    }
+    if "attention_multiplier" in config:  # Granite
+        numbers["attention_scale"] = float(config["attention_multiplier"])
+    scalar = config.get("query_pre_attn_scalar")  # Gemma: the scale is this to the -1/2, not head_dim's
+    if scalar is not None and float(scalar) != head_dim:
+        numbers["attention_scale"] = float(scalar) ** -0.5
+    if arch.nope_period:
+        flags = config.get("no_rope_layers")  # SmolLM3: 1 where the layer uses RoPE
+        interval = int(config.get("no_rope_layer_interval") or arch.nope_period)
+        numbers["nope_layers"] = (tuple(i for i, f in enumerate(flags) if not f) if flags
+                                  else tuple(i for i in range(layers) if (i + 1) % interval == 0))
+    if arch.swa_period:
+        local = rope.hf_rope(config, head_dim, where, "sliding_attention")[0] if _per_layer_rope(config) \
+            else config.get("rope_local_base_freq", arch.default_rope_local_theta)
+        numbers["rope_local_theta"] = float(local)
+    return numbers
+
+
+def _per_layer_rope(config: dict) -> bool:
+    """transformers 5 writes one rope_parameters set per layer type for models that have two (Gemma 3)."""
+    params = config.get("rope_parameters")
+    return isinstance(params, dict) and isinstance(params.get("full_attention"), dict)
 
 
 def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geometry:
     """Geometry from a transformers config dict; has_lm_head: whether lm_head.weight is stored."""
     arch = _architecture(config, folder)
     _check_supported_options(config, arch, folder)
+    where = f"{folder}/config.json"
     try:
         hidden, heads, layers = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
         head_dim = int(config.get("head_dim") or hidden // heads)  # Mistral configs may write head_dim: null
-        rope_theta, rope_factors = rope.hf_rope(config, head_dim, f"{folder}/config.json")
+        rotary_dim = _rotary_dim(config, head_dim, where)
+        layer_type = "full_attention" if arch.swa_period and _per_layer_rope(config) else None
+        rope_theta, rope_factors = rope.hf_rope(config, rotary_dim or head_dim, where, layer_type)
         geometry = Geometry(
-            architecture=arch,
+            architecture=arch.name,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
@@ -130,16 +190,18 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             # A folder without lm_head.weight can only mean the embedding is reused, whatever the config says.
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or not has_lm_head,
-            attention_bias=arch == "qwen2",
-            sliding_window=_sliding_window(config, arch, layers, folder),
+            attention_bias=arch.qkv_bias,
             rope_freq_factors=rope_factors,
+            rotary_dim=rotary_dim,
+            **_sliding_window(config, arch, layers, folder),
+            **_variant(config, arch, hidden, layers, head_dim, where),
         )
     except KeyError as e:
-        raise CheckpointError(f"{folder}/config.json: missing required key {e.args[0]!r}") from e
+        raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from e
     except CheckpointError:  # a refusal that already says what is wrong (a RoPE type, a split window)
         raise
     except (TypeError, ValueError, ZeroDivisionError) as e:  # "hidden_size": null, "32", 0 heads
-        raise CheckpointError(f"{folder}/config.json: a size is not a usable number ({e})") from e
+        raise CheckpointError(f"{where}: a size is not a usable number ({e})") from e
     return geometry
 
 
@@ -231,6 +293,26 @@ def _tensors(path: Path, header: dict, data_start: int) -> dict[str, np.ndarray]
     return {name: finite(w, name, path) for name, w in tensors.items()}
 
 
+def _internal_form(tensors: dict[str, np.ndarray], g: Geometry) -> dict[str, np.ndarray]:
+    """transformers' tensors in the internal form (quantize.architectures): fused tensors split, and norm weights
+    holding the factor the model multiplies by."""
+    arch = by_name(g.architecture)
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("qkv_proj.weight"):
+            q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
+            parts = np.split(w, [q, q + kv], axis=0)
+            out |= {name.replace("qkv_proj", x): p for x, p in zip(("q_proj", "k_proj", "v_proj"), parts)}
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = np.split(w, 2, axis=0)
+            out |= {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+        elif arch.hf_norm_offset and name.endswith("norm.weight"):
+            out[name] = w + np.float32(arch.hf_norm_offset)
+        else:
+            out[name] = w
+    return out
+
+
 def _select_weights(tensors: dict[str, np.ndarray], geometry: Geometry, folder: Path) -> dict[str, np.ndarray]:
     """Keep the tensors the geometry expects; any other tensor is a model we would run wrongly."""
     expected = expected_weight_shapes(geometry)
@@ -260,7 +342,7 @@ def load(folder: Path) -> Checkpoint:
     geometry = geometry_from_config(config, folder, has_lm_head="lm_head.weight" in tensors)
     return Checkpoint(
         geometry=geometry,
-        weights=_select_weights(tensors, geometry, folder),
+        weights=_select_weights(_internal_form(tensors, geometry), geometry, folder),
         tokenizer=tokenizer_from_hf_folder(folder),
         source_sha256=source_sha256(files, config),
         source_name=folder.name,
@@ -271,6 +353,8 @@ def load(folder: Path) -> Checkpoint:
 
 def _hf_architecture(g: Geometry) -> str:
     """The transformers class that computes what g describes (biases need Qwen2, a window Mistral)."""
+    if g.architecture not in ("llama", "mistral", "qwen2"):
+        raise CheckpointError(f"a {g.architecture} checkpoint cannot be written as a Hugging Face folder yet")
     if g.architecture == "qwen2" or g.attention_bias:
         return "Qwen2ForCausalLM"
     if g.architecture == "mistral" or g.sliding_window is not None:

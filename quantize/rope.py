@@ -35,20 +35,18 @@ def llama3_factors(theta: float, head_dim: int, factor: float, low_freq_factor: 
     return tuple(float(d) for d in divisors)
 
 
-def hf_rope(config: dict, head_dim: int, where: str) -> tuple[float, Factors]:
+def hf_rope(config: dict, head_dim: int, where: str, layer_type: str | None = None) -> tuple[float, Factors]:
     """(rope_theta, factors) of a transformers config.json: v4 writes `rope_theta` and `rope_scaling`, v5 one
-    `rope_parameters` object holding both."""
+    `rope_parameters` object holding both, or one per layer_type for models with two (Gemma 3). head_dim is
+    the width RoPE turns."""
     params = config.get("rope_parameters")
+    if layer_type is not None and isinstance(params, dict):
+        params = params.get(layer_type)
     if params is None:
         params = config.get("rope_scaling") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise CheckpointError(f"{where}: unsupported rope parameters {params!r} (one set for every layer is "
                               "supported)")
-    # transformers turns only this fraction of each head; the graph turns all of it, so any other is refused
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial is not None and partial != 1:
-        raise CheckpointError(f"{where}: unsupported partial_rotary_factor {partial!r} (rotary over the whole head "
-                              "is supported)")
     try:
         theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
         kind = params.get("rope_type", params.get("type", "default"))
