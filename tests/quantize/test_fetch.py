@@ -234,6 +234,8 @@ REAL = {
 @pytest.mark.parametrize("name", NAMES)
 def test_a_real_model_is_the_pinned_file_and_a_cached_fetch_is_fast(name):
     size, sha256, arch = REAL[name]
+    pinned = KNOWN_MODELS[name]
+    assert (pinned.size_bytes, pinned.sha256, pinned.architecture) == (size, sha256, arch)
     path = fetch(name)
     assert path.stat().st_size == size
     assert fetch_module._sha256(path) == sha256
