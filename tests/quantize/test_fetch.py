@@ -251,3 +251,11 @@ def test_gemma_is_cached_with_its_terms():
     terms = path.with_name(path.name + ".LICENSE.html").read_text()
     assert "Gemma Terms of Use" in terms
     assert "ai.google.dev/gemma/terms" in path.with_name(path.name + ".NOTICE.md").read_text()
+
+
+@pytest.mark.parametrize("change", [dict(sha256="ABC"), dict(chunks=()), dict(size_bytes=0),
+                                    dict(extras=((Member("p", "x"), "/LICENSE"),))])
+def test_a_registry_entry_is_validated_when_it_is_made(fake, change):
+    model, _, _, _ = fake
+    with pytest.raises(ValueError):
+        dataclasses.replace(model, **change)
