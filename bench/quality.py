@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Ll
 
 from agent import wire  # noqa: E402
 from agent.engine.runner import open_runner  # noqa: E402
-from quantize.bundled import bundled_gguf_path  # noqa: E402
+from quantize.fetch import fetch  # noqa: E402
 from quantize.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa: E402
 from quantize.architectures import GLOBAL_NAMES, LLAMA_BLOCK as LAYER_NAMES  # noqa: E402
@@ -349,7 +349,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"{a.text} is the calibration text: evaluate on text the quantizer has not seen")
     if not PEER_PYTHON.exists():
         raise SystemExit(f"{PEER_PYTHON} is missing: run `bash bench/setup_peers` first")
-    source = bundled_gguf_path()
+    source = fetch("smollm2-135m-instruct")
     ckpt = load_checkpoint(source)
     ids = encode(ckpt.tokenizer.tokenizer_json, text)
     print(f"{source.name}: {len(ids)} tokens of {a.text.name}", flush=True)

@@ -441,10 +441,10 @@ def main(argv: list[str]) -> None:
     if not PEER_PYTHON.exists():
         raise SystemExit(f"{PEER_PYTHON} is missing: run `bash bench/setup_peers` first")
     sys.path.insert(0, str(REPO))
-    from quantize.bundled import bundled_gguf_path
+    from quantize.fetch import fetch
 
     t0 = time.monotonic()
-    source = bundled_gguf_path()
+    source = fetch("smollm2-135m-instruct")
     paths = build_artifacts(source, a.threads, a.rebuild)
     ids_path = prompt_ids_file(source)
     rows = [Row(e, weight_bytes(paths[e.artifact])) for e in ENGINES]

@@ -48,9 +48,9 @@ def tiny_fp32_bundle(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
-    from quantize.bundled import bundled_gguf_path
+    from quantize.fetch import fetch
 
-    return bundled_gguf_path()
+    return fetch("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
