@@ -207,3 +207,15 @@ def test_phi3_long_and_short_factor_runs_differ():
     r = Fixture("phi3").recorded
     assert int(r["n_ctx"]) == 256 and int(r["n_ctx_long"]) == 512
     assert np.abs(r["logits"] - r["logits_long"]).max() > 1.0
+
+
+def test_the_builders_still_describe_the_committed_fixtures(fixture):
+    """tests/archs*.py edited without re-recording would leave the fixtures stale: configs, tensor names and
+    shapes must match (values are not compared: they come from numpy's RNG, which may change)."""
+    from archs import BUILDERS
+    from archs_gguf import gguf_tensors
+
+    model = BUILDERS[fixture.name]()
+    assert model.config == fixture.config
+    assert {k: v.shape for k, v in model.weights.items()} == {k: v.shape for k, v in fixture.weights.items()}
+    assert {k: v.shape for k, v in gguf_tensors(model).items()} == {k: v.shape for k, v in fixture.tensors().items()}
