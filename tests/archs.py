@@ -199,18 +199,19 @@ PHI3_ORIGINAL_CONTEXT, PHI3_CONTEXT = 256, 4096
 
 
 def tiny_phi3() -> TinyArch:
-    """Phi-4-mini style Phi-3: fused qkv_proj and gate_up_proj, partial_rotary_factor 0.75 (12 of 16
-    head dims rotate), LongRoPE with short/long factors (6 each; context 16x the original, so the
-    attention factor is sqrt(1 + ln 16 / ln 256)), tied head, sliding_window past the context
-    (Phi-4-mini has 262144)."""
+    """Phi-4-mini style Phi-3: fused qkv_proj and gate_up_proj, partial_rotary_factor 0.75 (48 of 64
+    head dims rotate: ONNX Runtime's rotary needs a multiple of 16, as Phi-4-mini's 96 of 128 is), LongRoPE
+    with short/long factors (24 each; context 16x the original, so the attention factor is
+    sqrt(1 + ln 16 / ln 256)), tied head, sliding_window past the context (Phi-4-mini has 262144)."""
     rng = np.random.default_rng(34)
-    rope_pairs = int(0.75 * HIDDEN) // HEADS // 2
+    hidden, heads = 128, 2
+    rope_pairs = int(0.75 * hidden) // heads // 2
     scaling = {"long_factor": [round(float(x), 4) for x in 1.0 + np.sort(rng.uniform(0, 7, rope_pairs))],
                "short_factor": [round(float(x), 4) for x in 1.0 + np.sort(rng.uniform(0, 0.5, rope_pairs))],
                "type": "longrope"}
     config = _base_config(
         "Phi3ForCausalLM", "phi3", layers=2, tied=True, rope_theta=10000.0, rms_eps=1e-5,
-        max_position_embeddings=PHI3_CONTEXT,
+        max_position_embeddings=PHI3_CONTEXT, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=1,
         attention_bias=False, embd_pdrop=0.0, full_attn_mod=1, interpolate_factor=1, lm_head_bias=False,
         mlp_bias=False, original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT, pad_token_id=0,
         partial_rotary_factor=0.75, resid_pdrop=0.0, rope_scaling=scaling, sliding_window=262144)
