@@ -98,3 +98,36 @@ def test_a_device_that_trusts_a_job_key_takes_the_fleets_signed_jobs_only(bundle
     finally:
         agent.stop()
         server.stop()
+
+
+@pytest.mark.real_model
+def test_a_signed_update_moves_a_device_to_the_qwen_int4_bundle(bundles, real_arch_bundle, broker, tmp_path):
+    """A device on the tiny model takes a signed job to Qwen2.5-Coder INT4 (the health gate's golden
+    continuation included), then answers a chat with it."""
+    v1, _ = bundles
+    qwen = real_arch_bundle("qwen2.5-coder-0.5b-instruct", "int4")
+    db, keys = tmp_path / "fleet.db", tmp_path / "fleet.key"
+    subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
+    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
+                         tmp_path / "artifacts")
+    agent = Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
+                  "--memory-budget-mb", 4096, device_id="dev-q")
+    try:
+        agent.start()
+        wait(lambda: '"dev-q"' in fleet("devices", "--json", db=db), "the device known to the fleet")
+        target = fleet("publish", qwen.path, "--key", keys, "--artifacts-dir", tmp_path / "artifacts",
+                       db=db).strip().splitlines()[-1]
+        out = subprocess.run([BIN / "edge-fleet", "deploy", target, "--to", "dev-q", "--wait", "--timeout", "240",
+                              "--min-tokens-per-s", "0", "--db", db], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "SUCCEEDED" in out.stdout, out.stdout + out.stderr + agent.log.read_text()[-3000:]
+        wait(lambda: (health(agent.sock) or {}).get("version") == qwen.manifest.version, "Qwen serving")
+        with client(agent.sock, timeout_s=120) as c:
+            r = c.post("/v1/chat/completions", json={"model": "qwen2.5-coder-0.5b-instruct", "max_tokens": 32,
+                                                     "temperature": 0, "messages": [
+                                                         {"role": "user", "content": "Write hello world in Python."}]})
+        answer = r.json()
+        assert r.status_code == 200 and answer["model"] == "qwen2.5-coder-0.5b-instruct", r.text
+        assert answer["choices"][0]["message"]["content"].strip() and answer["usage"]["completion_tokens"] > 0
+    finally:
+        agent.stop()
+        server.stop()
