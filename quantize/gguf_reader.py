@@ -139,10 +139,14 @@ def _variant(reader: GGUFReader, arch: Architecture, hidden: int, head_dim: int,
         "residual_multiplier": _real("residual_scale", _field(reader, a + "residual_scale", 1.0)),
         "logit_multiplier": 1 / _real("logit_scale", _field(reader, a + "logit_scale", 1.0) or 1.0),
     }
+    if arch.swa_period and not window:  # llama.cpp then runs every layer globally and soft-caps the logits
+        raise CheckpointError(f"a {arch.name} GGUF without {a}attention.sliding_window is not supported")
     if window:
         numbers["sliding_window"] = _bounded("attention.sliding_window", window, 1 << 20)
         if arch.swa_period:
-            numbers["window_layers"] = tuple(i for i in range(layers) if (i + 1) % arch.swa_period)
+            period = _bounded("attention.sliding_window_pattern",
+                              _field(reader, a + "attention.sliding_window_pattern", arch.swa_period), layers + 1)
+            numbers["window_layers"] = tuple(i for i in range(layers) if (i + 1) % period)
             numbers["rope_local_theta"] = _real("rope.freq_base_swa", _field(
                 reader, a + "rope.freq_base_swa", arch.default_rope_local_theta))
     if arch.nope_period:

@@ -83,6 +83,8 @@ def hf_rope(config: dict, head_dim: int, where: str,
                                     head_dim // 2, where)
     except KeyError as e:
         raise CheckpointError(f"{where}: rope_type {kind!r} without {e.args[0]!r}") from e
+    except CheckpointError:
+        raise
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: rope parameters are not usable numbers ({e})") from e
     raise CheckpointError(f"{where}: unsupported rope_type {kind!r} (supported: default, linear, llama3, longrope)")

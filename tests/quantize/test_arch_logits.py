@@ -3,14 +3,16 @@ model per architecture, as a GGUF and as a Hugging Face folder, with the logits 
 computed on them) through our readers and fp32 graph, prefilled and then decoded through the KV cache."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
+import archs
 from agent.engine.runner import ModelRunner
-from quantize.checkpoint import load_checkpoint
+from quantize.checkpoint import CheckpointError, load_checkpoint
 from quantize.graph import build_graph
 from quantize.precision import QuantSpec
 
@@ -74,3 +76,45 @@ def test_hf_build_matches_transformers(arch):
 def test_gguf_and_hf_builds_of_the_same_weights_agree(arch):
     name, _, from_gguf, from_hf = arch
     assert rel_err(from_gguf, from_hf) < 1e-5
+
+
+# ---- what the graph cannot compute exactly is refused, naming it ----------------------------------------
+
+def _gguf_without_window(path: Path) -> Path:
+    import gguf
+
+    import archs_gguf
+
+    model = archs.tiny_gemma3()
+    writer_class = gguf.GGUFWriter
+    add_window = writer_class.add_sliding_window
+    writer_class.add_sliding_window = lambda self, value: None  # the converter's output for pattern 1
+    try:
+        return archs_gguf.write_gguf(model, path)
+    finally:
+        writer_class.add_sliding_window = add_window
+
+
+def test_a_gemma3_gguf_without_a_window_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="without gemma3.attention.sliding_window"):
+        load_checkpoint(_gguf_without_window(tmp_path / "g.gguf"))
+
+
+@pytest.mark.parametrize("name, change, needle", [
+    ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ("gemma3", {"hidden_activation": "gelu"}, "hidden_act 'gelu'"),
+    ("phi3", {"partial_rotary_factor": 0.5, "rope_scaling": None}, "partial_rotary_factor 0.5"),  # 32 of 64: read
+    ("phi3", {"partial_rotary_factor": 0.4}, "partial_rotary_factor 0.4"),
+    ("phi3", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "LongRoPE needs 24 positive factors"),
+    ("qwen3", {"architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM.*Gemma3ForCausalLM"),
+])
+def test_unsupported_variants_of_an_architecture_are_named(name, change, needle, tmp_path):
+    model = getattr(archs, f"tiny_{name}")()
+    folder = archs.write_hf_folder(dataclasses.replace(model, config=model.config | change), tmp_path / name)
+    if needle == "partial_rotary_factor 0.5":  # a width ONNX Runtime's rotary takes: read, not refused
+        assert load_checkpoint(folder).geometry.rotary_dim == 32
+        return
+    with pytest.raises(CheckpointError, match=needle):
+        load_checkpoint(folder)
