@@ -23,9 +23,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from quantize.fetch import fetch
-from quantize.checkpoint import CheckpointError, TokenizerInfo
+from quantize.checkpoint import CheckpointError
 from quantize.spm_tokenizer import decoder_json, normalizer_json
-from quantize.tokenizer import PRE_TOKENIZERS, tokenizer_document, tokenizer_from_gguf, tokenizer_from_hf_folder
+from quantize.tokenizer import (PRE_TOKENIZERS, TokenizerInfo, tokenizer_document, tokenizer_from_gguf,
+                                tokenizer_from_hf_folder)
 
 REFERENCE = Path(__file__).parent / "data" / "llamacpp_token_ids.json"
 CASES = json.loads(REFERENCE.read_text(encoding="utf-8"))["cases"]
