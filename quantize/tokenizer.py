@@ -1,13 +1,13 @@
 """Rebuild a checkpoint's tokenizer as one `tokenizers` JSON document, from a GGUF file or a HF folder.
 
 A GGUF names its tokenizer in `tokenizer.ggml.model`: "gpt2" (byte-level BPE, built here) or "llama"
-(SentencePiece-style, built in quantize/spm_tokenizer.py). A GGUF stores a byte-level BPE tokenizer as data: the vocabulary, the merges, a type per token and the
-name of a llama.cpp pre-tokenizer (`tokenizer.ggml.pre`). Only the name travels, so the split regexes
-for each supported name are kept here, transcribed from llama.cpp's `src/llama-vocab.cpp`
-(`llm_tokenizer_bpe`). llama.cpp applies its regexes one after another, each splitting the pieces left by
-the one before and keeping the text between matches as pieces too: that is a chain of `Split(...,
-"isolated")` pre-tokenizers followed by a regex-free ByteLevel. The result is checked token-for-token
-against llama.cpp in tests/quantize/test_tokenizer.py.
+(SentencePiece-style, built by quantize/spm_tokenizer.py). A GGUF stores a byte-level BPE tokenizer as
+data: the vocabulary, the merges, a type per token and the name of a llama.cpp pre-tokenizer
+(`tokenizer.ggml.pre`). Only the name travels, so the split regexes for each supported name are kept
+here, transcribed from llama.cpp's `src/llama-vocab.cpp` (`llm_tokenizer_bpe`). llama.cpp applies its
+regexes one after another, each splitting the pieces left by the one before and keeping the text between
+matches as pieces too: that is a chain of `Split(..., "isolated")` pre-tokenizers followed by a regex-free
+ByteLevel. The result is checked token-for-token against llama.cpp in tests/quantize/test_tokenizer.py.
 
 Convention for every TokenizerInfo made here: encode with `add_special_tokens=False` and prepend
 `bos_token_id` yourself when `add_bos_token` is true (a GGUF-built document has no post-processor, so
@@ -156,18 +156,22 @@ def _gguf_document(reader: GGUFReader, model: str) -> tuple[dict, bool]:
     """The document for the GGUF's tokenizer model, and add_bos_token's default when the key is missing."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
-    if model == "gpt2":
-        pre = pre_tokenizer_for(_field(reader, "tokenizer.ggml.pre"))
-        return tokenizer_document(tokens, _field(reader, "tokenizer.ggml.merges", []), types, pre), pre.add_bos_default
-    # "llama": llama.cpp ignores tokenizer.ggml.pre here, and adds BOS and the space prefix unless told not to
+    if model == "llama":
+        return _spm_document(reader, tokens, types), True  # llama.cpp adds BOS for SentencePiece by default
+    pre = pre_tokenizer_for(_field(reader, "tokenizer.ggml.pre"))
+    return tokenizer_document(tokens, _field(reader, "tokenizer.ggml.merges", []), types, pre), pre.add_bos_default
+
+
+def _spm_document(reader: GGUFReader, tokens: list[str], types: list[int]) -> dict:
+    """SentencePiece-style: llama.cpp ignores tokenizer.ggml.pre and merges, and adds the space prefix
+    unless tokenizer.ggml.add_space_prefix says not to."""
     scores = _field(reader, "tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise CheckpointError("a 'llama' (SentencePiece) tokenizer needs tokenizer.ggml.scores, one per token")
     unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
-    document = spm_document(tokens, scores, _added_tokens(tokens, types),
-                            add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
-                            unk_token=tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None)
-    return document, True
+    return spm_document(tokens, scores, _added_tokens(tokens, types),
+                        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+                        unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None)
 
 
 def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerInfo:

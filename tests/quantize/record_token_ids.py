@@ -49,6 +49,7 @@ TEXTS = {
     "gemma_markers": "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n",
     "bos_eos_as_text": "<bos>text<eos> and <pad> <|endoftext|>",
     "html": "<table><tr><td>cell</td></tr></table> <b>bold</b> <div class=\"x\">",
+    "html_space_inside": "<p> </p> if a> </b",  # Gemma's "> </": a token with ▁ inside
     "accented": "Crème brûlée, naïve façade, Ångström, żółć, ñandú.",
     "cyrillic_arabic_hindi": "Привет, мир! مرحبا بالعالم नमस्ते दुनिया",
     "rare_scripts": "ᚠᛇᚻ᛫ᛒᛦᚦ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q 𓀀𓁐",
