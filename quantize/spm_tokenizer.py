@@ -10,8 +10,9 @@ BPE merges (`generate_merges` in tokenization_utils_base.py). The document here 
 with byte fallback, a normalizer for the escaping and a decoder that undoes it.
 
 Equal scores are the one thing ranks cannot express: llama.cpp then joins the leftmost pair, BPE the pair
-whose merge comes first. In the GGUFs we read, only tokens that are never built by joining tie (control and
-user-defined tokens, which are matched whole beforehand, and the byte tokens).
+whose merge comes first. Gemma 3's normal tokens have distinct scores (falling with the id, so score order
+is id order there); the ties are control and user-defined tokens, which are matched whole before any
+joining, and, at score 0, the byte tokens and "▁t", whose joins never compete for the same characters.
 """
 from __future__ import annotations
 
