@@ -63,10 +63,11 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 }
 SUPPORTED_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece-style
 
-# Chat markers that end an assistant turn. Many chat GGUFs name the base model's end-of-text token as
-# EOS (Qwen2 instruct: <|endoftext|>), while the chat template closes every turn with one of these; a
-# generator that stopped only on EOS would run on into an invented next turn.
-TURN_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# Tokens that end generation by their text, whatever the file names as EOS: llama.cpp's list (llama-vocab.cpp).
+# Many chat GGUFs name only the turn end (Qwen2.5 instruct: <|im_end|>) or only the base model's end of text;
+# a generator that stopped on one would run on past the other, into an invented next turn or document.
+END_MARKERS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<end_of_turn>",
+               "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -141,11 +142,9 @@ def _checked_json(document: dict, source: str) -> str:
     return text
 
 
-def _turn_end_ids(chat_template: str | None, special_ids: dict[str, int]) -> list[int]:
-    """Ids of the TURN_END_MARKERS that the chat template uses and that are special (control) tokens."""
-    if not chat_template:
-        return []
-    return [special_ids[m] for m in TURN_END_MARKERS if m in special_ids and m in chat_template]
+def _end_ids(special_ids: dict[str, int]) -> list[int]:
+    """Ids of the END_MARKERS that are special (control) tokens of this vocabulary."""
+    return [special_ids[m] for m in END_MARKERS if m in special_ids]
 
 
 def _unique(ids) -> tuple[int, ...]:
@@ -187,7 +186,7 @@ def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerInfo:
     return TokenizerInfo(
         tokenizer_json=_checked_json(document, "GGUF"),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_unique([*eos_ids, *_turn_end_ids(chat_template, special_ids)]),
+        eos_token_ids=_unique([*eos_ids, *_end_ids(special_ids)]),
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
         chat_template=chat_template,
     )
@@ -261,7 +260,7 @@ def tokenizer_from_hf_folder(folder: Path) -> TokenizerInfo:
         bos_token_id=(tokenizer.token_to_id(bos) if bos else None) if "bos_token" in config
         else generation.get("bos_token_id"),
         eos_token_ids=_unique([*_hf_eos_ids(tokenizer, config, generation),
-                               *_turn_end_ids(chat_template, special_ids)]),
+                               *_end_ids(special_ids)]),
         add_bos_token=bool(config.get("add_bos_token", _adds_bos(document, bos))),
         chat_template=chat_template,
     )

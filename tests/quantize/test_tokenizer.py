@@ -75,7 +75,7 @@ def test_other_pre_tokenizers_match_llama_cpp(smollm_reader, pre):
 @pytest.mark.real_model
 def test_special_ids_and_template(smollm_info):
     assert smollm_info.bos_token_id == 1
-    assert smollm_info.eos_token_ids == (2,)  # <|im_end|> is both the GGUF's EOS and the turn end
+    assert smollm_info.eos_token_ids == (2, 0)  # the GGUF's EOS <|im_end|>, then <|endoftext|>, as llama.cpp stops
     assert smollm_info.add_bos_token is False
     assert "<|im_start|>" in smollm_info.chat_template
 
@@ -89,8 +89,8 @@ REAL_MODELS = ["gemma3-270m", "qwen2.5-coder-0.5b-instruct"]
 # text alone (Gemma: <end_of_turn> 106 and </s> 212; Qwen: <|endoftext|> and the FIM markers), while
 # we add a turn end only when the chat template writes it, and Gemma 3 270M's GGUF has no template.
 SPECIAL = {
-    "gemma3-270m": {"bos": 2, "eos": (1,), "add_bos": True, "template_marker": None},
-    "qwen2.5-coder-0.5b-instruct": {"bos": 151643, "eos": (151645,), "add_bos": False,
+    "gemma3-270m": {"bos": 2, "eos": (1, 106), "add_bos": True, "template_marker": None},  # 106: <end_of_turn>
+    "qwen2.5-coder-0.5b-instruct": {"bos": 151643, "eos": (151645, 151643), "add_bos": False,  # <|endoftext|>
                                     "template_marker": "<|im_start|>"},
 }
 
@@ -233,9 +233,11 @@ def test_tiny_gguf_merges_and_turn_end(tmp_path):
     assert info.eos_token_ids == (257, 258)  # EOS, then the control token the template ends turns with
 
 
-def test_turn_end_needs_the_template(tmp_path):
+def test_end_markers_end_generation_without_a_template_too(tmp_path):
+    """As in llama.cpp: a control token spelled like an end of turn or text ends generation whatever the template
+    says (a base model's completion stops at <|im_end|> as a chat's does)."""
     info = tokenizer_from_gguf(gguf.GGUFReader(write_tiny_gguf(tmp_path / "t.gguf")))
-    assert info.eos_token_ids == (257,)
+    assert info.eos_token_ids == (257, 258)
 
 
 SPM_BYTES = [f"<0x{b:02X}>" for b in range(256)]
