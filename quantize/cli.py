@@ -7,6 +7,7 @@ Run: edge-quantize build SOURCE --precision int4 --out DIR
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -85,6 +86,9 @@ def cli() -> None:
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja chat template file for the bundle, replacing the checkpoint's (a base model has none: "
+                   "without one, the agent serves completions and refuses chat).")
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
               help="Threads for calibration and evaluation (default: the cores this process may use).")
@@ -94,7 +98,8 @@ def cli() -> None:
               help="GPTQ: memory for the layers' Hessians at once; less takes more passes over the calibration "
                    "text, with the same result (a 1B Llama's are ~10 GB in all).")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
-          embedding, lm_head, keep_source_quant, eval_text, no_eval, name, threads, force, hessian_memory_mb):
+          embedding, lm_head, keep_source_quant, eval_text, no_eval, chat_template, name, threads, force,
+          hessian_memory_mb):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
     Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
@@ -117,8 +122,11 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
                          keep_source_quant=keep_source_quant)
         if int8_layers is not None and precision != "int4":
             raise ValueError("--int8-layers applies to --precision int4 only")
+        template = read_text(chat_template) if chat_template else None
         click.echo(f"reading {source}")
         ckpt = load_checkpoint(source)
+        if template is not None:
+            ckpt.tokenizer = dataclasses.replace(ckpt.tokenizer, chat_template=template)
         if beyond := [f"{k}:{i}" for k, ids in overrides.get("int4_int8_layers", {}).items()
                       for i in ids if i >= ckpt.geometry.num_layers]:
             raise ValueError(f"--int8-layers {', '.join(beyond)}: the model has layers 0-{ckpt.geometry.num_layers - 1}")

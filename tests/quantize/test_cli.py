@@ -370,3 +370,15 @@ def test_inspect_of_a_plain_file_is_one_clear_line(tmp_path):
     assert_one_line_error(r, f"{plain}: not a model bundle (it is a regular file; a bundle is a directory)")
     assert "Errno" not in r.stderr
     assert_one_line_error(run("inspect", str(tmp_path / "nope")), f"{tmp_path / 'nope'}: no such file or directory")
+
+
+def test_a_chat_template_given_at_build_replaces_the_checkpoints(tiny_gguf, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<start_of_turn>{{ m['content'] }}<|im_end|>{% endfor %}")
+    r = run("build", str(tiny_gguf), "--precision", "fp32", "--no-eval", "--chat-template", str(template),
+            "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "out" / "model_config.json").read_text())["chat_template"] == template.read_text()
+    template.write_text("{% for m in messages %}")
+    assert_one_line_error(run("build", str(tiny_gguf), "--chat-template", str(template), "--out",
+                              str(tmp_path / "bad")), "chat template does not compile")
