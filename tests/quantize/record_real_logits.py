@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from agent.engine.bundle import file_sha256  # noqa: E402
 from quantize.fetch import fetch  # noqa: E402
 
 OUT = Path(__file__).parent / "data" / "llamacpp_real_logits"
@@ -75,21 +76,11 @@ def record(name: str, n: int, work: Path) -> None:
         p = subprocess.run([str(PEER_PYTHON), "-c", PEER, str(model), str(text), str(n), str(TOP_K), str(out)],
                            check=True, capture_output=True, text=True)
         info = json.loads(p.stdout.strip().splitlines()[-1])
-        (OUT / f"{name}.{kind}.json").write_text(json.dumps(info | {"source_sha256": _sha256(source),
+        (OUT / f"{name}.{kind}.json").write_text(json.dumps(info | {"source_sha256": file_sha256(source),
                                                                     "tokens": n, "top_k": TOP_K}, indent=1) + "\n")
         print(name, kind, info, flush=True)
         if kind == "f32":
             model.unlink()
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 if __name__ == "__main__":
