@@ -87,8 +87,8 @@ def cli() -> None:
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="A Jinja chat template file for the bundle, replacing the checkpoint's (a base model has none: "
-                   "without one, the agent serves completions and refuses chat).")
+              help="A Jinja chat template file for the bundle (default: the checkpoint's own; a base model has "
+                   "none, and without one the agent serves completions and refuses chat).")
 @click.option("--name", default=None, help="Model name (default: from the source file name).")
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
               help="Threads for calibration and evaluation (default: the cores this process may use).")

@@ -90,26 +90,17 @@ def real_q4_bundle(real_checkpoint, tmp_path_factory):
                         tmp_path_factory.mktemp("real") / "q4", name="smollm2", progress=lambda s: None)
 
 
+REAL_ARCH_PRECISIONS = ("fp32", "int8", "int4")
+
+
 @pytest.fixture(scope="session")
-def real_arch_checkpoint():
-    """name -> the Checkpoint of a known real model (quantize.fetch), each read once per session."""
+def real_arch_bundle(tmp_path_factory):
+    """(name, precision) -> a bundle of a known real model (quantize.fetch). A model's first use builds all of
+    REAL_ARCH_PRECISIONS (the tests use each) from one read of its checkpoint, which is then let go: two
+    float32 checkpoints held for the session were GBs beside the engines. INT8 and INT4 use the block search
+    without calibration: fast, and not what these tests check (GPTQ's tests use SmolLM2)."""
     from quantize.checkpoint import load_checkpoint
     from quantize.fetch import fetch
-
-    loaded: dict = {}
-
-    def load(name: str):
-        if name not in loaded:
-            loaded[name] = load_checkpoint(fetch(name))
-        return loaded[name]
-
-    return load
-
-
-@pytest.fixture(scope="session")
-def real_arch_bundle(real_arch_checkpoint, tmp_path_factory):
-    """(name, precision) -> a bundle of a known real model, each built once per session. INT8 and INT4 use the
-    block search without calibration: fast, and not what these tests check (GPTQ's tests use SmolLM2)."""
     from quantize.package import build_bundle
     from quantize.precision import QuantSpec
 
@@ -117,10 +108,11 @@ def real_arch_bundle(real_arch_checkpoint, tmp_path_factory):
 
     def build(name: str, precision: str = "fp32"):
         if (name, precision) not in built:
-            spec = QuantSpec(precision=precision, method="search") if precision != "fp32" else QuantSpec()
-            out = tmp_path_factory.mktemp("real_arch") / f"{name}-{precision}"
-            built[name, precision] = build_bundle(real_arch_checkpoint(name), spec, out, name=name,
-                                                  progress=lambda s: None)
+            ckpt = load_checkpoint(fetch(name))
+            root = tmp_path_factory.mktemp("real_arch")
+            for p in REAL_ARCH_PRECISIONS:
+                spec = QuantSpec(precision=p, method="search") if p != "fp32" else QuantSpec()
+                built[name, p] = build_bundle(ckpt, spec, root / f"{name}-{p}", name=name, progress=lambda s: None)
         return built[name, precision]
 
     return build
