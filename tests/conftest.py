@@ -91,28 +91,42 @@ def real_q4_bundle(real_checkpoint, tmp_path_factory):
 
 
 REAL_ARCH_PRECISIONS = ("fp32", "int8", "int4")
+# Builds all of REAL_ARCH_PRECISIONS of one known model from one read of its checkpoint, in a process of its own:
+# the engines the tests start in this process size themselves by its peak RSS, which a float32 checkpoint and
+# its graphs would raise by GBs for the rest of the session. INT8 and INT4 use the block search without
+# calibration: fast, and not what these tests check (GPTQ's tests use SmolLM2).
+BUILD_REAL_ARCH = """
+import sys
+from pathlib import Path
+from quantize.checkpoint import load_checkpoint
+from quantize.fetch import fetch
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
+name, root = sys.argv[1], Path(sys.argv[2])
+ckpt = load_checkpoint(fetch(name))
+for p in sys.argv[3:]:
+    spec = QuantSpec(precision=p, method="search") if p != "fp32" else QuantSpec()
+    build_bundle(ckpt, spec, root / f"{name}-{p}", name=name, progress=lambda s: None)
+"""
 
 
 @pytest.fixture(scope="session")
 def real_arch_bundle(tmp_path_factory):
-    """(name, precision) -> a bundle of a known real model (quantize.fetch). A model's first use builds all of
-    REAL_ARCH_PRECISIONS (the tests use each) from one read of its checkpoint, which is then let go: two
-    float32 checkpoints held for the session were GBs beside the engines. INT8 and INT4 use the block search
-    without calibration: fast, and not what these tests check (GPTQ's tests use SmolLM2)."""
-    from quantize.checkpoint import load_checkpoint
-    from quantize.fetch import fetch
-    from quantize.package import build_bundle
-    from quantize.precision import QuantSpec
+    """(name, precision) -> a bundle of a known real model (quantize.fetch), built with its other precisions
+    on first use (BUILD_REAL_ARCH)."""
+    import subprocess
+    import sys
+
+    from agent.engine.bundle import open_bundle
 
     built: dict = {}
 
     def build(name: str, precision: str = "fp32"):
         if (name, precision) not in built:
-            ckpt = load_checkpoint(fetch(name))
             root = tmp_path_factory.mktemp("real_arch")
-            for p in REAL_ARCH_PRECISIONS:
-                spec = QuantSpec(precision=p, method="search") if p != "fp32" else QuantSpec()
-                built[name, p] = build_bundle(ckpt, spec, root / f"{name}-{p}", name=name, progress=lambda s: None)
+            subprocess.run([sys.executable, "-c", BUILD_REAL_ARCH, name, str(root), *REAL_ARCH_PRECISIONS],
+                           check=True, timeout=1800)
+            built.update({(name, p): open_bundle(root / f"{name}-{p}") for p in REAL_ARCH_PRECISIONS})
         return built[name, precision]
 
     return build

@@ -189,31 +189,33 @@ QWEN = "qwen2.5-coder-0.5b-instruct"
 
 
 @contextmanager
-def serving_real_arch(bundle):
-    # the budget counts this process's peak RSS as the model's, and the test process holds checkpoints too
-    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=16000, max_context=1024))
-    engine.start()
+def agent_process(bundle, workdir: Path):
+    """`edge-agent serve` on a real-architecture bundle, as its own process: the memory planner counts its
+    process's peak RSS as the model's, and this test process holds far more than a device would."""
+    from processes import Agent
+
+    agent = Agent(workdir, "--model", bundle.path, "--memory-budget-mb", 4096)
+    agent.start(timeout_s=180)
     try:
-        with serving(bundle, engine) as served:
-            yield served
+        yield openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0, timeout=120,
+                            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(agent.sock))))
     finally:
-        engine.stop()
+        assert agent.stop() == 0
 
 
 @pytest.mark.real_model
-def test_openai_client_chat_and_stream_on_qwen_int4(real_arch_bundle):
+def test_openai_client_chat_and_stream_on_qwen_int4(real_arch_bundle, tmp_path):
     """The second chat model: Qwen2.5-Coder's INT4 bundle answers a coding question, whole and streamed."""
-    with serving_real_arch(real_arch_bundle(QWEN, "int4")) as served:
+    with agent_process(real_arch_bundle(QWEN, "int4"), tmp_path) as client:
         question = [{"role": "user", "content": "Write a Python function add(a, b) that returns a + b."}]
-        text = check_chat_and_stream(served.openai(), QWEN, question, 48)
+        text = check_chat_and_stream(client, QWEN, question, 48)
     assert "def add" in text
 
 
 @pytest.mark.real_model
-def test_gemma_base_completes_text_and_refuses_chat_with_a_clear_error(real_arch_bundle):
+def test_gemma_base_completes_text_and_refuses_chat_with_a_clear_error(real_arch_bundle, tmp_path):
     """Gemma 3 270M is a base model with no chat template: completions work, chat is a 400 naming why."""
-    with serving_real_arch(real_arch_bundle("gemma3-270m", "int8")) as served:
-        client = served.openai()
+    with agent_process(real_arch_bundle("gemma3-270m", "int8"), tmp_path) as client:
         done = client.completions.create(model="gemma3-270m", prompt="Monday, Tuesday, Wednesday,", max_tokens=4,
                                          temperature=0)
         assert done.usage.completion_tokens > 0 and "Thursday" in done.choices[0].text, done.choices[0].text
