@@ -267,6 +267,8 @@ def finished_error(fin: Finished, retry_after_s: int) -> ApiError | None:
             return overloaded(message, retry_after_s)
         if fin.error_code == "unavailable":
             return unavailable(message, retry_after_s)
+        if fin.error_code == "structured_output":  # the grammar the request gave reached a dead end
+            return invalid_request(message, code="structured_output_failed")
         log.error("request failed in the engine: %s", message)
         return ApiError(500, "internal error", "server_error", "internal_error")
     if reason == "cancelled":  # not by this client (it would not be waiting): the engine is stopping
@@ -372,6 +374,8 @@ class OpenAIServer:
     async def submit(self, engine: Engine, prompt_ids: list[int], req: om.SamplingRequest, kind: Kind) -> RequestHandle:
         try:
             params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults())
+            if params.structure is not None:  # its grammar compiles in submit: off the loop (up to ~1 s)
+                return await asyncio.to_thread(engine.submit, prompt_ids, params, req.priority)
             return engine.submit(prompt_ids, params, req.priority)
         except om.FieldError as e:
             raise invalid_request(str(e), e.param) from None
@@ -428,7 +432,7 @@ class OpenAIServer:
         """The finished-request hooks; metrics=False leaves out /metrics, which counts a request refused at
         submission as an error of its own (its zero queue time and uncomputed prompt would skew the rest)."""
         def observe(fin: Finished) -> None:  # on the request's EventBridge thread
-            hooks = [lambda m, f: self.metrics.observe_finished(f.figures, f.token_times)] if metrics else []
+            hooks = [lambda m, f: self.metrics.observe_finished(f.figures, f.token_times, f)] if metrics else []
             for hook in [*hooks, *self.backend.on_finished]:
                 try:
                     hook(manifest, fin)

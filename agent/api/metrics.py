@@ -1,7 +1,8 @@
 """Prometheus metrics of the serving agent, exposed by the API at GET /metrics (the only prometheus_client import).
 
 Names follow vLLM's (`vllm:` becomes `edge:`) where they mean the same, so its dashboards carry over:
-counters of finished requests by finish reason and of prompt / generation tokens, histograms of time to
+counters of finished requests by finish reason and of prompt / generation tokens, of constrained requests and
+the time their grammar matchers took (`edge:structured_*`), histograms of time to
 first token, inter-token latency, end-to-end latency and queue time, and gauges read from the engine at
 scrape time (running and waiting requests, KV-cache usage). Each server owns its own registry, so two
 servers in one process (tests) never share counts.
@@ -41,6 +42,14 @@ class EngineGauges(Protocol):
     def kv_utilization(self) -> float: ...
 
 
+class StructureCost(Protocol):
+    """What a finished request's structured output cost (agent.engine.request.Finished has these)."""
+
+    constrained: bool
+    constraint_s: float
+    constraint_masks: int
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -71,6 +80,17 @@ class Metrics:
         self.decode_tokens_per_s = Histogram("edge:request_decode_tokens_per_second",
                                              "Decode speed of each request (tokens after the first / their time).",
                                              buckets=TOKENS_PER_S_BUCKETS, registry=r)
+        self.structured_requests = Counter("edge:structured_requests",
+                                           "Finished requests whose output was constrained (response_format, "
+                                           "structured_outputs).", registry=r)
+        self.structured_seconds = Counter("edge:structured_mask_seconds",
+                                          "Time constrained requests spent in their grammar matcher (token checks, "
+                                          "masks, advances); / generation tokens of them = cost per token.",
+                                          registry=r)
+        self.structured_masks = Counter("edge:structured_masks",
+                                        "Full token masks computed (a drawn token the grammar refused).", registry=r)
+        self.structured_tokens = Counter("edge:structured_generation_tokens",
+                                         "Generated tokens of constrained requests.", registry=r)
         self._prefix_query_tokens = self._prefix_hit_tokens = 0  # mirrors of the counters, for the rate
         self._prefix_lock = threading.Lock()
         self._gauges(r)
@@ -100,9 +120,16 @@ class Metrics:
     def _prefix_hit_rate(self) -> float:
         return self._prefix_hit_tokens / self._prefix_query_tokens if self._prefix_query_tokens else 0.0
 
-    def observe_finished(self, f: RequestFigures, token_times_s: Sequence[float] = ()) -> None:
-        """Count one finished request; token_times_s are its tokens' monotonic times, for inter-token latency."""
+    def observe_finished(self, f: RequestFigures, token_times_s: Sequence[float] = (),
+                         structure: StructureCost | None = None) -> None:
+        """Count one finished request; token_times_s are its tokens' monotonic times, for inter-token latency;
+        structure: what its constraint cost, if it had one."""
         self.request_success.labels(finish_reason=f.finish_reason).inc()
+        if structure is not None and structure.constrained:
+            self.structured_requests.inc()
+            self.structured_seconds.inc(structure.constraint_s)
+            self.structured_masks.inc(structure.constraint_masks)
+            self.structured_tokens.inc(f.completion_tokens)
         self.prompt_tokens.inc(f.prompt_tokens)
         self.generation_tokens.inc(f.completion_tokens)
         self.spec_drafted.inc(f.drafted_tokens)

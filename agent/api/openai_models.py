@@ -3,7 +3,8 @@
 Requests follow the OpenAI API reference for /v1/chat/completions and /v1/completions (strict JSON types,
 n = 1 only, an unknown field is an error, except inside a message: SDKs add their own fields to the replies
 that apps append to the history) plus vLLM's extension names: top_k, min_p, repetition_penalty,
-ignore_eos and priority. OpenAI parameters this server does not implement (logprobs, tools,
+ignore_eos, priority and structured_outputs (json / regex / choice / Lark grammar; OpenAI's response_format
+takes json_object and json_schema). OpenAI parameters this server does not implement (logprobs, tools,
 echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
 call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
 fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from agent.engine.sampling_params import SamplingParams
+from agent.engine.sampling_params import SamplingParams, Structure
 from agent.wire import RequestFigures
 
 # OpenAI's default for /v1/completions ("max_tokens ... Defaults to 16"); chat has no limit but the context.
@@ -128,6 +129,102 @@ class ChatMessage(_Request):
         return {"role": role, "content": text} | ({"name": self.name} if self.name is not None else {})
 
 
+# ---- structured output -------------------------------------------------------------------------------
+MAX_CHOICES = 256  # structured_outputs.choice: strings offered
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema: {"name", "description", "schema", "strict"}."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for the name
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # absent: any JSON object
+    # OpenAI's strict mode guarantees the schema is followed; here every schema is, strict or not
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", ...}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema ({\"name\", \"schema\", \"strict\"}) goes with type "
+                             "'json_schema', and only with it")
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs extension: exactly one of json (a schema), regex, choice, grammar (Lark), or
+    json_object: true."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or json_object "
+                             f"(got {', '.join(g.rstrip('_') for g in given) or 'none'})")
+        return self
+
+    def structure(self) -> Structure:
+        if self.json_ is not None:
+            param = "structured_outputs.json"
+            return _structure("json_schema", _schema_text(self.json_, param), param)
+        if self.regex is not None:
+            return _structure("regex", self.regex, "structured_outputs.regex")
+        if self.choice is not None:
+            if any(c == "" for c in self.choice):
+                raise FieldError("structured_outputs.choice: the choices must be non-empty strings",
+                                 "structured_outputs.choice")
+            return _structure("choice", json.dumps(self.choice), "structured_outputs.choice")
+        if self.grammar is not None:
+            return _structure("grammar", self.grammar, "structured_outputs.grammar")
+        return _structure("json_object", "", "structured_outputs.json_object")
+
+
+def _structure(kind: str, text: str, param: str) -> Structure:
+    try:
+        return Structure(kind=kind, text=text, param=param)
+    except ValidationError as e:  # its size
+        raise FieldError(e.errors(include_url=False)[0]["msg"].removeprefix("Value error, "), param) from None
+
+
+def _schema_text(schema: dict | str, param: str) -> str:
+    """A JSON schema as JSON text; FieldError when a string is not a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise FieldError(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(schema, dict):
+        raise FieldError(f"{param} must be a JSON schema (a JSON object)", param)
+    return json.dumps(schema)
+
+
+def response_structure(fmt: ResponseFormat | None, outputs: StructuredOutputs | None) -> Structure | None:
+    """The structure a request asks for (None: free text); FieldError for both at once or one too large."""
+    if fmt is not None and fmt.type != "text" and outputs is not None:
+        raise FieldError("send response_format or structured_outputs, not both", "structured_outputs")
+    if outputs is not None:
+        return outputs.structure()
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+        return _structure("json_object", "", "response_format")
+    param = "response_format.json_schema.schema"
+    return _structure("json_schema", _schema_text(fmt.json_schema.schema_, param), param)
+
+
 class SamplingRequest(_Request):
     """Fields both endpoints share; ranges are SamplingParams' (one definition)."""
 
@@ -157,7 +254,8 @@ class SamplingRequest(_Request):
     # "logprobs": null on every call; logit_bias is implemented)
     logprobs: _off(False) = None
     top_logprobs: _off(0) = None
-    response_format: _off({"type": "text"}) = None
+    response_format: ResponseFormat | None = None  # OpenAI's structured output
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: regex, choice, Lark grammar, json
     store: _off(False) = None
     service_tier: _off("auto", "default") = None
     tools: _off([]) = None
@@ -204,8 +302,9 @@ class SamplingRequest(_Request):
             max_tokens = defaults.pop("max_tokens", default_max_tokens)
         defaults.pop("max_tokens", None)
         given = defaults | {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        structure = response_structure(self.response_format, self.structured_outputs)
         try:
-            return SamplingParams(max_tokens=max_tokens, **given)
+            return SamplingParams(max_tokens=max_tokens, structure=structure, **given)
         except ValidationError as e:
             raise FieldError(*describe_validation_error(e)) from None
 

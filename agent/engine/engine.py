@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from agent.config import EngineConfig
 from agent.engine.bundle import Bundle
+from agent.engine.constraint import GrammarError, Grammars
 from agent.engine.draft import DraftModel
 from agent.engine.kv_cache import KVPool, allocate_pool
 from agent.engine.memory import MB, kv_bytes_per_token, plan_kv
@@ -47,6 +48,7 @@ class Engine:
         self.heartbeat = heartbeat or (lambda: None)
         c = bundle.config
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
+        self.grammars = Grammars(bundle.tokenizer_json, c.vocab_size, c.eos_token_ids)  # structured output
         reset_peak_rss()
         self.runner = open_runner(bundle, config.threads, config.spin_wait, config.kv_dtype)
         self.draft = DraftModel(draft, bundle, config.threads, config.prefill_chunk_tokens) if draft else None
@@ -107,6 +109,11 @@ class Engine:
                       self.draft is not None)
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
         seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
+        if params.structure is not None:  # compiled here, on the submitter's thread, never in a step
+            try:
+                seq.constraint = self.grammars.constraint(params.structure)
+            except GrammarError as e:
+                raise RequestError(str(e), "invalid_value", param=e.param) from None
         self.spec.start(seq)
         handle = RequestHandle(seq)
         with self._submit_lock:  # counted and queued as one: simultaneous submits cannot all pass the check

@@ -42,6 +42,10 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_prompt_toke
                            param="speculative")
 
 
+# an engine error message's prefix -> Finished.error_code
+ERROR_CODES = {"overloaded": "overloaded", "unavailable": "unavailable", "structured output": "structured_output"}
+
+
 @dataclass(frozen=True)
 class TextDelta:
     text: str
@@ -53,9 +57,15 @@ class Finished:
     token_ids: list[int]
     figures: RequestFigures
     error: str | None = None  # set when figures.finish_reason == "error"
-    # "overloaded" (no capacity within the queue's wait), "unavailable" (the engine stopped first) or "internal"
+    # "overloaded" (no capacity within the queue's wait), "unavailable" (the engine stopped first),
+    # "structured_output" (the grammar reached a dead end: agent.engine.constraint.ConstraintError) or "internal"
     error_code: str | None = None
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each generated token (Sequence's)
+    # structured output: whether the request was constrained, the time its matcher took (checks, masks and
+    # advances) and the full masks computed (draws the grammar refused)
+    constrained: bool = False
+    constraint_s: float = 0.0
+    constraint_masks: int = 0
 
 
 class RequestHandle:
@@ -97,9 +107,11 @@ class RequestHandle:
             self._emit(tail)
         code = None
         if seq.finish_reason is FinishReason.ERROR:
-            code = next((c for c in ("overloaded", "unavailable") if (seq.error or "").startswith(c)), "internal")
+            code = next((c for prefix, c in ERROR_CODES.items() if (seq.error or "").startswith(prefix)), "internal")
+        c = seq.constraint
         self.events.put(Finished("".join(self.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
-                                 list(seq.token_times)))
+                                 list(seq.token_times), c is not None, c.time_s if c else 0.0,
+                                 c.num_masks if c else 0))
 
     def _emit(self, text: str) -> None:
         self.text_parts.append(text)

@@ -1,8 +1,8 @@
 """Choose the next token from a row of logits: penalties, then greedy or temperature/top-k/top-p/min-p and a draw.
 
 Pure numpy, no I/O. Each request owns a `np.random.Generator` made by `make_rng(params.seed)` and every
-non-greedy step draws exactly one uniform number from it, so the same seed and the same logits give the
-same tokens, whatever else is in the batch. Filters run in the order HF transformers applies its warpers
+non-greedy step draws exactly one uniform number from it (a constrained step whose first draw was illegal, a
+second), so the same seed and the same logits give the same tokens, whatever else is in the batch. Filters run in the order HF transformers applies its warpers
 (temperature, top-k, top-p, min-p; vLLM applies min-p before top-k/top-p, so with both set it keeps fewer
 tokens, and llama.cpp applies temperature last, so its top-p and min-p see the distribution at
 temperature 1), and only on the surviving candidates: top-k uses argpartition, top-p
@@ -12,10 +12,12 @@ under a millisecond in the common settings.
 Example:
     rng = make_rng(params.seed)
     token_id = sample(logits[0], params, prompt_ids, output_ids, rng)
+    token_id = sample_constrained(logits[0], params, prompt_ids, output_ids, rng, constraint)  # one it allows
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -136,10 +138,46 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(starts[block]) + offset
 
 
+class TokenFilter(Protocol):
+    """Which tokens may come next (a constrained sequence's matcher, agent.engine.constraint.Constraint)."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def legal_mask(self) -> np.ndarray: ...  # bool [V]
+
+
+def filtered(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, their probabilities) after temperature, top-k, top-p and min-p; x [V] finite at its max."""
+    ids = top_k_candidates(x, params.top_k)
+    probs = softmax(x if len(ids) == len(x) else x[ids], params.temperature)
+    ids, probs = top_p_filter(ids, probs, params.top_p)
+    return min_p_filter(ids, probs, params.min_p)
+
+
 def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
            rng: np.random.Generator) -> int:
     """The next token id from logits [V] float32."""
+    return _choose(apply_penalties(logits, params, prompt_ids, output_ids), params, rng)
+
+
+def sample_constrained(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                       output_ids: Sequence[int], rng: np.random.Generator, constraint: TokenFilter) -> int:
+    """The next token id from logits [V] float32 among those the constraint allows.
+
+    The token is drawn as usual and checked (nanoseconds); only when it is illegal is the mask computed and a
+    second token drawn from the candidates restricted to the legal ones (see redraw). Accepting a legal first
+    draw and redrawing otherwise gives each legal candidate p(t) + (1 - L) p(t) / L = p(t) / L, L the legal
+    mass: exactly the filtered distribution conditioned on legality.
+    """
     x = apply_penalties(logits, params, prompt_ids, output_ids)
+    token = _choose(x, params, rng)
+    if constraint.allows(token):
+        return token
+    return redraw(x, params, constraint.legal_mask(), rng)
+
+
+def _choose(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Greedy or a draw from x [V] (penalties applied)."""
     best = int(np.argmax(x))  # ties go to the lowest id; a NaN anywhere is found first, +inf before finite
     if np.isnan(x[best]):  # a broken model or graph: fail this request rather than answer with token 0
         raise ValueError("the model produced NaN logits")
@@ -148,11 +186,24 @@ def sample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int]
     if np.isposinf(x[best]):  # softmax would be NaN (inf - inf); its limit: the +inf tokens alike, one uniform
         infinite = np.flatnonzero(np.isposinf(x))  # as when penalties clip them to float32's largest
         return int(infinite[min(int(rng.random() * len(infinite)), len(infinite) - 1)])
-    ids = top_k_candidates(x, params.top_k)
-    probs = softmax(x if len(ids) == len(x) else x[ids], params.temperature)
-    ids, probs = top_p_filter(ids, probs, params.top_p)
-    ids, probs = min_p_filter(ids, probs, params.min_p)
+    ids, probs = filtered(x, params)
     return int(ids[draw(probs, rng)])
+
+
+def redraw(x: np.ndarray, params: SamplingParams, legal: np.ndarray, rng: np.random.Generator) -> int:
+    """A token from logits x [V] (penalties applied) among the legal ones (bool [V], at least one True).
+
+    Greedy: the most probable legal token. Sampled: the filtered candidates that are legal, or, when no legal
+    token survives the filters, the filters applied to the legal tokens alone.
+    """
+    masked = np.where(legal, x, -np.inf).astype(np.float32, copy=False)
+    # +inf logits: the first draw's candidates were the +inf tokens, none of them legal
+    if not params.is_greedy and not np.isposinf(x).any():
+        ids, probs = filtered(x, params)
+        keep = legal[ids]
+        if keep.any() and probs[keep].sum() > 0:
+            return int(ids[keep][draw(probs[keep], rng)])
+    return _choose(masked, params, rng)  # greedy, or no legal token among the candidates: the legal ones alone
 
 
 def sample_batch(logits: np.ndarray, params_list: Sequence[SamplingParams],

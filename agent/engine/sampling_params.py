@@ -13,7 +13,8 @@ from typing import Annotated, Literal
 
 import numpy as np
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      model_validator)
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit ("up to 4 sequences")
 MAX_STOP_CHARS = 1000  # ours: a 1 MB stop string was accepted, kept for the whole request and scanned per token
@@ -97,6 +98,32 @@ def _check_logit_bias(bias: dict[int, float]) -> dict[int, float]:
     return bias
 
 
+MAX_STRUCTURE_CHARS = 256 * 1024  # a schema, regex or grammar: bounds what compiling one request may cost
+StructureKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+class Structure(BaseModel):
+    """What a constrained request's output must match (agent.engine.constraint compiles it).
+
+    text: the JSON schema (JSON text), the regex (Rust regex syntax, matched whole), the choices (a JSON list of
+    strings) or the Lark grammar (llguidance's dialect); "" for json_object. param: the request field it came
+    from, which a refusal names.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: StructureKind
+    text: str = ""
+    param: str
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "Structure":
+        if len(self.text) > MAX_STRUCTURE_CHARS:
+            raise ValueError(f"{self.param} is {len(self.text)} characters long; at most {MAX_STRUCTURE_CHARS} "
+                             "are accepted")
+        return self
+
+
 class SamplingParams(BaseModel):
     """Sampling settings of one request; defaults match the OpenAI API (temperature 1, nothing filtered)."""
 
@@ -122,6 +149,16 @@ class SamplingParams(BaseModel):
     # OpenAI's logit_bias, added to the logits before the penalties (vLLM's order) and any sampling or argmax
     logit_bias: Annotated[dict[int, float], BeforeValidator(_token_id_keys), AfterValidator(_check_logit_bias)] = \
         Field(default_factory=dict)
+    # constrained decoding: only tokens that keep the output matching this structure are drawn
+    structure: Structure | None = None
+
+    @model_validator(mode="after")
+    def _eos_needed(self) -> "SamplingParams":
+        # a grammar ends its output with an end id; running on past it would leave the grammar
+        if self.structure is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output (the grammar decides where "
+                             "the output ends)")
+        return self
 
     @property
     def is_greedy(self) -> bool:

@@ -9,12 +9,16 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agent.engine.sampling_params import SamplingParams
 from agent.engine.speculative import DraftLength, LookupLength
 from agent.wire import RequestFigures
+
+if TYPE_CHECKING:  # the matcher is handed in by the engine; this module imports without llguidance
+    from agent.engine.constraint import Constraint
 
 _ids = itertools.count()
 
@@ -67,6 +71,7 @@ class Sequence:
     draft_length: DraftLength | LookupLength = field(default_factory=DraftLength)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    constraint: Constraint | None = None  # set when params.structure is: the matcher its tokens must pass
 
     # ---- derived ----
     @property

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from agent.engine.constraint import ConstraintError
 from agent.engine.prefix_cache import PrefixCache
 from agent.engine.request import RequestHandle
-from agent.engine.sampler import sample
+from agent.engine.sampler import sample, sample_constrained
 from agent.engine.scheduler import Scheduler
 from agent.engine.sequence import FinishReason, Sequence
 from agent.engine.speculative import Speculation
@@ -112,8 +113,8 @@ class Stepper:
             seq.start_decoding()
             try:
                 self._accept(seq, self._sample(seq, logits[0, 0]), time.perf_counter())
-            except Exception:
-                self._fail_one(seq)
+            except Exception as e:
+                self._fail_one(seq, e)
 
     def _decode(self, idx: int, seqs: list[Sequence]) -> None:
         """One decode call over the pool's live slots [0:n]: a decoding sequence runs its one uncomputed token
@@ -121,7 +122,8 @@ class Stepper:
         pool = self.scheduler.kv.classes[idx]
         decoding = {s.seq_id: s for s in seqs}
         t0 = time.perf_counter()
-        drafts = {s.seq_id: self.spec.propose(s, len(seqs), pool.capacity) for s in seqs}
+        # no drafts for a constrained sequence: its verification would need a mask per drafted position
+        drafts = {s.seq_id: [] if s.constraint else self.spec.propose(s, len(seqs), pool.capacity) for s in seqs}
         # GQA needs room for the whole padded row in every slot: cached tokens + width <= capacity
         cached = [decoding[o].num_computed if o in decoding else max(pool.lengths[o], 1) for o in pool.owners]
         width = min(1 + max(len(d) for d in drafts.values()), pool.capacity - max(cached))
@@ -135,16 +137,20 @@ class Stepper:
         for s in seqs:
             try:
                 self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
-            except Exception:
-                self._fail_one(s)
+            except Exception as e:
+                self._fail_one(s, e)
 
-    def _fail_one(self, seq: Sequence) -> None:
+    def _fail_one(self, seq: Sequence, error: Exception) -> None:
         """End one request whose sampling or streaming failed, and only it: the others in the step are fine
-        (a penalty that overflows one request's logits ends that request, not every one in flight)."""
-        log.exception("request %d failed; ending it with an error", seq.seq_id)
+        (a penalty that overflows one request's logits ends that request, not every one in flight; so does a
+        grammar that reaches a dead end, whose message the client gets)."""
+        if isinstance(error, ConstraintError):
+            log.warning("request %d ended: %s", seq.seq_id, error)
+        else:
+            log.error("request %d failed; ending it with an error", seq.seq_id, exc_info=error)
         if seq in self.scheduler.running:
             self.scheduler.finish(seq, FinishReason.ERROR)
-        seq.finish(FinishReason.ERROR, "internal error")
+        seq.finish(FinishReason.ERROR, str(error) if isinstance(error, ConstraintError) else "internal error")
         if seq.seq_id in self.streams:
             self._finish_stream(seq)
 
@@ -165,10 +171,14 @@ class Stepper:
                 return
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
-        return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+        if seq.constraint is None:
+            return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+        return sample_constrained(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, seq.constraint)
 
     def _accept(self, seq: Sequence, token: int, now: float) -> None:
         """Append a sampled token, stream its text, and finish the request if it is done."""
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         seq.append_token(token, now)
         is_eos = token in self.eos_ids and not seq.params.ignore_eos
         stopped = self.streams[seq.seq_id].add_token(token, is_eos)

@@ -1076,13 +1076,9 @@ def test_an_unsupported_value_is_named_by_its_type_not_cut_mid_json(tiny):
     """Found by an outside probe: refused values were cut at 60 characters with no ellipsis, so LangChain's
     structured output read '… {"name": "r", "strict is not supported' and its user blamed `strict`."""
     http = tiny.http()
-    schema = {"type": "json_schema", "json_schema": {"name": "r", "strict": True, "schema": {
-        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     cases = [
-        ({"response_format": schema}, "response_format",
-         "response_format type 'json_schema' is not supported by this server (only null or {\"type\": \"text\"})"),
         ({"tools": [tool]}, "tools", "tools of type 'function' is not supported by this server (only null or [])"),
         ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
          "tool_choice type 'function' is not supported by this server (only null or \"none\" or \"auto\")"),
