@@ -1,4 +1,5 @@
-"""llama.cpp side of bench/quality.py: quantize a GGUF, or dump a GGUF's logits over given token ids.
+"""llama.cpp side of bench/quality.py and bench/tps.py: quantize a GGUF, dump a GGUF's logits over given token
+ids, or tokenize a text with a GGUF's tokenizer.
 
 Runs only in the peer venv (.venv-peers, built by bench/setup_peers) so that the product venv never
 imports llama_cpp; bench/quality.py calls it as a subprocess and reads back the files it writes. It
@@ -6,6 +7,7 @@ imports nothing from the product, only llama_cpp and numpy.
 
 Run: .venv-peers/bin/python bench/_peers_llamacpp.py quantize F32.gguf OUT.gguf Q4_K_M [--threads 2]
      .venv-peers/bin/python bench/_peers_llamacpp.py logits MODEL.gguf IDS.npy OUT.npy [--threads 2]
+     .venv-peers/bin/python bench/_peers_llamacpp.py tokenize MODEL.gguf TEXT.txt OUT.npy
 """
 from __future__ import annotations
 
@@ -50,6 +52,18 @@ def logits(model: str, ids_path: str, out: str, threads: int) -> dict:
     return {"tokens": len(ids), "vocab": llm.n_vocab(), "llama_cpp": llama_cpp.__version__}
 
 
+def tokenize(model: str, text_path: str, out: str) -> dict:
+    """The text's ids int32 [T] by the GGUF's own tokenizer, with BOS first when the GGUF asks for one
+    (tokenizer.ggml.add_bos_token; llama.cpp's add_bos=True means "if the model wants it"). Special tokens
+    written in the text stay text, as quantize.package.encode keeps them."""
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()
+    llm = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+    np.save(out, np.array(ids, dtype=np.int32))
+    return {"tokens": len(ids), "llama_cpp": llama_cpp.__version__}
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -57,14 +71,18 @@ def main(argv: list[str]) -> None:
     q.add_argument("src"), q.add_argument("dst"), q.add_argument("ftype")
     lg = sub.add_parser("logits")
     lg.add_argument("model"), lg.add_argument("ids"), lg.add_argument("out")
-    for s in (q, lg):
+    tk = sub.add_parser("tokenize")
+    tk.add_argument("model"), tk.add_argument("text"), tk.add_argument("out")
+    for s in (q, lg, tk):
         s.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     if a.command == "quantize":
         result = quantize(a.src, a.dst, a.ftype, a.threads)
+    elif a.command == "tokenize":
+        result = tokenize(a.model, a.text, a.out)
     else:
         result = logits(a.model, a.ids, a.out, a.threads)
-    print(json.dumps(result))  # the last stdout line is the result bench/quality.py reads
+    print(json.dumps(result))  # the last stdout line is the result the benchmarks read
 
 
 if __name__ == "__main__":
