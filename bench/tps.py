@@ -48,6 +48,7 @@ from benchdocs import replace_section  # noqa: E402
 from benchmodels import DEFAULT, MODELS, BenchModel, token_ids  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+CACHE = MODELS[DEFAULT].cache  # SmolLM2's artifacts, which the other benchmarks build on
 DOCS = REPO / "docs" / "benchmarks.md"
 PRODUCT_PYTHON = REPO / ".venv" / "bin" / "python"
 PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
@@ -305,7 +306,7 @@ def builders(model: BenchModel, source: Path, threads: int) -> dict[str, Callabl
     }
 
 
-def build_artifacts(model: BenchModel, source: Path, threads: int, rebuild: bool) -> dict[str, Path]:
+def build_artifacts(source: Path, threads: int, rebuild: bool, model: BenchModel = MODELS[DEFAULT]) -> dict[str, Path]:
     cache = model.cache
     cache.mkdir(parents=True, exist_ok=True)
     paths = {"source.gguf": source}
@@ -324,7 +325,7 @@ def build_artifacts(model: BenchModel, source: Path, threads: int, rebuild: bool
     return paths
 
 
-def prompt_ids_file(model: BenchModel, source: Path) -> Path:
+def prompt_ids_file(source: Path, model: BenchModel = MODELS[DEFAULT]) -> Path:
     path = model.cache / "prompt_ids.npy"
     if not path.exists():
         token_ids(source, REPO / "quantize" / "data" / "eval_en.txt", path)
@@ -502,8 +503,8 @@ def main(argv: list[str]) -> None:
     t0 = time.monotonic()
     model = MODELS[a.model]
     source = model.source()
-    paths = build_artifacts(model, source, a.threads, a.rebuild)
-    ids_path = prompt_ids_file(model, source)
+    paths = build_artifacts(source, a.threads, a.rebuild, model)
+    ids_path = prompt_ids_file(source, model)
     rows = [Row(e, weight_bytes(paths[e.artifact])) for e in ENGINES[model.name]]
     bandwidth = memory_bandwidth_bytes_per_s(a.threads)
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s (numpy copy, {a.threads} threads)", flush=True)
