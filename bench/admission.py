@@ -99,9 +99,9 @@ def main() -> int:
     if a.worker:
         print(json.dumps(worker(a.worker, a.bundle, a.budget_mb)))
         return 0
-    from quantize.bundled import bundled_gguf_path
+    from quantize.fetch import fetch
 
-    bundle = build_artifacts(bundled_gguf_path(), threads=2, rebuild=False)["ours-int4"]
+    bundle = build_artifacts(fetch("smollm2-135m-instruct"), threads=2, rebuild=False)["ours-int4"]
     repos = {f"this checkout ({git('rev-parse', '--short', 'HEAD')})": REPO}
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         if a.compare:

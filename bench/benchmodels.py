@@ -1,7 +1,7 @@
 """The models bench/quality.py and bench/tps.py run (`--model NAME`), one row each, and where their token ids
 come from.
 
-A row names the source GGUF (a function, so that a model is only looked for when it is benchmarked), the
+A row names the source GGUF (quantize.fetch's known model, looked up only when it is benchmarked), the
 quantization llama.cpp's file of it holds (its "source file" rows), the cache folder of its built artifacts
 and the docs section titles. SmolLM2 keeps the cache root and the section titles it had before there were
 other models, so its cached artifacts and docs sections stay valid.
@@ -25,25 +25,17 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_CACHE = Path.home() / ".cache" / "edge-llm" / "bench"
-MODELS_DIR = Path.home() / ".cache" / "edge-llm" / "models"
 PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 PEER_SCRIPT = Path(__file__).resolve().parent / "_peers_llamacpp.py"
 
 
-def bundled() -> Path:
-    sys.path.insert(0, str(REPO))
-    from quantize.bundled import bundled_gguf_path
-
-    return bundled_gguf_path()
-
-
-def cached_gguf(file_name: str) -> Callable[[], Path]:
-    """A GGUF already in ~/.cache/edge-llm/models (to be replaced by quantize.fetch.fetch(name) once it exists)."""
+def fetched(name: str) -> Callable[[], Path]:
+    """The GGUF of a quantize.fetch known model (a stat once it is cached)."""
     def path() -> Path:
-        p = MODELS_DIR / file_name
-        if not p.is_file():
-            raise SystemExit(f"{p} is missing: fetch the model first")
-        return p
+        sys.path.insert(0, str(REPO))
+        from quantize.fetch import fetch
+
+        return fetch(name)
     return path
 
 
@@ -73,10 +65,10 @@ class BenchModel:
 
 DEFAULT = "smollm2-135m"
 MODELS = {m.name: m for m in (
-    BenchModel(DEFAULT, "SmolLM2-135M-Instruct", bundled, "Q4_1", ""),
-    BenchModel("qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct",
-               cached_gguf("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), "Q4_K_M", "qwen2.5-0.5b"),
-    BenchModel("gemma3-270m", "Gemma 3 270M", cached_gguf("gemma-3-270m-q4_k_m.gguf"), "Q4_K_M", "gemma3-270m"),
+    BenchModel(DEFAULT, "SmolLM2-135M-Instruct", fetched("smollm2-135m-instruct"), "Q4_1", ""),
+    BenchModel("qwen2.5-0.5b", "Qwen2.5-Coder-0.5B-Instruct", fetched("qwen2.5-coder-0.5b-instruct"), "Q4_K_M",
+               "qwen2.5-0.5b"),
+    BenchModel("gemma3-270m", "Gemma 3 270M", fetched("gemma3-270m"), "Q4_K_M", "gemma3-270m"),
 )}
 
 
@@ -102,6 +94,6 @@ if __name__ == "__main__":
     for m in MODELS.values():
         try:
             where = str(m.source())
-        except SystemExit as e:
+        except Exception as e:  # noqa: BLE001 -- a listing: say what is missing and go on
             where = str(e)
         print(f"{m.name:14} {m.title:30} {m.source_quant:7} {where}")

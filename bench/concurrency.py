@@ -28,7 +28,7 @@ from agent.engine import engine as engine_module  # noqa: E402
 from agent.engine.engine import Engine  # noqa: E402
 from agent.engine.runner import open_runner  # noqa: E402
 from agent.engine.sampling_params import SamplingParams  # noqa: E402
-from quantize.bundled import bundled_gguf_path  # noqa: E402
+from quantize.fetch import fetch  # noqa: E402
 from quantize.evaluate import chunked_logits, log_softmax  # noqa: E402
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -235,7 +235,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    paths = build_artifacts(bundled_gguf_path(), 2, rebuild=False)
+    paths = build_artifacts(fetch("smollm2-135m-instruct"), 2, rebuild=False)
     bundle = open_bundle(paths["ours-int4"])
     lines = ["| streams | ours: aggregate tok/s | x 1 stream | per-stream decode tok/s (median) | ours, sleeping threads | "
              "ours, int8 KV cache | ours INT8 | GenAI static batch | ours / GenAI | int8 KV / GenAI | "
@@ -286,7 +286,7 @@ def main() -> int:
     lines += ["", "Quality as the batch runs: KL(fp32 || ours) and top-1 agreement with our fp32 graph over every "
               f"generated token of {max(QUALITY_STREAMS)} prompts (consecutive 128-token slices of eval_en.txt), "
               "128 greedy tokens each, run `streams` at a time, each scored on the tokens it produced.", ""]
-    lines += quality_table(paths, bundled_gguf_path())
+    lines += quality_table(paths, fetch("smollm2-135m-instruct"))
     report = "\n".join(lines)
     print(report)
     if args.write_docs:

@@ -26,7 +26,7 @@ from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.config import EngineConfig  # noqa: E402
 from agent.engine.engine import Engine  # noqa: E402
 from agent.engine.sampling_params import SamplingParams  # noqa: E402
-from quantize.bundled import bundled_gguf_path  # noqa: E402
+from quantize.fetch import fetch  # noqa: E402
 
 PEER_PYTHON = Path(__file__).parent.parent / ".venv-peers" / "bin" / "python"
 
@@ -154,7 +154,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
-    paths = build_artifacts(bundled_gguf_path(), 2, rebuild=False)
+    paths = build_artifacts(fetch("smollm2-135m-instruct"), 2, rebuild=False)
     cfg = EngineConfig(threads=2, memory_budget_mb=4096, max_context=2048, speculative_max_batch=1)
     rows = []
     for target, draft in (("ours-int4", None), ("ours-int8", "ours-int4")):

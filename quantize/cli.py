@@ -3,6 +3,7 @@
 Run: edge-quantize build SOURCE --precision int4 --out DIR
      edge-quantize eval BUNDLE --reference FP32_BUNDLE --text FILE [--json]
      edge-quantize inspect BUNDLE
+     edge-quantize fetch NAME | --list
 """
 from __future__ import annotations
 
@@ -240,6 +241,27 @@ def inspect(bundle, as_json):
         click.echo(f"file       {k} {v / 1e6:.1f} MB")
     if info["quality"]:
         click.echo("quality    " + ", ".join(f"{k}={v}" for k, v in info["quality"].items() if k != "text_sha256"))
+
+
+@cli.command("fetch")
+@click.argument("name", required=False)
+@click.option("--list", "as_list", is_flag=True, help="List the known models (also what no NAME does).")
+def fetch_(name, as_list):
+    """Print the cached path of a known model's GGUF, downloading and verifying it first if needed.
+
+    Example: edge-quantize build "$(edge-quantize fetch smollm2-135m-instruct)" --out bundles/smollm2-int4
+    """
+    from quantize.fetch import KNOWN_MODELS, describe, fetch
+
+    if as_list or name is None:
+        for known in KNOWN_MODELS:
+            click.echo(describe(known))
+        return
+    try:
+        path = fetch(name, progress=lambda s: click.echo(s, err=True))
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(path)
 
 
 def _interrupted(signum, frame) -> None:

@@ -28,6 +28,7 @@ SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, 
 KEPT_BLOCK_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors: read into the geometry
+LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's, likewise
 IGNORED_SUFFIXES = (".attn_rot_embd",)  # old converters' RoPE inverse frequencies: recomputed from rope_theta
 
 
@@ -119,7 +120,7 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
         rms_norm_eps=_real("layer_norm_rms_epsilon", _field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch.qkv_bias,
-        rope_freq_factors=_rope_factors(reader, a, head_dim, path),
+        **_rope_scaling(reader, a, head_dim, path),
         **_variant(reader, arch, hidden, head_dim, layers),
     )
 
@@ -130,7 +131,7 @@ def _variant(reader: GGUFReader, arch: Architecture, hidden: int, head_dim: int,
     a = arch.key_prefix
     window = _field(reader, a + "attention.sliding_window", None)
     numbers = {
-        "rotary_dim": _bounded("rope.dimension_count", _field(reader, a + "rope.dimension_count", head_dim), head_dim),
+        "rotary_dim": _rotary_dim(reader, a, head_dim),
         "embedding_multiplier": hidden ** 0.5 if arch.embedding_scale_sqrt_hidden
         else _real("embedding_scale", _field(reader, a + "embedding_scale", 1.0)),
         "attention_scale": None if (s := _field(reader, a + "attention.scale", None)) is None
@@ -149,6 +150,29 @@ def _variant(reader: GGUFReader, arch: Architecture, hidden: int, head_dim: int,
     if numbers["rotary_dim"] == head_dim:
         numbers["rotary_dim"] = None
     return numbers
+
+
+def _rotary_dim(reader: GGUFReader, a: str, head_dim: int) -> int:
+    return _bounded("rope.dimension_count", _field(reader, a + "rope.dimension_count", head_dim), head_dim)
+
+
+def _rope_scaling(reader: GGUFReader, a: str, head_dim: int, path: Path) -> dict:
+    """rope_freq_factors (and LongRoPE's rope_attention_factor) as llama.cpp reads them: Phi-3's short and long
+    factor tensors, else the scaling type, factor and Llama 3's rope_freqs (see _rope_factors)."""
+    half = _rotary_dim(reader, a, head_dim) // 2
+    tensors = {t.name: t for t in reader.tensors if t.name in LONGROPE}
+    if not tensors:
+        return {"rope_freq_factors": _rope_factors(reader, a, half * 2, path)}
+    if len(tensors) != 2:
+        raise CheckpointError(f"{path}: LongRoPE needs both {' and '.join(LONGROPE)}")
+    short, long = (_tensor_rows(tensors[n], path)[0].reshape(-1).tolist() for n in LONGROPE)
+    original = _bounded("rope.scaling.original_context_length",
+                        _field(reader, a + "rope.scaling.original_context_length"), 1 << 20)
+    context = _bounded("context_length", _field(reader, a + "context_length", 2048), 1 << 20)
+    factor = _field(reader, a + "rope.scaling.attn_factor", None)
+    factors, attention = rope.longrope(short, long, original, context, None if factor is None else
+                                       _real("rope.scaling.attn_factor", factor), half, str(path))
+    return {"rope_freq_factors": factors, "rope_attention_factor": attention}
 
 
 def _rope_factors(reader: GGUFReader, a: str, head_dim: int, path: Path) -> rope.Factors:
@@ -235,7 +259,7 @@ def _load(path: Path) -> Checkpoint:
     weights: dict[str, np.ndarray] = {}
     blocks: dict[str, SourceBlocks] = {}
     for t in reader.tensors:
-        if t.name == ROPE_FREQS or t.name.endswith(IGNORED_SUFFIXES):
+        if t.name in (ROPE_FREQS, *LONGROPE) or t.name.endswith(IGNORED_SUFFIXES):
             continue
         names = hf_names(arch, t.name)
         if names is None:  # a bias, say: building the model without it would give a wrong model, silently

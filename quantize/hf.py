@@ -175,7 +175,7 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
         head_dim = int(config.get("head_dim") or hidden // heads)  # Mistral configs may write head_dim: null
         rotary_dim = _rotary_dim(config, head_dim, where)
         layer_type = "full_attention" if arch.swa_period and _per_layer_rope(config) else None
-        rope_theta, rope_factors = rope.hf_rope(config, rotary_dim or head_dim, where, layer_type)
+        rope_theta, rope_factors, attention = rope.hf_rope(config, rotary_dim or head_dim, where, layer_type)
         geometry = Geometry(
             architecture=arch.name,
             vocab_size=int(config["vocab_size"]),
@@ -192,6 +192,7 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or not has_lm_head,
             attention_bias=arch.qkv_bias,
             rope_freq_factors=rope_factors,
+            rope_attention_factor=attention,
             rotary_dim=rotary_dim,
             **_sliding_window(config, arch, layers, folder),
             **_variant(config, arch, hidden, layers, head_dim, where),

@@ -48,9 +48,9 @@ def tiny_fp32_bundle(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
-    from quantize.bundled import bundled_gguf_path
+    from quantize.fetch import fetch
 
-    return bundled_gguf_path()
+    return fetch("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
@@ -88,6 +88,47 @@ def real_q4_bundle(real_checkpoint, tmp_path_factory):
 
     return build_bundle(real_checkpoint, QuantSpec(precision="int4", keep_source_quant=True),
                         tmp_path_factory.mktemp("real") / "q4", name="smollm2", progress=lambda s: None)
+
+
+@pytest.fixture(scope="session")
+def real_arch_checkpoint():
+    """name -> the Checkpoint of a known real model (quantize.fetch), each read once per session."""
+    from quantize.checkpoint import load_checkpoint
+    from quantize.fetch import fetch
+
+    loaded: dict = {}
+
+    def load(name: str):
+        if name not in loaded:
+            loaded[name] = load_checkpoint(fetch(name))
+        return loaded[name]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def real_arch_bundle(real_arch_checkpoint, tmp_path_factory):
+    """(name, precision) -> a bundle of a known real model, each built once per session. INT8 and INT4 use the
+    block search without calibration: fast, and not what these tests check (GPTQ's tests use SmolLM2)."""
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    built: dict = {}
+
+    def build(name: str, precision: str = "fp32"):
+        if (name, precision) not in built:
+            spec = QuantSpec(precision=precision, method="search") if precision != "fp32" else QuantSpec()
+            out = tmp_path_factory.mktemp("real_arch") / f"{name}-{precision}"
+            built[name, precision] = build_bundle(real_arch_checkpoint(name), spec, out, name=name,
+                                                  progress=lambda s: None)
+        return built[name, precision]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def real_arch_fp32_bundle(real_arch_bundle):
+    return lambda name: real_arch_bundle(name, "fp32")
 
 
 # ---- figures: what a reliability test measured, printed at the end of every run --------------------------------

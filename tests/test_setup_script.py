@@ -1,4 +1,4 @@
-"""The README's set-up step (.ci/setup) on a machine whose Python is too old for our dependencies."""
+"""The README's set-up step (.ci/setup): a Python too old for our dependencies, and the models it fetches."""
 from __future__ import annotations
 
 import os
@@ -26,3 +26,13 @@ def test_setup_names_a_python_too_old_instead_of_failing_inside_pip(tmp_path):
     assert r.returncode == 1, r
     assert "needs Python 3.11 or newer (python3 is Python 3.10.12)" in r.stderr, r.stderr
     assert not (tmp_path / ".venv").exists()
+
+
+def test_setup_fetches_every_known_model():
+    """The real-model tests (tests/quantize/test_fetch.py) take them from the cache .ci/setup fills."""
+    from quantize.fetch import KNOWN_MODELS
+
+    setup = (REPO / ".ci" / "setup").read_text()
+    line = next(line for line in setup.splitlines() if line.startswith("for model in "))
+    assert line.removeprefix("for model in ").removesuffix("; do").split() == list(KNOWN_MODELS)
+    assert ".venv/bin/python -m quantize.fetch \"$model\"" in setup

@@ -185,6 +185,41 @@ def test_openai_client_chat_and_stream_on_real_model(real):
     assert "Paris" in text
 
 
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@contextmanager
+def serving_real_arch(bundle):
+    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=4096, max_context=1024))
+    engine.start()
+    try:
+        with serving(bundle, engine) as served:
+            yield served
+    finally:
+        engine.stop()
+
+
+@pytest.mark.real_model
+def test_openai_client_chat_and_stream_on_qwen_int4(real_arch_bundle):
+    """The second chat model: Qwen2.5-Coder's INT4 bundle answers a coding question, whole and streamed."""
+    with serving_real_arch(real_arch_bundle(QWEN, "int4")) as served:
+        question = [{"role": "user", "content": "Write a Python function add(a, b) that returns a + b."}]
+        text = check_chat_and_stream(served.openai(), QWEN, question, 48)
+    assert "def add" in text
+
+
+@pytest.mark.real_model
+def test_gemma_base_completes_text_and_refuses_chat_with_a_clear_error(real_arch_bundle):
+    """Gemma 3 270M is a base model with no chat template: completions work, chat is a 400 naming why."""
+    with serving_real_arch(real_arch_bundle("gemma3-270m", "int4")) as served:
+        client = served.openai()
+        done = client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=8,
+                                         temperature=0)
+        assert done.usage.completion_tokens > 0 and "Paris" in done.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="gemma3-270m", messages=USER_HI, max_tokens=4)
+
+
 # ---- load: 32 concurrent streams -------------------------------------------------------------------------
 async def one_stream(client: httpx.AsyncClient, i: int) -> list[dict]:
     body = dict(model="tiny", messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=16, stream=True,

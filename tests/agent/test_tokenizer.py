@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.engine.tokenizer import REPLACEMENT_CHAR, StopChecker, TextTokenizer
-from quantize.bundled import bundled_gguf_path
+from quantize.fetch import fetch
 from quantize.checkpoint import TokenizerInfo
 from quantize.tokenizer import tokenizer_from_gguf
 
@@ -39,7 +39,7 @@ TEXT = st.text(alphabet=st.one_of(
 @pytest.fixture(scope="module")
 def smollm_info():
     # GGUFReader parses every metadata array element, seconds for a 49k vocabulary: read it once.
-    return tokenizer_from_gguf(gguf.GGUFReader(bundled_gguf_path()))
+    return tokenizer_from_gguf(gguf.GGUFReader(fetch("smollm2-135m-instruct")))
 
 
 @pytest.fixture(scope="module")

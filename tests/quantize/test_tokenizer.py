@@ -16,7 +16,7 @@ import gguf
 import pytest
 from tokenizers import Tokenizer
 
-from quantize.bundled import bundled_gguf_path
+from quantize.fetch import fetch
 from quantize.checkpoint import CheckpointError
 from quantize.tokenizer import PRE_TOKENIZERS, tokenizer_document, tokenizer_from_gguf, tokenizer_from_hf_folder
 
@@ -27,7 +27,7 @@ CASES = json.loads(REFERENCE.read_text(encoding="utf-8"))["cases"]
 @pytest.fixture(scope="module")
 def smollm_reader() -> gguf.GGUFReader:
     # GGUFReader parses every metadata array element, seconds for a 49k vocabulary: read it once.
-    return gguf.GGUFReader(bundled_gguf_path())
+    return gguf.GGUFReader(fetch("smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="module")

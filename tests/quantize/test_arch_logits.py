@@ -1,0 +1,76 @@
+"""Each architecture read as llama.cpp and transformers read it: the tiny fixtures of data/arch_logits/ (one
+model per architecture, as a GGUF and as a Hugging Face folder, with the logits llama.cpp and transformers
+computed on them) through our readers and fp32 graph, prefilled and then decoded through the KV cache."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from agent.engine.runner import ModelRunner
+from quantize.checkpoint import load_checkpoint
+from quantize.graph import build_graph
+from quantize.precision import QuantSpec
+
+DATA = Path(__file__).parent / "data" / "arch_logits"
+ARCHS = ["qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3"]
+# llama.cpp computes GELU through an fp16 table: Gemma's logits differ from exact GELU by ~1e-4 of their scale
+TOLERANCE = {"gemma3": 3e-4}
+
+
+def recorded(name: str) -> dict:
+    with np.load(DATA / name / "logits.npz") as z:
+        return dict(z)
+
+
+def our_logits(source: Path, ids: list[int], tmp_path: Path) -> np.ndarray:
+    ckpt = load_checkpoint(source)
+    g = ckpt.geometry
+    path = tmp_path / f"{source.name}.onnx"
+    onnx.save_model(build_graph(ckpt, QuantSpec())[0], str(path), save_as_external_data=True,
+                    location=path.name + ".data")
+    runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads=2)
+    cache = runner.new_cache(1, len(ids))
+    n = len(ids) // 2
+    out = [runner.forward(np.array([ids[:n]]), np.array([n - 1]), np.array([n]), np.arange(n)[None], cache)[0]]
+    for t in range(n, len(ids)):
+        out.append(runner.forward(np.array([[ids[t]]]), np.array([t]), np.array([1]), np.zeros((1, 1), np.int64),
+                                  cache)[0])
+    return np.concatenate(out)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request, tmp_path_factory):
+    name = request.param
+    ref = recorded(name)
+    ids = ref["token_ids"].tolist()
+    tmp = tmp_path_factory.mktemp(name)
+    return name, ref, our_logits(DATA / name / "model.gguf", ids, tmp), our_logits(DATA / name / "hf", ids, tmp)
+
+
+def llama_cpp_logits(name: str, ref: dict) -> np.ndarray:
+    """llama.cpp's logits at our graph's context: Phi-3's LongRoPE factors are the long ones past the original
+    context, and our graph is built for the model's whole context (4096 > 256)."""
+    return ref["logits_long"] if name == "phi3" else ref["logits"]
+
+
+def test_gguf_build_matches_llama_cpp(arch):
+    name, ref, from_gguf, _ = arch
+    assert rel_err(from_gguf, llama_cpp_logits(name, ref)) < TOLERANCE.get(name, 1e-4)
+
+
+def test_hf_build_matches_transformers(arch):
+    name, ref, _, from_hf = arch
+    expected = ref["logits_long_transformers"] if name == "phi3" else ref["logits_transformers"]
+    assert rel_err(from_hf, expected) < 1e-4
+
+
+def test_gguf_and_hf_builds_of_the_same_weights_agree(arch):
+    name, _, from_gguf, from_hf = arch
+    assert rel_err(from_gguf, from_hf) < 1e-5
