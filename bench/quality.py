@@ -313,6 +313,32 @@ def llamacpp_rows(ckpt: Checkpoint, model: BenchModel, source: Path, ids_path: P
     return rows, version
 
 
+# ---- onnxruntime-genai -------------------------------------------------------------------------------
+
+def genai_row(model: BenchModel, source: Path, ids_path: Path, ids: list[int], ref_lp: np.ndarray, work: Path,
+              threads: int) -> Row:
+    """GenAI's int4 (its builder from save_hf's folder of the same weights; bench/tps.py's cached artifact)."""
+    from tps import build_genai
+
+    path = model.cache / "genai-int4"
+    if not path.exists():
+        t0 = time.monotonic()
+        build_genai(model, source, path)
+        print(f"  genai-int4 built in {time.monotonic() - t0:.0f} s", flush=True)
+    out = work / "genai.logits.npy"
+    info = peer("genai-logits", str(path), str(ids_path), str(out), threads=threads)
+    logits = np.load(out, mmap_mode="r")
+    assert logits.shape == ref_lp.shape, (logits.shape, ref_lp.shape)
+    fig = figures(logit_chunks(logits), ref_lp, ids)
+    del logits
+    out.unlink()
+    size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
+    args = " ".join(model.genai_args)
+    print(f"  GenAI int4: mean KL {fig.mean_kl:.4f}", flush=True)
+    return Row("GenAI", "int4 (its builder)", FROM_FP32, size, fig,
+               f"onnxruntime-genai {info['onnxruntime_genai']} builder `{args}`; size is model.onnx + its data")
+
+
 # ---- report ------------------------------------------------------------------------------------------
 
 def table(rows: list[Row]) -> str:
@@ -406,6 +432,9 @@ def main(argv: list[str]) -> None:
         rows, ref_lp = onnx_rows(ckpt, CONFIGS_BY_MODEL[model.name], ids, calib_text, model.cache / "quality",
                                  a.threads, f"{model.name}-bench")
         peer_rows, version = llamacpp_rows(ckpt, model, source, ids_path, ids, ref_lp, Path(tmp), a.threads)
+        del ckpt
+        if not model.is_default:  # SmolLM2's table predates the GenAI row; tps.py has its speed
+            peer_rows.append(genai_row(model, source, ids_path, ids, ref_lp, Path(tmp), a.threads))
     rows += peer_rows
     report = "\n\n".join(x for x in (table(rows), goals(rows), notes(rows)) if x)
     minutes = (time.monotonic() - t0) / 60

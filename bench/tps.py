@@ -248,12 +248,31 @@ def build_ours(source: Path, out: Path, *flags: str) -> None:
     run_logged(cmd, out.with_name(out.name + ".log"))
 
 
+def flat_rope_for_genai(hf: Path) -> None:
+    """onnxruntime-genai 0.18's builder indexes config.rope_parameters["rope_type"] and reads
+    config.rope_local_base_freq, but transformers 5 turns a Gemma 3 config into one rope_parameters set per layer
+    type and keeps no rope_local_base_freq (the builder fails with KeyError: 'rope_type'). Give it both forms:
+    transformers reads the per-type sets, the builder the flat keys it copies to the top level. A peer's quirk,
+    so it is patched here and not written by save_hf."""
+    path = hf / "config.json"
+    config = json.loads(path.read_text())
+    glob, local = config["rope_theta"], config["rope_local_base_freq"]
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": glob, "rope_local_base_freq": local,
+                                 "full_attention": {"rope_type": "default", "rope_theta": glob},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    path.write_text(json.dumps(config, indent=2))
+
+
 def build_genai(model: BenchModel, source: Path, out: Path) -> None:
     """save_hf's folder -> onnxruntime_genai.models.builder int4 cpu (in the peer venv)."""
     from quantize.checkpoint import load_checkpoint
     from quantize.hf import save_hf
 
-    hf = save_hf(load_checkpoint(source), model.cache / "hf-f32")
+    ckpt = load_checkpoint(source)
+    hf = save_hf(ckpt, model.cache / "hf-f32")
+    del ckpt
+    if json.loads((hf / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]:
+        flat_rope_for_genai(hf)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     run_logged([str(PEER_PYTHON), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp),
