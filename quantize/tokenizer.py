@@ -1,12 +1,13 @@
 """Rebuild a checkpoint's tokenizer as one `tokenizers` JSON document, from a GGUF file or a HF folder.
 
-A GGUF stores a byte-level BPE tokenizer as data: the vocabulary, the merges, a type per token and the
-name of a llama.cpp pre-tokenizer (`tokenizer.ggml.pre`). Only the name travels, so the split regexes
-for each supported name are kept here, transcribed from llama.cpp's `src/llama-vocab.cpp`
-(`llm_tokenizer_bpe`). llama.cpp applies its regexes one after another, each splitting the pieces left by
-the one before and keeping the text between matches as pieces too: that is a chain of `Split(...,
-"isolated")` pre-tokenizers followed by a regex-free ByteLevel. The result is checked token-for-token
-against llama.cpp in tests/quantize/test_tokenizer.py.
+A GGUF names its tokenizer in `tokenizer.ggml.model`: "gpt2" (byte-level BPE, built here) or "llama"
+(SentencePiece-style, built by quantize/spm_tokenizer.py). A GGUF stores a byte-level BPE tokenizer as
+data: the vocabulary, the merges, a type per token and the name of a llama.cpp pre-tokenizer
+(`tokenizer.ggml.pre`). Only the name travels, so the split regexes for each supported name are kept
+here, transcribed from llama.cpp's `src/llama-vocab.cpp` (`llm_tokenizer_bpe`). llama.cpp applies its
+regexes one after another, each splitting the pieces left by the one before and keeping the text between
+matches as pieces too: that is a chain of `Split(..., "isolated")` pre-tokenizers followed by a regex-free
+ByteLevel. The result is checked token-for-token against llama.cpp in tests/quantize/test_tokenizer.py.
 
 Convention for every TokenizerInfo made here: encode with `add_special_tokens=False` and prepend
 `bos_token_id` yourself when `add_bos_token` is true (a GGUF-built document has no post-processor, so
@@ -25,6 +26,7 @@ from gguf import GGUFReader, TokenType
 from tokenizers import Tokenizer
 
 from quantize.checkpoint import CheckpointError, TokenizerInfo
+from quantize.spm_tokenizer import spm_document
 
 # The GPT-2 split. HF's ByteLevel regex ends in a further `|\s+`; llama.cpp leaves it out because it
 # keeps unmatched text as pieces anyway, and a Split with "isolated" behaviour does the same.
@@ -59,7 +61,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "llama-bpe": _LLAMA3_PRE,
     "qwen2": PreTokenizer((_QWEN2,)),
 }
-SUPPORTED_MODELS = ("gpt2",)  # tokenizer.ggml.model: byte-level BPE only
+SUPPORTED_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model: byte-level BPE, SentencePiece-style
 
 # Chat markers that end an assistant turn. Many chat GGUFs name the base model's end-of-text token as
 # EOS (Qwen2 instruct: <|endoftext|>), while the chat template closes every turn with one of these; a
@@ -150,17 +152,35 @@ def _unique(ids) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
+def _gguf_document(reader: GGUFReader, model: str) -> tuple[dict, bool]:
+    """The document for the GGUF's tokenizer model, and add_bos_token's default when the key is missing."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
+    if model == "llama":
+        return _spm_document(reader, tokens, types), True  # llama.cpp adds BOS for SentencePiece by default
+    pre = pre_tokenizer_for(_field(reader, "tokenizer.ggml.pre"))
+    return tokenizer_document(tokens, _field(reader, "tokenizer.ggml.merges", []), types, pre), pre.add_bos_default
+
+
+def _spm_document(reader: GGUFReader, tokens: list[str], types: list[int]) -> dict:
+    """SentencePiece-style: llama.cpp ignores tokenizer.ggml.pre and merges, and adds the space prefix
+    unless tokenizer.ggml.add_space_prefix says not to."""
+    scores = _field(reader, "tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise CheckpointError("a 'llama' (SentencePiece) tokenizer needs tokenizer.ggml.scores, one per token")
+    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    return spm_document(tokens, scores, _added_tokens(tokens, types),
+                        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+                        unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None)
+
+
 def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerInfo:
     """The GGUF's tokenizer as a TokenizerInfo; CheckpointError when its model or pre type is unsupported."""
     model = _field(reader, "tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
         raise CheckpointError(f"unsupported tokenizer.ggml.model {model!r} "
                               f"(supported: {', '.join(SUPPORTED_MODELS)})")
-    pre = pre_tokenizer_for(_field(reader, "tokenizer.ggml.pre"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges", [])
-    types = _field(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
-    document = tokenizer_document(tokens, merges, types, pre)
+    document, add_bos_default = _gguf_document(reader, model)
     chat_template = _field(reader, "tokenizer.chat_template")
     special_ids = {t["content"]: t["id"] for t in document["added_tokens"] if t["special"]}
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -168,7 +188,7 @@ def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerInfo:
         tokenizer_json=_checked_json(document, "GGUF"),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_unique([*eos_ids, *_turn_end_ids(chat_template, special_ids)]),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", pre.add_bos_default)),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
         chat_template=chat_template,
     )
 

@@ -1,6 +1,9 @@
 """The tokenizer rebuilt from a GGUF must give llama.cpp's ids, and the HF-folder path must read its configs.
 
-Reference ids live in data/llamacpp_token_ids.json: llama-cpp-python (built by bench/setup_peers into
+Reference ids for the real models (Gemma 3 270M's SentencePiece vocabulary, also with the space prefix
+turned on; Qwen2.5-Coder's byte-level BPE with the qwen2 split) live in data/llamacpp_real_token_ids.json,
+written by tests/quantize/record_token_ids.py (its docstring says how to re-record). SmolLM2's live in
+data/llamacpp_token_ids.json: llama-cpp-python (built by bench/setup_peers into
 .venv-peers) ran `Llama(model_path=..., vocab_only=True).tokenize(text.encode(), add_bos=False,
 special=True)` on each text there. To re-record after changing the texts, run that call under
 .venv-peers/bin/python for every "text" and write the ids back with the version that produced them.
@@ -9,7 +12,10 @@ Run: .venv/bin/python -m pytest tests/quantize/test_tokenizer.py -q
 """
 from __future__ import annotations
 
+import functools
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -18,7 +24,9 @@ from tokenizers import Tokenizer
 
 from quantize.fetch import fetch
 from quantize.checkpoint import CheckpointError
-from quantize.tokenizer import PRE_TOKENIZERS, tokenizer_document, tokenizer_from_gguf, tokenizer_from_hf_folder
+from quantize.spm_tokenizer import decoder_json, normalizer_json
+from quantize.tokenizer import (PRE_TOKENIZERS, TokenizerInfo, tokenizer_document, tokenizer_from_gguf,
+                                tokenizer_from_hf_folder)
 
 REFERENCE = Path(__file__).parent / "data" / "llamacpp_token_ids.json"
 CASES = json.loads(REFERENCE.read_text(encoding="utf-8"))["cases"]
@@ -72,6 +80,108 @@ def test_special_ids_and_template(smollm_info):
     assert "<|im_start|>" in smollm_info.chat_template
 
 
+# ---- the real models: Gemma 3 270M (SentencePiece) and Qwen2.5-Coder 0.5B (byte-level BPE, qwen2) ----
+
+REAL = json.loads((Path(__file__).parent / "data" / "llamacpp_real_token_ids.json").read_text(encoding="utf-8"))
+TEXTS = REAL["texts"]
+REAL_MODELS = ["gemma3-270m", "qwen2.5-coder-0.5b-instruct"]
+# What TokenizerInfo must say. llama.cpp's own end-of-generation set is wider: it adds tokens by their
+# text alone (Gemma: <end_of_turn> 106 and </s> 212; Qwen: <|endoftext|> and the FIM markers), while
+# we add a turn end only when the chat template writes it, and Gemma 3 270M's GGUF has no template.
+SPECIAL = {
+    "gemma3-270m": {"bos": 2, "eos": (1,), "add_bos": True, "template_marker": None},
+    "qwen2.5-coder-0.5b-instruct": {"bos": 151643, "eos": (151645,), "add_bos": False,
+                                    "template_marker": "<|im_start|>"},
+}
+
+
+@dataclass(frozen=True)
+class RealModel:
+    name: str
+    reader: gguf.GGUFReader
+    info: TokenizerInfo
+    tokenizer: Tokenizer
+
+
+@pytest.fixture(scope="session")
+def load_real():
+    """name -> RealModel, each built once: reading Gemma's 262,144-token metadata alone takes ~10 s."""
+    @functools.cache
+    def load(name: str) -> RealModel:
+        reader = gguf.GGUFReader(fetch(name))
+        info = tokenizer_from_gguf(reader)
+        return RealModel(name, reader, info, Tokenizer.from_str(info.tokenizer_json))
+    return load
+
+
+@pytest.fixture(scope="session", params=REAL_MODELS)
+def real(request, load_real) -> RealModel:
+    return load_real(request.param)
+
+
+@pytest.fixture(scope="session")
+def gemma_space_prefix(load_real) -> Tokenizer:
+    """Gemma's vocabulary as a GGUF with add_space_prefix true would build it (Llama 2 style SentencePiece):
+    the flag changes only the normalizer and the decoder."""
+    document = json.loads(load_real("gemma3-270m").info.tokenizer_json)
+    document["normalizer"], document["decoder"] = normalizer_json(True), decoder_json(True)
+    return Tokenizer.from_str(json.dumps(document))
+
+
+def added_texts(tok: Tokenizer) -> list[str]:
+    return [t.content for t in tok.get_added_tokens_decoder().values()]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("text", TEXTS)
+def test_real_ids_match_llama_cpp(real, text):
+    assert real.tokenizer.encode(TEXTS[text], add_special_tokens=False).ids == REAL["models"][real.name]["ids"][text]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("text", TEXTS)
+def test_real_decode_inverts_encode(real, text):
+    ids = real.tokenizer.encode(TEXTS[text], add_special_tokens=False).ids
+    assert real.tokenizer.decode(ids, skip_special_tokens=False) == TEXTS[text]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("text", TEXTS)
+def test_space_prefix_ids_match_llama_cpp(gemma_space_prefix, text):
+    """A ▁ before every run of text, the first and each one after a control or user-defined token."""
+    want = REAL["models"]["gemma3-270m+space_prefix"]["ids"][text]
+    assert gemma_space_prefix.encode(TEXTS[text], add_special_tokens=False).ids == want
+
+
+@pytest.mark.real_model
+def test_space_prefix_is_dropped_when_decoding(gemma_space_prefix):
+    """Only the first prefix is dropped (as llama.cpp does), so texts with added tokens inside do not round-trip."""
+    added = added_texts(gemma_space_prefix)
+    plain = {name: t for name, t in TEXTS.items() if not any(a in t for a in added)}
+    decoded = {name: gemma_space_prefix.decode(gemma_space_prefix.encode(t, add_special_tokens=False).ids)
+               for name, t in plain.items()}
+    assert len(plain) >= 10 and decoded == plain
+
+
+@pytest.mark.real_model
+def test_real_special_ids(real):
+    expected, llama_cpp = SPECIAL[real.name], REAL["models"][real.name]["llama_cpp"]
+    assert real.info.bos_token_id == expected["bos"] == llama_cpp["bos"]
+    assert real.info.add_bos_token is expected["add_bos"] is llama_cpp["add_bos"]
+    assert real.info.eos_token_ids == expected["eos"]
+    assert real.info.eos_token_ids[0] == llama_cpp["eos"] and set(real.info.eos_token_ids) <= set(llama_cpp["eog"])
+    marker = expected["template_marker"]
+    assert real.info.chat_template is None if marker is None else marker in real.info.chat_template
+
+
+@pytest.mark.real_model
+def test_gemma_vocabulary_builds_in_seconds(load_real):
+    reader = load_real("gemma3-270m").reader
+    start = time.perf_counter()
+    tokenizer_from_gguf(reader)
+    assert time.perf_counter() - start < 20  # ~3 s: 514,847 merges derived from 262,144 tokens, then loaded once
+
+
 # ---- a tiny GGUF written in the test ----------------------------------------------------------------
 
 def byte_level_alphabet() -> list[str]:
@@ -109,8 +219,8 @@ def test_unsupported_pre_tokenizer_is_named(tmp_path):
 
 
 def test_unsupported_tokenizer_model_is_named(tmp_path):
-    reader = gguf.GGUFReader(write_tiny_gguf(tmp_path / "t.gguf", model="llama"))
-    with pytest.raises(CheckpointError, match="'llama'"):
+    reader = gguf.GGUFReader(write_tiny_gguf(tmp_path / "t.gguf", model="made-up-model"))
+    with pytest.raises(CheckpointError, match="'made-up-model'"):
         tokenizer_from_gguf(reader)
 
 
@@ -126,6 +236,62 @@ def test_tiny_gguf_merges_and_turn_end(tmp_path):
 def test_turn_end_needs_the_template(tmp_path):
     info = tokenizer_from_gguf(gguf.GGUFReader(write_tiny_gguf(tmp_path / "t.gguf")))
     assert info.eos_token_ids == (257,)
+
+
+SPM_BYTES = [f"<0x{b:02X}>" for b in range(256)]
+SPM_TOKENS = ["<unk>", "<s>", "</s>", *SPM_BYTES, "▁", "a", "b", "c", "ab", "bc", "▁a"]
+SPM_FIRST_PIECE = 3 + 256
+
+
+def write_tiny_spm_gguf(path: Path, add_space_prefix: bool | None = None, scores: bool = True) -> Path:
+    """A metadata-only SentencePiece GGUF. "ab" has the lower id but "bc" the better score."""
+    types = ([gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.BYTE] * 256
+             + [gguf.TokenType.NORMAL] * 6)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    writer.add_token_types(types)
+    if scores:
+        writer.add_token_scores([0.0] * SPM_FIRST_PIECE + [-1.0, -2.0, -3.0, -4.0, -9.0, -5.0, -6.0])
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def tiny_spm(tmp_path: Path, add_space_prefix: bool | None = None) -> tuple[TokenizerInfo, Tokenizer]:
+    info = tokenizer_from_gguf(gguf.GGUFReader(write_tiny_spm_gguf(tmp_path / "t.gguf", add_space_prefix)))
+    return info, Tokenizer.from_str(info.tokenizer_json)
+
+
+def test_tiny_spm_joins_the_best_scored_pair_first(tmp_path):
+    _, tok = tiny_spm(tmp_path, add_space_prefix=False)
+    assert tok.encode("abc", add_special_tokens=False).tokens == ["a", "bc"]  # not "ab" "c": "bc" scores higher
+    assert tok.encode("ab a", add_special_tokens=False).tokens == ["ab", "▁a"]
+
+
+def test_tiny_spm_writes_unknown_characters_as_bytes(tmp_path):
+    _, tok = tiny_spm(tmp_path, add_space_prefix=False)
+    ids = tok.encode("aé</s>", add_special_tokens=False).ids
+    assert [tok.id_to_token(i) for i in ids] == ["a", "<0xC3>", "<0xA9>", "</s>"]
+    assert tok.decode(ids, skip_special_tokens=False) == "aé</s>"
+
+
+def test_tiny_spm_space_prefix_defaults_on(tmp_path):
+    """llama.cpp's defaults for a SentencePiece GGUF without the keys: a space prefix, and BOS."""
+    info, tok = tiny_spm(tmp_path)
+    assert tok.encode("a</s>b", add_special_tokens=False).tokens == ["▁a", "</s>", "▁", "b"]
+    assert tok.decode(tok.encode("a b", add_special_tokens=False).ids) == "a b"
+    assert info.add_bos_token is True
+
+
+def test_spm_without_scores_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.scores"):
+        tokenizer_from_gguf(gguf.GGUFReader(write_tiny_spm_gguf(tmp_path / "t.gguf", scores=False)))
 
 
 # ---- a Hugging Face folder --------------------------------------------------------------------------
