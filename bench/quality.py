@@ -106,7 +106,11 @@ LARGE_CONFIGS = [
     OnnxConfig("int4 default (edge-quantize build --precision int4)", QuantSpec(precision="int4"), calibrated=True,
                int8_kv=True, goal="int4"),
 ]
-CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS, "gemma3-270m": LARGE_CONFIGS}
+# Qwen2.5-0.5B's embedding and lm_head are two tables of 136 M weights each: at 8 bits they put the default INT4
+# bundle over llama.cpp Q4_0's size (whose token_embd is Q4_0); this row takes both to 4 bits.
+SMALL_TABLES = OnnxConfig("int4 default + int4 embedding and lm_head", QuantSpec(precision="int4", embedding="int4",
+                                                                                  lm_head="int4"), calibrated=True)
+CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": [*LARGE_CONFIGS, SMALL_TABLES], "gemma3-270m": LARGE_CONFIGS}
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
 LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]
 
