@@ -130,7 +130,11 @@ LARGE_GOALS = [
     Goal("INT4 TTFT-512 <= 0.8x llama.cpp Q4_0", "ttft512", "ttft_ms", "llama.cpp Q4_0", 0.8, False),
     Goal("INT4 peak RSS @1024 <= llama.cpp Q4_K_M", "rss", "peak_rss_mb", "llama.cpp Q4_K_M (source GGUF)", 1.0, False),
 ]
-ENGINES = {DEFAULT: SMOLLM2_ENGINES, "qwen2.5-0.5b": LARGE_ENGINES, "gemma3-270m": LARGE_ENGINES}
+# Qwen2.5-0.5B's default INT4 is over llama.cpp Q4_0's size (bench/quality.py): the smaller recipe runs too
+SMALL_QWEN_CONFIG = "int4 + int4 embedding and lm_head + int8 down_proj"
+ENGINES = {DEFAULT: SMOLLM2_ENGINES, "gemma3-270m": LARGE_ENGINES,
+           "qwen2.5-0.5b": [*LARGE_ENGINES[:3], Engine("ours " + SMALL_QWEN_CONFIG, "ours", "ours-int4-small"),
+                            *LARGE_ENGINES[3:]]}
 GOALS = {DEFAULT: SMOLLM2_GOALS, "qwen2.5-0.5b": LARGE_GOALS, "gemma3-270m": LARGE_GOALS}
 
 
@@ -293,14 +297,14 @@ def build_q4_0(model: BenchModel, source: Path, out: Path, threads: int) -> None
     f32.unlink()
 
 
-def quality_bundle(model: BenchModel, source: Path, goal: str, threads: int) -> Callable[[Path], None]:
-    """A builder that makes (or finds) bench/quality.py's cached bundle for its `goal` config ("int4", "int8":
-    the `edge-quantize build --precision ...` defaults) and links the artifact path to it."""
+def quality_bundle(model: BenchModel, source: Path, config: str, threads: int) -> Callable[[Path], None]:
+    """A builder that makes (or finds) bench/quality.py's cached bundle for one of its configs (by goal, "int4"
+    or "int8": the `edge-quantize build --precision ...` defaults, or by label) and links the artifact path to it."""
     def build(path: Path) -> None:
         from quality import CONFIGS_BY_MODEL, build as quality_build
         from quantize.checkpoint import load_checkpoint
 
-        cfg = next(c for c in CONFIGS_BY_MODEL[model.name] if c.goal == goal)
+        cfg = next(c for c in CONFIGS_BY_MODEL[model.name] if config in (c.goal, c.label))
         calib = (REPO / "quantize" / "data" / "calib_en.txt").read_text()
         bundle, note = quality_build(load_checkpoint(source), cfg, model.cache / "quality", calib, threads,
                                      f"{model.name}-bench")
@@ -314,8 +318,10 @@ def builders(model: BenchModel, source: Path, threads: int) -> dict[str, Callabl
     common = {"genai-int4": lambda p: build_genai(model, source, p),
               "q4_0.gguf": lambda p: build_q4_0(model, source, p, threads)}
     if not model.is_default:
+        small = {"ours-int4-small": quality_bundle(model, source, SMALL_QWEN_CONFIG, threads)} \
+            if model.name == "qwen2.5-0.5b" else {}
         return {"ours-int4": quality_bundle(model, source, "int4", threads),
-                "ours-int8": quality_bundle(model, source, "int8", threads), **common}
+                "ours-int8": quality_bundle(model, source, "int8", threads), **small, **common}
     return {
         "ours-int4": lambda p: build_ours(source, p, "--precision", "int4"),
         "ours-int8": lambda p: build_ours(source, p, "--precision", "int8"),
