@@ -400,6 +400,8 @@ def docs_section(model: BenchModel, source: Path, report: str, command: str, whe
                  minutes: float, n_tokens: int, text: str) -> str:
     what = f"the bundled {model.title} {model.source_quant} GGUF" if model.is_default \
         else f"{model.title}, `{source.name}`"
+    genai = "" if model.is_default else (" GenAI's row is onnxruntime-genai's own builder (int4, cpu) run on the HF "
+                                         "folder quantize.hf.save_hf writes of the same weights.")
     return f"""{model.docs_title("Quality", "bench/quality.py")}
 
 Quality of each quantization against our fp32 graph of the same weights ({what}, dequantized), over
@@ -409,8 +411,9 @@ quantize an F32 GGUF of the same weights with `llama_model_quantize` (its defaul
 the noise floor between the two runtimes. Both quantize activations too: our int rows run MatMulNBits with the
 spec's accuracy_level (4 by default: int8 per block), llama.cpp's quantized types take Q8 activations.
 "Kept source quant" rows keep the GGUF's own {model.source_quant} blocks, whose dequantized values *are* the
-fp32 weights here, so they are not comparable with quantizing from fp32; llama.cpp on the source file against
-our fp32 graph is the check that our graph computes the architecture as llama.cpp does.
+fp32 weights here, so they are not comparable with quantizing from fp32. llama.cpp on the F32 file against our
+fp32 graph is the check that our graph computes the architecture as llama.cpp does (the same weights, no
+quantization); on the source file it adds llama.cpp's Q8 rounding of activations.{genai}
 
 Command: `{command}`
 Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
