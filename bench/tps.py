@@ -132,8 +132,10 @@ LARGE_GOALS = [
 ]
 # Qwen2.5-0.5B's default INT4 is over llama.cpp Q4_0's size (bench/quality.py): the smaller recipe runs too
 SMALL_QWEN_CONFIG = "int4 + int4 embedding and lm_head + int8 down_proj"
+# (ours INT8 is left out for Qwen: at EngineConfig's default memory_budget_mb its 735 MB bundle leaves the KV
+# cache 512 tokens, and the engine refuses the 512-token prompt: "this model's context holds 512")
 ENGINES = {DEFAULT: SMOLLM2_ENGINES, "gemma3-270m": LARGE_ENGINES,
-           "qwen2.5-0.5b": [*LARGE_ENGINES[:3], Engine("ours " + SMALL_QWEN_CONFIG, "ours", "ours-int4-small"),
+           "qwen2.5-0.5b": [*LARGE_ENGINES[:2], Engine("ours " + SMALL_QWEN_CONFIG, "ours", "ours-int4-small"),
                             *LARGE_ENGINES[3:]]}
 GOALS = {DEFAULT: SMOLLM2_GOALS, "qwen2.5-0.5b": LARGE_GOALS, "gemma3-270m": LARGE_GOALS}
 
