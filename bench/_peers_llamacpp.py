@@ -1,11 +1,14 @@
-"""llama.cpp side of bench/quality.py: quantize a GGUF, or dump a GGUF's logits over given token ids.
+"""Peer side of bench/quality.py and bench/tps.py: quantize a GGUF, dump a GGUF's logits over given token ids
+(llama.cpp) or an onnxruntime-genai model's, or tokenize a text with a GGUF's tokenizer.
 
 Runs only in the peer venv (.venv-peers, built by bench/setup_peers) so that the product venv never
-imports llama_cpp; bench/quality.py calls it as a subprocess and reads back the files it writes. It
-imports nothing from the product, only llama_cpp and numpy.
+imports llama_cpp or onnxruntime_genai; bench/quality.py calls it as a subprocess and reads back the files it
+writes. It imports nothing from the product, only the peer packages and numpy.
 
 Run: .venv-peers/bin/python bench/_peers_llamacpp.py quantize F32.gguf OUT.gguf Q4_K_M [--threads 2]
      .venv-peers/bin/python bench/_peers_llamacpp.py logits MODEL.gguf IDS.npy OUT.npy [--threads 2]
+     .venv-peers/bin/python bench/_peers_llamacpp.py tokenize MODEL.gguf TEXT.txt OUT.npy
+     .venv-peers/bin/python bench/_peers_llamacpp.py genai-logits GENAI_DIR IDS.npy OUT.npy [--threads 2]
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import numpy as np
 # n_batch / n_ubatch: llama.cpp evaluates the ids in chunks of this many tokens, one KV cache across
 # chunks, like quantize.evaluate.CHUNK_TOKENS (256) does for the ONNX graphs.
 CHUNK_TOKENS = 256
+GENAI_MIN_LENGTH = 1024
 
 
 def quantize(src: str, dst: str, ftype_name: str, threads: int) -> dict:
@@ -50,6 +54,43 @@ def logits(model: str, ids_path: str, out: str, threads: int) -> dict:
     return {"tokens": len(ids), "vocab": llm.n_vocab(), "llama_cpp": llama_cpp.__version__}
 
 
+def genai_logits(model: str, ids_path: str, out: str, threads: int) -> dict:
+    """Full-vocabulary logits float32 [T, V] of an onnxruntime-genai model folder at every position of the ids,
+    appended CHUNK_TOKENS at a time to one generator (one KV cache), saved to out."""
+    import onnxruntime_genai as og
+
+    ids = np.load(ids_path).astype(np.int32)
+    config = og.Config(model)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    m = og.Model(config)
+    params = og.GeneratorParams(m)
+    # GenAI's windowed attention wants a cache at least as long as the window (Gemma 3: 512)
+    params.set_search_options(max_length=max(len(ids) + 1, GENAI_MIN_LENGTH), do_sample=False)
+    gen = og.Generator(m, params)
+    parts = []
+    for start in range(0, len(ids), CHUNK_TOKENS):
+        part = ids[start:start + CHUNK_TOKENS]
+        gen.append_tokens(part)
+        logits = np.asarray(gen.get_output("logits"), dtype=np.float32)  # [1, n, V]
+        if logits.shape[1] != len(part):
+            raise SystemExit(f"{model}: logits for {logits.shape[1]} positions after appending {len(part)} tokens")
+        parts.append(logits[0])
+    np.save(out, np.concatenate(parts))
+    return {"tokens": len(ids), "vocab": parts[0].shape[-1], "onnxruntime_genai": og.__version__}
+
+
+def tokenize(model: str, text_path: str, out: str) -> dict:
+    """The text's ids int32 [T] by the GGUF's own tokenizer, with BOS first when the GGUF asks for one
+    (tokenizer.ggml.add_bos_token; llama.cpp's add_bos=True means "if the model wants it"). Special tokens
+    written in the text stay text, as quantize.package.encode keeps them."""
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()
+    llm = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+    np.save(out, np.array(ids, dtype=np.int32))
+    return {"tokens": len(ids), "llama_cpp": llama_cpp.__version__}
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -57,14 +98,22 @@ def main(argv: list[str]) -> None:
     q.add_argument("src"), q.add_argument("dst"), q.add_argument("ftype")
     lg = sub.add_parser("logits")
     lg.add_argument("model"), lg.add_argument("ids"), lg.add_argument("out")
-    for s in (q, lg):
+    tk = sub.add_parser("tokenize")
+    tk.add_argument("model"), tk.add_argument("text"), tk.add_argument("out")
+    gl = sub.add_parser("genai-logits")
+    gl.add_argument("model"), gl.add_argument("ids"), gl.add_argument("out")
+    for s in (q, lg, tk, gl):
         s.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     if a.command == "quantize":
         result = quantize(a.src, a.dst, a.ftype, a.threads)
+    elif a.command == "tokenize":
+        result = tokenize(a.model, a.text, a.out)
+    elif a.command == "genai-logits":
+        result = genai_logits(a.model, a.ids, a.out, a.threads)
     else:
         result = logits(a.model, a.ids, a.out, a.threads)
-    print(json.dumps(result))  # the last stdout line is the result bench/quality.py reads
+    print(json.dumps(result))  # the last stdout line is the result the benchmarks read
 
 
 if __name__ == "__main__":

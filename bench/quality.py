@@ -1,28 +1,34 @@
 """What each quantization costs in quality, ours against llama.cpp's, from the same fp32 weights.
 
-The bundled SmolLM2-135M-Instruct GGUF is read into a Checkpoint; its dequantized weights are "the fp32
-weights". Our side builds an ONNX bundle per entry of CONFIGS; llama.cpp's side gets an F32 GGUF of the
-same weights (written here with gguf's GGUFWriter) and quantizes it with llama_model_quantize to each of
-LLAMACPP_FTYPES. Every model then runs over the evaluation text (the same token ids, 256-token chunks
+A benchmark model's GGUF (bench/benchmodels.py: the bundled SmolLM2-135M-Instruct by default, or
+`--model qwen2.5-0.5b` / `gemma3-270m`) is read into a Checkpoint; its dequantized weights are "the fp32
+weights". Our side builds an ONNX bundle per entry of the model's configs (cached per model and spec in
+~/.cache/edge-llm/bench); llama.cpp's side gets an F32 GGUF of the same weights (written here with gguf's
+GGUFWriter, tensor names and Q/K row order by the architecture's row of quantize.architectures) and
+quantizes it with llama_model_quantize to each of LLAMACPP_FTYPES. Every model then runs over the evaluation text (the same token ids, 256-token chunks
 through one KV cache) and is scored against our fp32 graph's logits with quantize.evaluate's
 definitions: mean and p99 of KL(fp32 || model) per position, top-1 agreement, and perplexity. The F32
-GGUF row is the floor: how far llama.cpp and our fp32 graph differ with no quantization at all.
+GGUF row is the floor: how far llama.cpp and our fp32 graph differ with no quantization at all; the source
+file's row (llama.cpp on the GGUF we read) is the proof that our graph computes that architecture.
+Token ids are llama.cpp's tokenization of the text (bench/benchmodels.token_ids), BOS first when the GGUF
+asks for it.
 
 llama.cpp runs in the peer venv (bench/setup_peers) through bench/_peers_llamacpp.py, so this process
-never imports llama_cpp; logits come back as .npy files. Keeping the GGUF's own Q4_1 blocks (ours and
+never imports llama_cpp; logits come back as .npy files. Keeping the GGUF's own blocks (ours and
 llama.cpp's) is reported apart: it is not quantization from fp32, and the fp32 weights are those blocks.
 
-Run: .venv/bin/python bench/quality.py [--text FILE] [--threads 2] [--write-docs]   # ~3 min on 2 cores
+Run: .venv/bin/python bench/quality.py [--model smollm2-135m] [--text FILE] [--threads 2] [--write-docs]
+     # SmolLM2 ~3 min on 2 cores; the 0.5B-class models take longer (GPTQ builds, a larger vocabulary)
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import inspect
 import json
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,26 +40,24 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchdocs
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchdocs, benchmodels
 from benchdocs import replace_section  # noqa: E402
+from benchmodels import DEFAULT, MODELS, PEER_PYTHON, BenchModel, peer, token_ids  # noqa: E402
 
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
 
 from agent import wire  # noqa: E402
+from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.engine.runner import open_runner  # noqa: E402
-from quantize.fetch import fetch  # noqa: E402
+from quantize.architectures import GLOBAL_NAMES, Architecture, by_name  # noqa: E402
 from quantize.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa: E402
-from quantize.architectures import GLOBAL_NAMES, LLAMA_BLOCK as LAYER_NAMES  # noqa: E402
 from quantize.gguf_reader import unpermute_rows  # noqa: E402
-from quantize.package import build_bundle, encode  # noqa: E402
+from quantize.package import build_bundle  # noqa: E402
 from quantize.precision import QuantSpec  # noqa: E402
 
 DATA = REPO / "quantize" / "data"
 DOCS = REPO / "docs" / "benchmarks.md"
-DOCS_SECTION = "## Quality (bench/quality.py)"
-PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
-PEER_SCRIPT = Path(__file__).resolve().parent / "_peers_llamacpp.py"
 
 FROM_FP32 = "from fp32"
 FROM_SOURCE = "kept source quant"
@@ -66,6 +70,7 @@ class OnnxConfig:
     calibrated: bool = False  # pass calib_en.txt to build_bundle(calibration_text=...)
     group: str = FROM_FP32
     int8_kv: bool = False  # also a row for the same bundle with its int8 KV cache graph
+    goal: str | None = None  # "int4" / "int8": the row the issue's goal for that precision is about
 
 
 PLAIN = {"int4_int8_layers": {}}  # every projection at 4 bits, as the row's label says
@@ -73,7 +78,7 @@ PLAIN = {"int4_int8_layers": {}}  # every projection at 4 bits, as the row's lab
 # Our bundles, in table order; the fp32 bundle is always built first (it is the reference).
 CONFIGS = [
     OnnxConfig("int8 default: GPTQ (b32, head b32)", QuantSpec(precision="int8", block_size=32, block_sizes={}),
-               calibrated=True),
+               calibrated=True, goal="int8"),
     OnnxConfig("int8 (search, b32, head b64)", QuantSpec(precision="int8", method="search", block_size=32,
                                                          block_sizes={}, head_block_size=64)),
     OnnxConfig("int8 (rtn, b16)", QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={})),
@@ -86,11 +91,33 @@ CONFIGS = [
     OnnxConfig("int4 GPTQ (asym b64, down b128)", QuantSpec(precision="int4", int4_symmetric_kinds=frozenset(),
                                                            **PLAIN), calibrated=True),
     OnnxConfig("int4 default: GPTQ (b64, down b128, o+gate_up sym, L18 qkv int8)", QuantSpec(precision="int4"),
-               calibrated=True, int8_kv=True),
+               calibrated=True, int8_kv=True, goal="int4"),
     # the lm_head at 4 bits as well (untied from the 8-bit embedding), GPTQ'd like the layers
     OnnxConfig("int4 default + int4 lm_head (GPTQ)", QuantSpec(precision="int4", lm_head="int4"), calibrated=True),
     OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),
 ]
+# The 0.5B-class models get the rows the goals are about and the peers' recipe (a GPTQ build of one takes
+# minutes on 2 cores). The defaults are `edge-quantize build --precision int8 / int4`'s.
+LARGE_CONFIGS = [
+    OnnxConfig("int8 default (edge-quantize build --precision int8)", QuantSpec(precision="int8", block_size=32,
+                                                                               block_sizes={}),
+               calibrated=True, goal="int8"),
+    CONFIGS[3],  # int4 RTN, symmetric blocks of 32, as Q4_0 does it
+    OnnxConfig("int4 default (edge-quantize build --precision int4)", QuantSpec(precision="int4"), calibrated=True,
+               int8_kv=True, goal="int4"),
+]
+# Gemma 3 270M's default INT4 is a few MB over Q4_0's size: blocks of 128 everywhere halve the scales' share
+B128 = OnnxConfig("int4 default, every block 128", QuantSpec(precision="int4", block_size=128), calibrated=True)
+# Qwen2.5-0.5B's embedding and lm_head are two tables of 136 M weights each: at 8 bits they put the default INT4
+# bundle over llama.cpp Q4_0's size (whose token_embd is Q4_0); this row takes both to 4 bits.
+SMALL_TABLES = OnnxConfig("int4 default + int4 embedding and lm_head", QuantSpec(precision="int4", embedding="int4",
+                                                                                  lm_head="int4"), calibrated=True)
+# ... and spends part of what that saves on 8-bit down projections (24 x 4.4 M weights, ~52 MB)
+SMALL_TABLES_DOWN8 = OnnxConfig("int4 + int4 embedding and lm_head + int8 down_proj",
+                                QuantSpec(precision="int4", embedding="int4", lm_head="int4",
+                                          int4_int8_layers={"qkv": [18], "down": list(range(24))}), calibrated=True)
+CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": [*LARGE_CONFIGS, SMALL_TABLES, SMALL_TABLES_DOWN8],
+                    "gemma3-270m": [*LARGE_CONFIGS, B128]}
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
 LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]
 
@@ -111,6 +138,7 @@ class Row:
     size_bytes: int
     figures: Figures
     note: str = ""
+    goal: str | None = None  # OnnxConfig.goal
 
 
 def figures(chunks, ref_lp: np.ndarray, ids: list[int]) -> Figures:
@@ -151,27 +179,42 @@ def build_kwargs(cfg: OnnxConfig, calib_text: str) -> tuple[dict, str]:
     return {}, "built WITHOUT calibration: build_bundle has no calibration_text parameter yet"
 
 
-def build(ckpt: Checkpoint, cfg: OnnxConfig, work: Path, calib_text: str, threads: int):
+def bundle_dir(ckpt: Checkpoint, cfg: OnnxConfig, root: Path) -> Path:
+    """Where cfg's bundle of ckpt is cached: the label for reading, a digest of what makes the bundle for
+    validity (the source file, the spec, whether calibrated), so a changed spec is built afresh."""
+    what = json.dumps([ckpt.source_sha256, cfg.spec.model_dump(mode="json"), cfg.calibrated], sort_keys=True)
+    slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in cfg.label)[:60]
+    return root / f"{slug}-{hashlib.sha256(what.encode()).hexdigest()[:10]}"
+
+
+def build(ckpt: Checkpoint, cfg: OnnxConfig, root: Path, calib_text: str, threads: int, name: str):
+    """cfg's bundle (from the cache when built before) and a note; the build time is kept beside it."""
+    out = bundle_dir(ckpt, cfg, root)
+    seconds = out.with_name(out.name + ".build_s")
     kwargs, note = build_kwargs(cfg, calib_text)
     if note:
         print(f"  note: {cfg.label}: {note}")
-    out = work / "bundles" / cfg.label.replace(" ", "_").replace("+", "")
-    bundle = build_bundle(ckpt, cfg.spec, out, name="smollm2-bench", threads=threads,
-                          progress=lambda s: print(f"  [{cfg.label}] {s}", flush=True), **kwargs)
-    return bundle, note
+    if not (out / wire.MANIFEST).exists():
+        t0 = time.monotonic()
+        build_bundle(ckpt, cfg.spec, out, name=name, threads=threads, force=True,
+                     progress=lambda s: print(f"  [{cfg.label}] {s}", flush=True), **kwargs)
+        seconds.write_text(f"{time.monotonic() - t0:.0f}\n")
+    built = f"built in {seconds.read_text().strip()} s" if seconds.exists() else ""
+    return open_bundle(out), "; ".join(x for x in (note, built) if x)
 
 
-def onnx_rows(ckpt: Checkpoint, ids: list[int], calib_text: str, work: Path, threads: int):
-    """The fp32 row and its log-probs [T, V] (the reference for every row), then one row per CONFIGS entry."""
-    fp32, _ = build(ckpt, OnnxConfig("fp32", QuantSpec()), work, calib_text, threads)
+def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib_text: str, root: Path,
+              threads: int, name: str):
+    """The fp32 row and its log-probs [T, V] (the reference for every row), then one row per configs entry."""
+    fp32, _ = build(ckpt, OnnxConfig("fp32", QuantSpec()), root, calib_text, threads, name)
     ref_lp = np.concatenate([lp for _, lp in chunked_logits(open_runner(fp32, threads), ids)])
     own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
     rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
-    for cfg in CONFIGS:
+    for cfg in configs:
         t0 = time.monotonic()
-        bundle, note = build(ckpt, cfg, work, calib_text, threads)
+        bundle, note = build(ckpt, cfg, root, calib_text, threads, name)
         fig = figures(chunked_logits(open_runner(bundle, threads), ids), ref_lp, ids)
-        rows.append(Row("ORT", cfg.label, cfg.group, dir_bytes(bundle.path), fig, note))
+        rows.append(Row("ORT", cfg.label, cfg.group, dir_bytes(bundle.path), fig, note, cfg.goal))
         print(f"  {cfg.label}: mean KL {fig.mean_kl:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         if cfg.int8_kv:
             fig = figures(chunked_logits(open_runner(bundle, threads, kv_dtype="int8"), ids), ref_lp, ids)
@@ -188,45 +231,51 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(ckpt: Checkpoint):
-    """(GGUF name, float32 array in GGUF row order) for every checkpoint weight."""
-    g = ckpt.geometry
+def gguf_names(arch: Architecture, num_layers: int) -> dict[str, str]:
+    """Internal tensor name -> GGUF name: the architecture row's tables, reversed."""
+    if arch.fused:  # one GGUF tensor holds several internal ones: they would have to be concatenated again
+        raise SystemExit(f"writing a {arch.name} F32 GGUF (fused qkv / gate_up tensors) is not supported")
+    block = {hf: gg for gg, hf in arch.block_names.items()}
+    assert len(block) == len(arch.block_names), f"{arch.name}: two GGUF names map to one internal name"
     to_gguf = {hf: gg for gg, hf in GLOBAL_NAMES.items()}
-    for i in range(g.num_layers):
-        to_gguf |= {f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for gg, hf in LAYER_NAMES.items()}
+    for i in range(num_layers):
+        to_gguf |= {f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for hf, gg in block.items()}
+    return to_gguf
+
+
+def gguf_tensors(ckpt: Checkpoint):
+    """(GGUF name, float32 array in GGUF row order) for every checkpoint weight. Norm weights go as they are:
+    the internal form holds the factor the model multiplies by, which is what llama.cpp's converter stores
+    (for Gemma too: it adds transformers' 1)."""
+    g = ckpt.geometry
+    arch = by_name(g.architecture)
+    to_gguf = gguf_names(arch, g.num_layers)
     for hf, w in ckpt.weights.items():
         name = to_gguf[hf]
         heads = {"attn_q.weight": g.num_heads, "attn_k.weight": g.num_kv_heads}.get(name.split(".", 2)[-1])
-        if heads:
+        if heads and arch.permuted_qk:
             w = permute_rows(w, heads)
             assert np.array_equal(unpermute_rows(w, heads), ckpt.weights[hf])
         yield name, np.ascontiguousarray(w, dtype=np.float32)
 
 
-def copy_tokenizer_fields(reader: GGUFReader, writer: GGUFWriter) -> None:
-    """Every tokenizer.* key of the source GGUF (tokens, merges, types, pre, bos/eos, chat template) as is."""
+def copy_fields(reader: GGUFReader, writer: GGUFWriter, arch: Architecture) -> None:
+    """The source GGUF's architecture keys ({arch}.*: sizes, RoPE, windows, norms' epsilon) and every
+    tokenizer.* key (tokens, merges, types, pre, bos/eos, chat template) as they are: the F32 file describes
+    the same model, only its tensors' type differs."""
     for key, f in reader.fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith(("tokenizer.", arch.key_prefix)):
             sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
             writer.add_key_value(key, f.contents(), f.types[0], sub)
 
 
 def write_f32_gguf(ckpt: Checkpoint, source: Path, path: Path) -> Path:
-    g = ckpt.geometry
-    writer = GGUFWriter(str(path.with_suffix(".partial")), "llama")
-    writer.add_name("SmolLM2-135M-Instruct F32 (dequantized from the bundled Q4_1)")
+    reader = GGUFReader(source)
+    arch = by_name(ckpt.geometry.architecture)
+    writer = GGUFWriter(str(path.with_suffix(".partial")), reader.fields["general.architecture"].contents())
+    writer.add_name(f"{source.stem} F32 (dequantized)")
     writer.add_file_type(LlamaFileType.ALL_F32)
-    writer.add_block_count(g.num_layers)
-    writer.add_context_length(g.context_length)
-    writer.add_embedding_length(g.hidden_size)
-    writer.add_feed_forward_length(g.intermediate_size)
-    writer.add_head_count(g.num_heads)
-    writer.add_head_count_kv(g.num_kv_heads)
-    writer.add_rope_freq_base(g.rope_theta)
-    writer.add_layer_norm_rms_eps(g.rms_norm_eps)
-    writer.add_vocab_size(g.vocab_size)
-    writer.add_rope_dimension_count(g.head_dim)
-    copy_tokenizer_fields(GGUFReader(source), writer)
+    copy_fields(reader, writer, arch)
     for name, w in gguf_tensors(ckpt):
         writer.add_tensor(name, w)
     writer.write_header_to_file()
@@ -243,15 +292,6 @@ def tensor_types(path: Path) -> str:
     return ", ".join(f"{k} x{n}" for k, n in counts.most_common())
 
 
-def peer(*args: str, threads: int) -> dict:
-    """Run bench/_peers_llamacpp.py in the peer venv; its last stdout line is a JSON result."""
-    cmd = [str(PEER_PYTHON), str(PEER_SCRIPT), *args, "--threads", str(threads)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"peer command failed ({p.returncode}): {shlex.join(cmd)}\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def llamacpp_figures(model: Path, ids_path: Path, ids: list[int], ref_lp: np.ndarray,
                      threads: int) -> tuple[Figures, dict]:
     """Figures of a GGUF run by llama.cpp in the peer venv, and the peer's info (llama_cpp version)."""
@@ -265,16 +305,15 @@ def llamacpp_figures(model: Path, ids_path: Path, ids: list[int], ref_lp: np.nda
     return fig, info
 
 
-def llamacpp_rows(ckpt: Checkpoint, source: Path, ids: list[int], ref_lp: np.ndarray, work: Path, threads: int):
-    ids_path = work / "ids.npy"
-    np.save(ids_path, np.array(ids, dtype=np.int32))
+def llamacpp_rows(ckpt: Checkpoint, model: BenchModel, source: Path, ids_path: Path, ids: list[int],
+                  ref_lp: np.ndarray, work: Path, threads: int):
     f32 = write_f32_gguf(ckpt, source, work / "f32.gguf")
     models = [("F32 GGUF (no quantization)", f32, FROM_FP32)]
     for ftype in LLAMACPP_FTYPES:
         dst = work / f"{ftype}.gguf"
         peer("quantize", str(f32), str(dst), ftype, threads=threads)
         models.append((ftype, dst, FROM_FP32))
-    models.append(("Q4_1 (source file)", source, FROM_SOURCE))
+    models.append((f"{model.source_quant} (source file)", source, FROM_SOURCE))
     rows, version = [], ""
     for label, path, group in models:
         t0 = time.monotonic()
@@ -283,6 +322,32 @@ def llamacpp_rows(ckpt: Checkpoint, source: Path, ids: list[int], ref_lp: np.nda
         rows.append(Row("llama.cpp", label, group, path.stat().st_size, fig, "tensor types " + tensor_types(path)))
         print(f"  llama.cpp {label}: mean KL {fig.mean_kl:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
     return rows, version
+
+
+# ---- onnxruntime-genai -------------------------------------------------------------------------------
+
+def genai_row(model: BenchModel, source: Path, ids_path: Path, ids: list[int], ref_lp: np.ndarray, work: Path,
+              threads: int) -> Row:
+    """GenAI's int4 (its builder from save_hf's folder of the same weights; bench/tps.py's cached artifact)."""
+    from tps import build_genai
+
+    path = model.cache / "genai-int4"
+    if not path.exists():
+        t0 = time.monotonic()
+        build_genai(model, source, path)
+        print(f"  genai-int4 built in {time.monotonic() - t0:.0f} s", flush=True)
+    out = work / "genai.logits.npy"
+    info = peer("genai-logits", str(path), str(ids_path), str(out), threads=threads)
+    logits = np.load(out, mmap_mode="r")
+    assert logits.shape == ref_lp.shape, (logits.shape, ref_lp.shape)
+    fig = figures(logit_chunks(logits), ref_lp, ids)
+    del logits
+    out.unlink()
+    size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
+    args = " ".join(model.genai_args)
+    print(f"  GenAI int4: mean KL {fig.mean_kl:.4f}", flush=True)
+    return Row("GenAI", "int4 (its builder)", FROM_FP32, size, fig,
+               f"onnxruntime-genai {info['onnxruntime_genai']} builder `{args}`; size is model.onnx + its data")
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -303,6 +368,25 @@ def notes(rows: list[Row]) -> str:
     return "\n".join(["Notes:", *lines]) if lines else ""
 
 
+def goals(rows: list[Row]) -> str:
+    """The issue's goals: our INT4, at no more than Q4_0's size, at most half Q4_0's mean KL; our INT8 at most
+    Q8_0's mean KL."""
+    ours = {r.goal: r for r in rows if r.goal}
+    peers = {r.label: r for r in rows if r.engine == "llama.cpp"}
+    lines = []
+    for precision, ftype, factor in (("int4", "Q4_0", 0.5), ("int8", "Q8_0", 1.0)):
+        r, p = ours.get(precision), peers.get(ftype)
+        if r is None or p is None:
+            continue
+        kl_ok = r.figures.mean_kl <= factor * p.figures.mean_kl
+        size_ok = r.size_bytes <= p.size_bytes
+        bound = f"{factor:g}x " if factor != 1 else ""
+        lines.append(f"- {precision.upper()} mean KL <= {bound}llama.cpp {ftype}'s: {r.figures.mean_kl:.4f} vs "
+                     f"{p.figures.mean_kl:.4f} ({'met' if kl_ok else 'NOT met'}); size {r.size_bytes / 1e6:.1f} "
+                     f"vs {p.size_bytes / 1e6:.1f} MB ({'within' if size_ok else 'OVER'})")
+    return "\n".join(["Goals:", *lines]) if lines else ""
+
+
 def machine_note(threads: int, llama_cpp_version: str) -> str:
     import onnxruntime
 
@@ -312,18 +396,24 @@ def machine_note(threads: int, llama_cpp_version: str) -> str:
             f"{onnxruntime.__version__}, llama-cpp-python {llama_cpp_version} (built by bench/setup_peers)")
 
 
-def docs_section(report: str, command: str, when: str, machine: str, minutes: float, n_tokens: int, text: str) -> str:
-    return f"""{DOCS_SECTION}
+def docs_section(model: BenchModel, source: Path, report: str, command: str, when: str, machine: str,
+                 minutes: float, n_tokens: int, text: str) -> str:
+    what = f"the bundled {model.title} {model.source_quant} GGUF" if model.is_default \
+        else f"{model.title}, `{source.name}`"
+    genai = "" if model.is_default else (" GenAI's row is onnxruntime-genai's own builder (int4, cpu) run on the HF "
+                                         "folder quantize.hf.save_hf writes of the same weights.")
+    return f"""{model.docs_title("Quality", "bench/quality.py")}
 
-Quality of each quantization against our fp32 graph of the same weights (the bundled
-SmolLM2-135M-Instruct Q4_1 GGUF, dequantized), over `{text}` ({n_tokens} tokens, 256-token chunks
-through the KV cache). KL is KL(fp32 || model) per position in nats; top-1 is agreement with the fp32
-graph's argmax; perplexity is of the text itself. llama.cpp's rows quantize an F32 GGUF of the same
-weights with `llama_model_quantize` (its default tensor mixes); its F32 row is the noise floor between
-the two runtimes. Both quantize activations too: our int rows run MatMulNBits with the spec's
-accuracy_level (4 by default: int8 per block), llama.cpp's quantized types take Q8 activations.
-"Kept source quant" rows keep the GGUF's own Q4_1 blocks, whose dequantized values *are* the fp32
-weights here, so they are not comparable with quantizing from fp32.
+Quality of each quantization against our fp32 graph of the same weights ({what}, dequantized), over
+`{text}` ({n_tokens} tokens, 256-token chunks through the KV cache). KL is KL(fp32 || model) per position in
+nats; top-1 is agreement with the fp32 graph's argmax; perplexity is of the text itself. llama.cpp's rows
+quantize an F32 GGUF of the same weights with `llama_model_quantize` (its default tensor mixes); its F32 row is
+the noise floor between the two runtimes. Both quantize activations too: our int rows run MatMulNBits with the
+spec's accuracy_level (4 by default: int8 per block), llama.cpp's quantized types take Q8 activations.
+"Kept source quant" rows keep the GGUF's own {model.source_quant} blocks, whose dequantized values *are* the
+fp32 weights here, so they are not comparable with quantizing from fp32. llama.cpp on the F32 file against our
+fp32 graph is the check that our graph computes the architecture as llama.cpp does (the same weights, no
+quantization); on the source file it adds llama.cpp's Q8 rounding of activations.{genai}
 
 Command: `{command}`
 Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
@@ -332,32 +422,35 @@ Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
 """
 
 
-def write_docs(section: str) -> None:
-    replace_section(DOCS_SECTION, section)
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(MODELS), default=DEFAULT, help="The benchmark model (bench/benchmodels.py).")
     p.add_argument("--text", type=Path, default=DATA / "eval_en.txt",
                    help="Evaluation text (not the calibration text).")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--write-docs", action="store_true", help=f"Write the table into {DOCS.relative_to(REPO)}.")
     a = p.parse_args(argv)
     t0 = time.monotonic()
+    model = MODELS[a.model]
     text, calib_text = a.text.read_text(), (DATA / "calib_en.txt").read_text()
     if text.strip() == calib_text.strip():
         raise SystemExit(f"{a.text} is the calibration text: evaluate on text the quantizer has not seen")
     if not PEER_PYTHON.exists():
         raise SystemExit(f"{PEER_PYTHON} is missing: run `bash bench/setup_peers` first")
-    source = fetch("smollm2-135m-instruct")
-    ckpt = load_checkpoint(source)
-    ids = encode(ckpt.tokenizer.tokenizer_json, text)
-    print(f"{source.name}: {len(ids)} tokens of {a.text.name}", flush=True)
+    source = model.source()
     with tempfile.TemporaryDirectory(prefix="bench-quality-") as tmp:
-        rows, ref_lp = onnx_rows(ckpt, ids, calib_text, Path(tmp), a.threads)
-        peer_rows, version = llamacpp_rows(ckpt, source, ids, ref_lp, Path(tmp), a.threads)
+        ids_path = Path(tmp) / "ids.npy"
+        ids = token_ids(source, a.text, ids_path)
+        print(f"{source.name}: {len(ids)} tokens of {a.text.name}", flush=True)
+        ckpt = load_checkpoint(source)
+        rows, ref_lp = onnx_rows(ckpt, CONFIGS_BY_MODEL[model.name], ids, calib_text, model.cache / "quality",
+                                 a.threads, f"{model.name}-bench")
+        peer_rows, version = llamacpp_rows(ckpt, model, source, ids_path, ids, ref_lp, Path(tmp), a.threads)
+        del ckpt
+        if not model.is_default:  # SmolLM2's table predates the GenAI row; tps.py has its speed
+            peer_rows.append(genai_row(model, source, ids_path, ids, ref_lp, Path(tmp), a.threads))
     rows += peer_rows
-    report = (table(rows) + "\n\n" + notes(rows)).rstrip("\n")
+    report = "\n\n".join(x for x in (table(rows), goals(rows), notes(rows)) if x)
     minutes = (time.monotonic() - t0) / 60
     print("\n" + report + f"\n\ntook {minutes:.1f} min")
     if a.write_docs:
@@ -365,7 +458,8 @@ def main(argv: list[str]) -> None:
         when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         shown = a.text.resolve().relative_to(REPO) if a.text.resolve().is_relative_to(REPO) else a.text
         machine = machine_note(a.threads, version)
-        write_docs(docs_section(report, command.strip(), when, machine, minutes, len(ids), str(shown)))
+        replace_section(model.docs_title("Quality", "bench/quality.py"), docs_section(
+            model, source, report, command.strip(), when, machine, minutes, len(ids), str(shown)))
         print(f"wrote {DOCS.relative_to(REPO)}")
 
 

@@ -352,15 +352,46 @@ def load(folder: Path) -> Checkpoint:
 
 # ---- Checkpoint -> folder ---------------------------------------------------------------------------
 
+WRITTEN = ("llama", "mistral", "qwen2", "gemma3")  # the architectures save_hf can write
+
+
 def _hf_architecture(g: Geometry) -> str:
     """The transformers class that computes what g describes (biases need Qwen2, a window Mistral)."""
-    if g.architecture not in ("llama", "mistral", "qwen2"):
-        raise CheckpointError(f"a {g.architecture} checkpoint cannot be written as a Hugging Face folder yet")
+    if g.architecture not in WRITTEN:
+        raise CheckpointError(f"a {g.architecture} checkpoint cannot be written as a Hugging Face folder "
+                              f"(save_hf writes {', '.join(WRITTEN)})")
+    _check_writable(g)
+    if g.architecture == "gemma3":
+        return "Gemma3ForCausalLM"
     if g.architecture == "qwen2" or g.attention_bias:
         return "Qwen2ForCausalLM"
     if g.architecture == "mistral" or g.sliding_window is not None:
         return "MistralForCausalLM"
     return "LlamaForCausalLM"
+
+
+def _check_writable(g: Geometry) -> None:
+    """Refuse a geometry whose numbers the written config.json could not carry: transformers' class for the
+    architecture would compute another model."""
+    gemma = g.architecture == "gemma3"
+    fixed = {
+        "nope_layers": (g.nope_layers, ()),
+        "rotary_dim": (g.rotary_dim, None),
+        "rope_attention_factor": (g.rope_attention_factor, 1.0),
+        "residual_multiplier": (g.residual_multiplier, 1.0),
+        "logit_multiplier": (g.logit_multiplier, 1.0),
+        # Gemma multiplies the embedding by sqrt(hidden_size), the others by nothing
+        "embedding_multiplier": (g.embedding_multiplier, g.hidden_size ** 0.5 if gemma else 1.0),
+    }
+    if not gemma:  # Gemma's query_pre_attn_scalar carries the scale; the others use 1/sqrt(head_dim)
+        fixed |= {"attention_scale": (g.attention_scale, None), "rope_local_theta": (g.rope_local_theta, None)}
+        if g.window_layers is not None:
+            fixed["window_layers"] = (g.window_layers, None)
+    wrong = [f"{k}={v!r}" for k, (v, want) in fixed.items()
+             if not (v == want or (isinstance(v, float) and isinstance(want, float) and np.isclose(v, want)))]
+    if wrong:
+        raise CheckpointError(f"a {g.architecture} checkpoint with {', '.join(wrong)} cannot be written as a "
+                              "Hugging Face folder (its transformers class has no such setting)")
 
 
 def _rope_scaling(g: Geometry) -> dict | None:
@@ -374,13 +405,33 @@ def _rope_scaling(g: Geometry) -> dict | None:
     raise CheckpointError("RoPE frequency factors (a Llama 3 rope_freqs) cannot be written as a config.json")
 
 
+def _gemma3_keys(g: Geometry) -> dict:
+    """Gemma3TextConfig's keys: which layers are windowed (layer_types), the windowed layers' RoPE base, the
+    attention scale as query_pre_attn_scalar (scale = scalar ** -0.5), GELU-tanh, no soft-capping."""
+    from quantize.blocks import windowed
+
+    scale = g.attention_scale
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": g.sliding_window,
+        "layer_types": ["sliding_attention" if windowed(g, i) else "full_attention" for i in range(g.num_layers)],
+        "rope_local_base_freq": g.rope_local_theta if g.rope_local_theta is not None else g.rope_theta,
+        "query_pre_attn_scalar": g.head_dim if scale is None else 1 / scale ** 2,
+        "attention_bias": False,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
+
+
 def config_for(ckpt: Checkpoint, dtype: str) -> dict:
     """config.json for ckpt, in the keys transformers (and onnxruntime-genai's builder) read."""
     g, tok = ckpt.geometry, ckpt.tokenizer
     arch = _hf_architecture(g)
     config = {
         "architectures": [arch],
-        "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(arch, "llama"),
+        "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+                       "Gemma3ForCausalLM": "gemma3_text"}.get(arch, "llama"),
         "vocab_size": g.vocab_size,
         "hidden_size": g.hidden_size,
         "intermediate_size": g.intermediate_size,
@@ -398,7 +449,10 @@ def config_for(ckpt: Checkpoint, dtype: str) -> dict:
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_ids[0] if tok.eos_token_ids else None,
     }
-    if arch == "LlamaForCausalLM":
+    if arch == "Gemma3ForCausalLM":
+        del config["hidden_act"]  # Gemma's is hidden_activation
+        config |= _gemma3_keys(g)
+    elif arch == "LlamaForCausalLM":
         config |= {"attention_bias": False, "mlp_bias": False}
     elif arch == "MistralForCausalLM":
         config["sliding_window"] = g.sliding_window
@@ -406,6 +460,14 @@ def config_for(ckpt: Checkpoint, dtype: str) -> dict:
         config |= {"use_sliding_window": g.sliding_window is not None, "sliding_window": g.sliding_window,
                    "max_window_layers": 0 if g.sliding_window is not None else g.num_layers}
     return config
+
+
+def hf_form(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as transformers stores them: the inverse of _internal_form (norm weights minus
+    the architecture's hf_norm_offset: Gemma computes x * (1 + w))."""
+    offset = np.float32(by_name(ckpt.geometry.architecture).hf_norm_offset)
+    names = expected_weight_shapes(ckpt.geometry)
+    return {n: ckpt.weights[n] - offset if offset and n.endswith("norm.weight") else ckpt.weights[n] for n in names}
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str | None:
@@ -434,11 +496,11 @@ def tokenizer_files(ckpt: Checkpoint) -> dict[str, dict]:
 
 def _write_folder(ckpt: Checkpoint, folder: Path, dtype: str) -> None:
     np_dtype = SAVE_DTYPES[dtype]
-    names = expected_weight_shapes(ckpt.geometry)
-    save_file({n: np.ascontiguousarray(ckpt.weights[n], dtype=np_dtype) for n in names}, folder / "model.safetensors",
-              metadata={"format": "pt"})  # transformers refuses safetensors files without format=pt
+    config = config_for(ckpt, dtype)  # first: an architecture we cannot write is refused before any file
+    save_file({n: np.ascontiguousarray(w, dtype=np_dtype) for n, w in hf_form(ckpt).items()},
+              folder / "model.safetensors", metadata={"format": "pt"})  # transformers refuses safetensors files without format=pt
     (folder / "tokenizer.json").write_text(ckpt.tokenizer.tokenizer_json, encoding="utf-8")
-    files = {"config.json": config_for(ckpt, dtype), **tokenizer_files(ckpt)}
+    files = {"config.json": config, **tokenizer_files(ckpt)}
     for name, content in files.items():
         (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from safetensors.numpy import save_file
 
 import reference
 from agent.engine.runner import ModelRunner
+from agent.wire import Geometry
 from quantize import hf
-from quantize.checkpoint import CheckpointError, load_checkpoint
+from quantize.checkpoint import Checkpoint, CheckpointError, expected_weight_shapes, load_checkpoint
 from quantize.graph import build_graph
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -372,3 +374,72 @@ def test_a_nan_weight_in_a_safetensors_file_is_an_error_naming_it(tiny_checkpoin
     write_weights(tmp_path / "m", weights)
     with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight holds NaN"):
         hf.load(tmp_path / "m")
+
+
+# ---- save_hf: Gemma 3, and what it refuses to write ----------------------------------------------------
+
+GEMMA3 = dict(architecture="gemma3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=6,
+              num_heads=4, num_kv_heads=1, head_dim=32, context_length=256, rope_theta=1e6, rms_norm_eps=1e-6,
+              tie_word_embeddings=True, sliding_window=8, window_layers=(0, 1, 2, 3, 4), rope_local_theta=1e4,
+              embedding_multiplier=8.0, attention_scale=0.25)
+
+
+def random_gemma3(tokenizer, seed: int = 0, **overrides) -> Checkpoint:
+    """A tiny random Gemma 3 Checkpoint in the internal form (norm weights are the full multiplier, ~1)."""
+    rng = np.random.default_rng(seed)
+    g = Geometry(**(GEMMA3 | overrides))
+    weights = {}
+    for name, shape in expected_weight_shapes(g).items():
+        scale = 0.1 if name.endswith("norm.weight") else 1 / np.sqrt(shape[-1])
+        weights[name] = ((name.endswith("norm.weight")) + scale * rng.standard_normal(shape)).astype(np.float32)
+    return Checkpoint(g, weights, tokenizer, "0" * 64, "gemma3-tiny")
+
+
+def test_gemma3_checkpoint_round_trips_through_an_hf_folder(tiny_checkpoint, tmp_path):
+    ckpt = random_gemma3(tiny_checkpoint.tokenizer)
+    folder = hf.save_hf(ckpt, tmp_path / "gemma3")
+    back = hf.load(folder)
+    assert back.geometry == ckpt.geometry
+    assert back.weights.keys() == ckpt.weights.keys()
+    for name, w in ckpt.weights.items():  # norms: (w - 1) + 1 is exact for w in [0.5, 2] (Sterbenz)
+        np.testing.assert_array_equal(back.weights[name], w, err_msg=name)
+
+
+def test_gemma3_config_and_norms_are_in_transformers_terms(tiny_checkpoint, tmp_path):
+    ckpt = random_gemma3(tiny_checkpoint.tokenizer)
+    folder = hf.save_hf(ckpt, tmp_path / "gemma3")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (config["sliding_window"], config["rope_local_base_freq"], config["rope_theta"]) == (8, 1e4, 1e6)
+    assert config["query_pre_attn_scalar"] == 16 and config["hidden_activation"] == "gelu_pytorch_tanh"
+    stored = hf.read_tensors(folder / "model.safetensors")
+    name = "model.layers.2.self_attn.q_norm.weight"  # transformers' Gemma computes x * (1 + w)
+    np.testing.assert_array_equal(stored[name], ckpt.weights[name] - 1)
+    np.testing.assert_array_equal(stored["model.layers.2.mlp.up_proj.weight"],
+                                  ckpt.weights["model.layers.2.mlp.up_proj.weight"])
+
+
+def test_gemma3_folder_graph_matches_the_reference_of_the_checkpoint(tiny_checkpoint, tmp_path):
+    ckpt = random_gemma3(tiny_checkpoint.tokenizer)
+    back = load_checkpoint(hf.save_hf(ckpt, tmp_path / "gemma3"))
+    ids = np.random.default_rng(4).integers(0, VOCAB, 20).tolist()  # past the 8-token window
+    assert rel_err(graph_logits(back, ids, tmp_path / "model.onnx"), reference.forward(ckpt, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("arch, overrides, needle", [
+    ("phi3", {}, "save_hf writes llama, mistral, qwen2, gemma3"),
+    ("granite", {}, "save_hf writes"),
+    ("llama", {"residual_multiplier": 0.5}, "residual_multiplier=0.5"),
+    ("llama", {"attention_scale": 0.1}, "attention_scale=0.1"),
+    ("gemma3", {"embedding_multiplier": 1.0}, "embedding_multiplier=1.0"),
+])
+def test_save_hf_refuses_what_it_cannot_write_before_writing_anything(arch, overrides, needle, tiny_checkpoint,
+                                                                        tmp_path):
+    base = GEMMA3 if arch == "gemma3" else {k: v for k, v in GEMMA3.items() if k not in (
+        "sliding_window", "window_layers", "rope_local_theta", "embedding_multiplier", "attention_scale")}
+    g = Geometry(**(base | {"architecture": arch} | overrides))
+    ckpt = Checkpoint(g, {}, tiny_checkpoint.tokenizer, "0" * 64, arch)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        hf.save_hf(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
