@@ -73,6 +73,18 @@ def test_hf_build_matches_transformers(arch):
     assert rel_err(from_hf, expected) < 1e-4
 
 
+@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("source", ["model.gguf", "hf"])
+def test_both_formats_read_as_the_numpy_reference_computes(name, source):
+    """The checkpoint each format reads, run by tests/reference.py, gives the logits llama.cpp recorded: the
+    reference implements each variant as llama.cpp does, independently of the graph."""
+    import reference
+
+    ref = recorded(name)
+    logits = reference.forward(load_checkpoint(DATA / name / source), ref["token_ids"].tolist())
+    assert rel_err(logits, llama_cpp_logits(name, ref)) < TOLERANCE.get(name, 1e-4)
+
+
 def test_gguf_and_hf_builds_of_the_same_weights_agree(arch):
     name, _, from_gguf, from_hf = arch
     assert rel_err(from_gguf, from_hf) < 1e-5
