@@ -19,17 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -41,6 +39,7 @@ from agent.api.backend import ApiError, Backend, EngineStopped, ServerState, inv
 from agent.config import ApiConfig
 from agent.engine.request import Finished, RequestError, RequestHandle, TextDelta
 from agent.api.metrics import Metrics
+from agent.api.replies import ChatReplies, Replies, Reply, TextReplies, sse_event
 from agent.engine.tokenizer import PromptTooLong
 from agent.wire import Manifest
 
@@ -143,20 +142,6 @@ async def _next_or_gone(events: EventBridge, gone: asyncio.Task) -> TextDelta | 
 
 
 # ---- the two completion endpoints ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class Reply:
-    """Identity shared by a response and every chunk of its stream."""
-
-    id: str
-    created: int
-    model: str
-    fingerprint: str
-    include_usage: bool
-
-    def common(self) -> dict:
-        return dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint)
-
-
 class ChatKind:
     path = "/v1/chat/completions"
     prompt_field = "messages"
@@ -179,25 +164,8 @@ class ChatKind:
         return engine.config.default_max_tokens
 
     @staticmethod
-    def response(r: Reply, fin: Finished) -> om.ChatCompletion:
-        choice = om.ChatChoice(message=om.AssistantMessage(content=fin.text), finish_reason=fin.figures.finish_reason)
-        return om.ChatCompletion(**r.common(), choices=[choice], usage=om.Usage.of(fin.figures), timings=fin.figures)
-
-    @staticmethod
-    def opening_chunk(r: Reply) -> om.ChatCompletionChunk | None:
-        # OpenAI's first chunk carries the role and empty content.
-        return om.ChatCompletionChunk(**r.common(), choices=[om.ChatChunkChoice(delta=om.ChatDelta(role="assistant",
-                                                                                                 content=""))])
-
-    @staticmethod
-    def chunk(r: Reply, text: str | None, fin: Finished | None = None) -> om.ChatCompletionChunk:
-        choice = om.ChatChunkChoice(delta=om.ChatDelta(content=text),
-                                    finish_reason=fin.figures.finish_reason if fin else None)
-        return om.ChatCompletionChunk(**r.common(), choices=[choice], timings=fin.figures if fin else None)
-
-    @staticmethod
-    def usage_chunk(r: Reply, fin: Finished) -> om.ChatCompletionChunk:
-        return om.ChatCompletionChunk(**r.common(), choices=[], usage=om.Usage.of(fin.figures))
+    def replies(reply: Reply, req: om.ChatCompletionRequest) -> ChatReplies:
+        return ChatReplies(reply)
 
 
 class TextKind:
@@ -223,39 +191,11 @@ class TextKind:
         return om.COMPLETIONS_DEFAULT_MAX_TOKENS
 
     @staticmethod
-    def response(r: Reply, fin: Finished) -> om.TextCompletion:
-        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason)
-        return om.TextCompletion(**r.common(), choices=[choice], usage=om.Usage.of(fin.figures), timings=fin.figures)
-
-    @staticmethod
-    def opening_chunk(r: Reply) -> None:
-        return None
-
-    @staticmethod
-    def chunk(r: Reply, text: str | None, fin: Finished | None = None) -> om.TextCompletion:
-        choice = om.TextChoice(text=text or "", finish_reason=fin.figures.finish_reason if fin else None)
-        return om.TextCompletion(**r.common(), choices=[choice], timings=fin.figures if fin else None)
-
-    @staticmethod
-    def usage_chunk(r: Reply, fin: Finished) -> om.TextCompletion:
-        return om.TextCompletion(**r.common(), choices=[], usage=om.Usage.of(fin.figures))
+    def replies(reply: Reply, req: om.CompletionRequest) -> TextReplies:
+        return TextReplies(reply)
 
 
 Kind = type[ChatKind] | type[TextKind]
-
-
-def sse_event(chunk: BaseModel, include_usage: bool) -> bytes:
-    """One `data:` event. OpenAI: with include_usage every chunk has "usage" (null but the last); chat deltas
-    carry only the keys they set; `timings` appears on the chunk that finishes the choice."""
-    body = chunk.model_dump(mode="json")
-    for choice in body["choices"]:
-        if "delta" in choice:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    if not include_usage and body["usage"] is None:
-        del body["usage"]
-    if body["timings"] is None:
-        del body["timings"]
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 def finished_error(fin: Finished, retry_after_s: int) -> ApiError | None:
@@ -396,9 +336,9 @@ class OpenAIServer:
         events = EventBridge(handle, self._observe(engine.bundle.manifest), self.backend.track)
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
-        stream = req.stream
+        replies, stream = kind.replies(reply, req), req.stream
         del req  # not held while it runs: its fields can be megabytes
-        return await self.relay(request, events, kind, reply, stream)
+        return await self.relay(request, events, replies, stream)
 
     async def _submit_parsed(self, req: om.SamplingRequest, kind: Kind) -> tuple[RequestHandle, Engine]:
         for _ in range(3):  # a model switch may stop the engine while the request is tokenized for it
@@ -440,7 +380,7 @@ class OpenAIServer:
                     log.exception("a finished-request hook failed")
         return observe
 
-    async def relay(self, request: Request, events: EventBridge, kind: Kind, reply: Reply, stream: bool) -> Response:
+    async def relay(self, request: Request, events: EventBridge, replies: Replies, stream: bool) -> Response:
         """Wait for the first event (or the whole answer) while watching for the client going away."""
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -455,31 +395,29 @@ class OpenAIServer:
         if isinstance(event, Finished) and (error := finished_error(event, self.config.retry_after_s)):
             raise error
         if not stream:
-            return Response(kind.response(reply, event).model_dump_json(), media_type="application/json")
+            return Response(replies.response(event).model_dump_json(), media_type="application/json")
         # Headers go out only now, so a request refused in the queue still gets its real status code.
-        return RequestStream(self.stream(events, event, kind, reply), events, media_type="text/event-stream",
+        return RequestStream(self.stream(events, event, replies), events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
-    async def stream(self, events: EventBridge, event: TextDelta | Finished, kind: Kind,
-                     reply: Reply) -> AsyncIterator[bytes]:
+    async def stream(self, events: EventBridge, event: TextDelta | Finished, replies: Replies) -> AsyncIterator[bytes]:
         """The SSE chunks from the first event on (RequestStream cancels the request if the client goes)."""
-        if (opening := kind.opening_chunk(reply)) is not None:
-            yield sse_event(opening, reply.include_usage)
+        usage = replies.reply.include_usage
+        for chunk in replies.opening():
+            yield sse_event(chunk, usage)
         while isinstance(event, TextDelta):
-            yield sse_event(kind.chunk(reply, event.text), reply.include_usage)
+            for chunk in replies.delta(event):
+                yield sse_event(chunk, usage)
             event = await events.get()
-        yield self._stream_end(event, kind, reply)
+        yield self._stream_end(event, replies)
 
-    def _stream_end(self, fin: Finished, kind: Kind, reply: Reply) -> bytes:
+    def _stream_end(self, fin: Finished, replies: Replies) -> bytes:
         error = finished_error(fin, self.config.retry_after_s)
         if error is not None:  # mid-stream: the status is sent already, so the error is an event (as vLLM does)
             self.metrics.observe_error(error.code or error.type)
             body = om.ErrorResponse(error=om.ErrorDetail(message=error.message, type=error.type, code=error.code))
             return b"data: " + body.model_dump_json().encode() + b"\n\n" + SSE_DONE
-        end = sse_event(kind.chunk(reply, None if kind is ChatKind else "", fin), reply.include_usage)
-        if reply.include_usage:
-            end += sse_event(kind.usage_chunk(reply, fin), True)
-        return end + SSE_DONE
+        return b"".join(sse_event(chunk, replies.reply.include_usage) for chunk in replies.end(fin)) + SSE_DONE
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.complete(request, ChatKind)

@@ -1,0 +1,105 @@
+"""One request's answer in OpenAI's shapes: the whole response, or its stream's chunks, built from engine events.
+
+A `ChatReplies` or `TextReplies` belongs to one request and may keep state across its events (a stream's tool
+calls are cut into fragments as their text arrives). `sse_event` writes one chunk as a server-sent event.
+Nothing here does I/O.
+
+Example:
+    replies = ChatReplies(Reply("chatcmpl-1", 0, "m", "v1", include_usage=False))
+    chunks = [*replies.opening(), *replies.delta(TextDelta("Hi")), *replies.end(finished)]
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from agent.api import openai_models as om
+from agent.engine.request import Finished, TextDelta
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Identity shared by a response and every chunk of its stream."""
+
+    id: str
+    created: int
+    model: str
+    fingerprint: str
+    include_usage: bool
+
+    def common(self) -> dict:
+        return dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint)
+
+
+class ChatReplies:
+    """chat.completion and chat.completion.chunk objects for one request."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+
+    def response(self, fin: Finished) -> om.ChatCompletion:
+        choice = om.ChatChoice(message=om.AssistantMessage(content=fin.text), finish_reason=fin.figures.finish_reason)
+        return om.ChatCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
+                                 timings=fin.figures)
+
+    def opening(self) -> list[om.ChatCompletionChunk]:
+        # OpenAI's first chunk carries the role and empty content.
+        return [self._chunk(om.ChatDelta(role="assistant", content=""))]
+
+    def delta(self, event: TextDelta) -> list[om.ChatCompletionChunk]:
+        return [self._chunk(om.ChatDelta(content=event.text))]
+
+    def end(self, fin: Finished) -> list[om.ChatCompletionChunk]:
+        last = self._chunk(om.ChatDelta(), fin)
+        usage = om.ChatCompletionChunk(**self.reply.common(), choices=[], usage=om.Usage.of(fin.figures))
+        return [last, usage] if self.reply.include_usage else [last]
+
+    def _chunk(self, delta: om.ChatDelta, fin: Finished | None = None) -> om.ChatCompletionChunk:
+        choice = om.ChatChunkChoice(delta=delta, finish_reason=fin.figures.finish_reason if fin else None)
+        return om.ChatCompletionChunk(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
+
+
+class TextReplies:
+    """text_completion objects (OpenAI uses one name for responses and chunks) for one request."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+
+    def response(self, fin: Finished) -> om.TextCompletion:
+        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason)
+        return om.TextCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
+                                 timings=fin.figures)
+
+    def opening(self) -> list[om.TextCompletion]:
+        return []
+
+    def delta(self, event: TextDelta) -> list[om.TextCompletion]:
+        return [self._chunk(event.text)]
+
+    def end(self, fin: Finished) -> list[om.TextCompletion]:
+        last = self._chunk("", fin)
+        usage = om.TextCompletion(**self.reply.common(), choices=[], usage=om.Usage.of(fin.figures))
+        return [last, usage] if self.reply.include_usage else [last]
+
+    def _chunk(self, text: str, fin: Finished | None = None) -> om.TextCompletion:
+        choice = om.TextChoice(text=text, finish_reason=fin.figures.finish_reason if fin else None)
+        return om.TextCompletion(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
+
+
+Replies = ChatReplies | TextReplies
+
+
+def sse_event(chunk: BaseModel, include_usage: bool) -> bytes:
+    """One `data:` event. OpenAI: with include_usage every chunk has "usage" (null but the last); chat deltas
+    carry only the keys they set; `timings` appears on the chunk that finishes the choice."""
+    body = chunk.model_dump(mode="json")
+    for choice in body["choices"]:
+        if "delta" in choice:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if not include_usage and body["usage"] is None:
+        del body["usage"]
+    if body["timings"] is None:
+        del body["timings"]
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
