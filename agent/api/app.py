@@ -23,6 +23,7 @@ import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -38,8 +39,10 @@ from agent.api import openai_models as om
 from agent.api.backend import ApiError, Backend, EngineStopped, ServerState, invalid_request, overloaded, unavailable
 from agent.config import ApiConfig
 from agent.engine.request import Finished, RequestError, RequestHandle, TextDelta
+from agent.engine.sampling_params import Structure
 from agent.api.metrics import Metrics
 from agent.api.replies import ChatReplies, Replies, Reply, TextReplies, sse_event
+from agent.api.tool_calls import ToolPlan, tool_plan
 from agent.engine.tokenizer import PromptTooLong
 from agent.wire import Manifest
 
@@ -142,6 +145,15 @@ async def _next_or_gone(events: EventBridge, gone: asyncio.Task) -> TextDelta | 
 
 
 # ---- the two completion endpoints ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prepared:
+    """A request made ready for the engine: its prompt, the structure tools impose, and the tools' plan."""
+
+    prompt_ids: list[int]
+    structure: Structure | None = None
+    tools: ToolPlan | None = None  # set when the reply may call tools
+
+
 class ChatKind:
     path = "/v1/chat/completions"
     prompt_field = "messages"
@@ -149,13 +161,19 @@ class ChatKind:
     id_prefix = "chatcmpl-"
 
     @staticmethod
-    def prompt_ids(req: om.ChatCompletionRequest, engine: Engine) -> list[int]:
+    def prepare(req: om.ChatCompletionRequest, engine: Engine) -> Prepared:
+        plan = tool_plan(req, engine.tokenizer.chat_template_source, engine.tokenizer.added_token_id)
+        messages = req.template_messages()
         try:
-            return engine.tokenizer.encode_chat(req.template_messages(), max_tokens=engine.max_prompt_tokens)
+            ids = engine.tokenizer.encode_chat(plan.messages(messages) if plan else messages,
+                                               max_tokens=engine.max_prompt_tokens,
+                                               tools=plan.template_tools() if plan else None)
         except PromptTooLong:
             raise
         except ValueError as e:  # the template refused the conversation
             raise om.FieldError(str(e), "messages") from None
+        structure = plan.structure() if plan else None
+        return Prepared(ids, structure, plan if structure else None)
 
     @staticmethod
     def default_max_tokens(engine: Engine) -> int:
@@ -164,8 +182,8 @@ class ChatKind:
         return engine.config.default_max_tokens
 
     @staticmethod
-    def replies(reply: Reply, req: om.ChatCompletionRequest) -> ChatReplies:
-        return ChatReplies(reply)
+    def replies(reply: Reply, req: om.ChatCompletionRequest, prepared: Prepared) -> ChatReplies:
+        return ChatReplies(reply, prepared.tools.syntax if prepared.tools else None)
 
 
 class TextKind:
@@ -175,23 +193,23 @@ class TextKind:
     id_prefix = "cmpl-"
 
     @staticmethod
-    def prompt_ids(req: om.CompletionRequest, engine: Engine) -> list[int]:
+    def prepare(req: om.CompletionRequest, engine: Engine) -> Prepared:
         prompt = req.prompt_text_or_ids()
         if isinstance(prompt, str):
-            return engine.tokenizer.encode(prompt, max_tokens=engine.max_prompt_tokens)
+            return Prepared(engine.tokenizer.encode(prompt, max_tokens=engine.max_prompt_tokens))
         vocab_size = engine.bundle.config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise om.FieldError(f"prompt: token id {bad} is outside this model's vocabulary [0, {vocab_size})",
                                 "prompt")
-        return list(prompt)
+        return Prepared(list(prompt))
 
     @staticmethod
     def default_max_tokens(engine: Engine) -> int:
         return om.COMPLETIONS_DEFAULT_MAX_TOKENS
 
     @staticmethod
-    def replies(reply: Reply, req: om.CompletionRequest) -> TextReplies:
+    def replies(reply: Reply, req: om.CompletionRequest, prepared: Prepared) -> TextReplies:
         return TextReplies(reply)
 
 
@@ -311,12 +329,13 @@ class OpenAIServer:
                                 f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
         return req
 
-    async def submit(self, engine: Engine, prompt_ids: list[int], req: om.SamplingRequest, kind: Kind) -> RequestHandle:
+    async def submit(self, engine: Engine, prepared: Prepared, req: om.SamplingRequest, kind: Kind) -> RequestHandle:
         try:
-            params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults())
+            params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults(),
+                                         prepared.structure)
             if params.structure is not None:  # its grammar compiles in submit: off the loop (up to ~1 s)
-                return await asyncio.to_thread(engine.submit, prompt_ids, params, req.priority)
-            return engine.submit(prompt_ids, params, req.priority)
+                return await asyncio.to_thread(engine.submit, prepared.prompt_ids, params, req.priority)
+            return engine.submit(prepared.prompt_ids, params, req.priority)
         except om.FieldError as e:
             raise invalid_request(str(e), e.param) from None
         except RequestError as e:
@@ -332,21 +351,21 @@ class OpenAIServer:
     async def complete(self, request: Request, kind: Kind) -> Response:
         with self.intake.hold() as take:  # until the prompt is tokenized and submitted, or refused
             req = self.parse(await self.read_body(request, take), kind.request_model)
-            handle, engine = await self._submit_parsed(req, kind)
+            handle, engine, prepared = await self._submit_parsed(req, kind)
         events = EventBridge(handle, self._observe(engine.bundle.manifest), self.backend.track)
         reply = Reply(kind.id_prefix + secrets.token_hex(12), int(time.time()), req.model,
                       self.backend.manifest.version, req.include_usage)
-        replies, stream = kind.replies(reply, req), req.stream
+        replies, stream = kind.replies(reply, req, prepared), req.stream
         del req  # not held while it runs: its fields can be megabytes
         return await self.relay(request, events, replies, stream)
 
-    async def _submit_parsed(self, req: om.SamplingRequest, kind: Kind) -> tuple[RequestHandle, Engine]:
+    async def _submit_parsed(self, req: om.SamplingRequest, kind: Kind) -> tuple[RequestHandle, Engine, Prepared]:
         for _ in range(3):  # a model switch may stop the engine while the request is tokenized for it
             await self._wait_for_switch()
             engine = self.backend.require_engine()
             try:
                 # Off the loop, so other streams keep flowing (a long text is encoded without the GIL).
-                prompt_ids = await asyncio.to_thread(kind.prompt_ids, req, engine)
+                prepared = await asyncio.to_thread(kind.prepare, req, engine)
             except om.FieldError as e:
                 raise invalid_request(str(e), e.param) from None
             except PromptTooLong as e:  # refused before a text of megabytes is encoded
@@ -354,13 +373,13 @@ class OpenAIServer:
                     continue
                 raise invalid_request(str(e), kind.prompt_field, "context_length_exceeded") from None
             try:
-                handle = await self.submit(engine, prompt_ids, req, kind)
+                handle = await self.submit(engine, prepared, req, kind)
                 break
             except EngineStopped:
                 log.info("the engine stopped while a request was submitted to it: trying the current one")
         else:
             raise unavailable("the engine stopped while the request was submitted", self.config.retry_after_s)
-        return handle, engine
+        return handle, engine, prepared
 
     async def _wait_for_switch(self) -> None:
         """While a model switch drains the old model and loads the new one, wait (not 503) for a while."""

@@ -4,7 +4,7 @@ Requests follow the OpenAI API reference for /v1/chat/completions and /v1/comple
 n = 1 only, an unknown field is an error, except inside a message: SDKs add their own fields to the replies
 that apps append to the history) plus vLLM's extension names: top_k, min_p, repetition_penalty,
 ignore_eos, priority and structured_outputs (json / regex / choice / Lark grammar; OpenAI's response_format
-takes json_object and json_schema). OpenAI parameters this server does not implement (logprobs, tools,
+takes json_object and json_schema). OpenAI parameters this server does not implement (logprobs,
 echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
 call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
 fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
+from agent.api.tool_models import MAX_TOOLS, MessageToolCall, Tool, ToolCall, ToolCallDelta, ToolChoice
 from agent.engine.sampling_params import SamplingParams, Structure
 from agent.wire import RequestFigures
 
@@ -85,13 +86,14 @@ class ChatMessage(_Request):
     # multi-turn chat through them would get 400 (`refusal`, `provider_specific_fields`).
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # null only in an assistant message that calls tools
     name: str | None = None  # the participant's name, as OpenAI has it; passed to templates that print it
-    # an assistant reply's fields as OpenAI returns them, nullable; what would need tools or audio is refused
+    # an assistant reply's fields as OpenAI returns them, nullable; what would need audio is refused
     refusal: str | None = None  # a reply that refused; its content is what the template shows
     annotations: _off([]) = None
-    tool_calls: _off([]) = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: _off() = None
     audio: _off() = None
     # others' extensions whose meaning would be lost if they were ignored: Ollama's images, vLLM's prefix
@@ -117,16 +119,39 @@ class ChatMessage(_Request):
             other = [k for k in kinds if k != "text"]
             if other:
                 raise ValueError(f"only text content parts are supported by this text model (got {other[0]!r})")
-        elif not isinstance(content, str):
+        elif content is not None and not isinstance(content, str):
             raise ValueError("content must be a string or a list of text parts")
         return content
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to {self.role!r} ones")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs the tool_call_id it answers, and only a tool message has one")
+        return self
 
     def as_template_message(self) -> dict:
         # OpenAI: "developer" messages replace "system" ones for newer models; templates only know "system".
         role = "system" if self.role == "developer" else self.role
         # parts joined by a newline as vLLM does: "".join ran "Describe:" and "the cat" into one word's tokens
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": role, "content": text} | ({"name": self.name} if self.name is not None else {})
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content or [])
+        message = {"role": role, "content": text} | ({"name": self.name} if self.name is not None else {})
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # as transformers' templates take them: the arguments as an object, not JSON text
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise FieldError(f"the arguments of a tool call are not valid JSON: {e}", "tool_calls") from None
 
 
 # ---- structured output -------------------------------------------------------------------------------
@@ -258,9 +283,6 @@ class SamplingRequest(_Request):
     structured_outputs: StructuredOutputs | None = None  # vLLM's: regex, choice, Lark grammar, json
     store: _off(False) = None
     service_tier: _off("auto", "default") = None
-    tools: _off([]) = None
-    tool_choice: _off("none", "auto") = None
-    parallel_tool_calls: _off(True, False) = None  # no tools: nothing runs in parallel either way
     functions: _off([]) = None  # tools' older names
     function_call: _off("none", "auto") = None
     modalities: _off(["text"]) = None
@@ -290,10 +312,12 @@ class SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None,
+                        structure: Structure | None = None) -> SamplingParams:
         """The engine's SamplingParams; FieldError naming the field when a value is out of range.
 
-        defaults: values for the fields the request leaves out (the device's set_config sampling defaults)."""
+        defaults: values for the fields the request leaves out (the device's set_config sampling defaults);
+        structure: the output's structure when something other than response_format sets it (tools)."""
         fields = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
                   "min_p", "repetition_penalty", "ignore_eos", "speculative", "logit_bias")
         defaults = dict(defaults or {})
@@ -302,7 +326,7 @@ class SamplingRequest(_Request):
             max_tokens = defaults.pop("max_tokens", default_max_tokens)
         defaults.pop("max_tokens", None)
         given = defaults | {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
-        structure = response_structure(self.response_format, self.structured_outputs)
+        structure = structure or response_structure(self.response_format, self.structured_outputs)
         try:
             return SamplingParams(max_tokens=max_tokens, structure=structure, **given)
         except ValidationError as e:
@@ -317,6 +341,18 @@ MAX_MESSAGES = 10_000  # ours: 4 MB of one-letter messages (123,000 of them), pa
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # OpenAI: "none" without tools, "auto" with them
+    parallel_tool_calls: bool | None = None  # OpenAI: true (several calls in one reply)
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or []]
+        if len(set(names)) != len(names):
+            repeated = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"tools: function names must be unique ({repeated!r} repeats)")
+        return tools
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -330,7 +366,13 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict]:
-        return [m.as_template_message() for m in self.messages]
+        messages = []
+        for i, m in enumerate(self.messages):
+            try:
+                messages.append(m.as_template_message())
+            except FieldError as e:
+                raise FieldError(f"messages[{i}].{e}", f"messages.{i}.{e.param}") from None
+        return messages
 
 
 class CompletionRequest(SamplingRequest):
@@ -339,6 +381,9 @@ class CompletionRequest(SamplingRequest):
     echo: _off(False) = None
     suffix: _off("") = None
     best_of: _off(1) = None
+    tools: _off([]) = None  # chat's
+    tool_choice: _off("none") = None
+    parallel_tool_calls: _off(True, False) = None
 
     def prompt_text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
@@ -392,12 +437,13 @@ class Usage(_Response):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=f.cached_prompt_tokens))
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the reply is tool calls only (OpenAI)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -410,6 +456,7 @@ class ChatChoice(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

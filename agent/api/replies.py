@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from agent.api import openai_models as om
+from agent.api.tool_calls import Syntax, ToolCallStream, parse_reply, tool_calls
 from agent.engine.request import Finished, TextDelta
 
 
@@ -34,13 +35,23 @@ class Reply:
 
 
 class ChatReplies:
-    """chat.completion and chat.completion.chunk objects for one request."""
+    """chat.completion and chat.completion.chunk objects for one request; with a tool syntax, its reply is read
+    as text and tool calls (agent.api.tool_calls)."""
 
-    def __init__(self, reply: Reply):
-        self.reply = reply
+    def __init__(self, reply: Reply, tool_syntax: Syntax | None = None):
+        self.reply, self.tool_syntax = reply, tool_syntax
+        self.tool_stream = ToolCallStream(tool_syntax) if tool_syntax else None
 
     def response(self, fin: Finished) -> om.ChatCompletion:
-        choice = om.ChatChoice(message=om.AssistantMessage(content=fin.text), finish_reason=fin.figures.finish_reason)
+        message, finish = om.AssistantMessage(content=fin.text), fin.figures.finish_reason
+        if self.tool_syntax is not None:
+            view = parse_reply(fin.text, self.tool_syntax)
+            calls = tool_calls(view)
+            if calls:  # OpenAI: content null beside calls unless the model also wrote text
+                message, finish = om.AssistantMessage(content=view.content or None, tool_calls=calls), "tool_calls"
+            elif not view.calls:
+                message = om.AssistantMessage(content=view.content)
+        choice = om.ChatChoice(message=message, finish_reason=finish)
         return om.ChatCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
                                  timings=fin.figures)
 
@@ -49,7 +60,10 @@ class ChatReplies:
         return [self._chunk(om.ChatDelta(role="assistant", content=""))]
 
     def delta(self, event: TextDelta) -> list[om.ChatCompletionChunk]:
-        return [self._chunk(om.ChatDelta(content=event.text))]
+        if self.tool_stream is None:
+            return [self._chunk(om.ChatDelta(content=event.text))]
+        content, calls = self.tool_stream.push(event.text)
+        return [self._chunk(om.ChatDelta(content=content or None, tool_calls=calls or None))] if content or calls else []
 
     def end(self, fin: Finished) -> list[om.ChatCompletionChunk]:
         last = self._chunk(om.ChatDelta(), fin)
@@ -57,7 +71,10 @@ class ChatReplies:
         return [last, usage] if self.reply.include_usage else [last]
 
     def _chunk(self, delta: om.ChatDelta, fin: Finished | None = None) -> om.ChatCompletionChunk:
-        choice = om.ChatChunkChoice(delta=delta, finish_reason=fin.figures.finish_reason if fin else None)
+        finish = fin.figures.finish_reason if fin else None
+        if finish == "stop" and self.tool_stream is not None and self.tool_stream.has_calls:
+            finish = "tool_calls"
+        choice = om.ChatChunkChoice(delta=delta, finish_reason=finish)
         return om.ChatCompletionChunk(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
 
 
@@ -97,9 +114,18 @@ def sse_event(chunk: BaseModel, include_usage: bool) -> bytes:
     body = chunk.model_dump(mode="json")
     for choice in body["choices"]:
         if "delta" in choice:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            choice["delta"] = _without_nulls(choice["delta"])
     if not include_usage and body["usage"] is None:
         del body["usage"]
     if body["timings"] is None:
         del body["timings"]
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _without_nulls(value):
+    """A delta's keys that are set, at every level (a tool call's later fragments carry no id or name)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value

@@ -121,6 +121,7 @@ class TextTokenizer:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.add_bos_token = config.add_bos_token
         self._template = compile_chat_template(config.chat_template) if config.chat_template else None
+        self.chat_template_source = config.chat_template or ""
         # The names templates print, e.g. llama's '{{ bos_token }}'; '' when the model has none.
         self.bos_token = self._token_text(config.bos_token_id)
         self.eos_token = self._token_text(config.eos_token_ids[0] if config.eos_token_ids else None)
@@ -145,6 +146,11 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
+
+    def added_token_id(self, content: str) -> int | None:
+        """The id of the added token spelled content (outside the BPE vocabulary), or None."""
+        token_id = self._tokenizer.token_to_id(content)
+        return token_id if token_id in self._tokenizer.get_added_tokens_decoder() else None
 
     @property
     def has_chat_template(self) -> bool:
@@ -173,24 +179,28 @@ class TextTokenizer:
         """Text of ids, special tokens (EOS, chat markers) left out."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for an OpenAI-style message list; ValueError when the template refuses it."""
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> str:
+        """The prompt text for an OpenAI-style message list (tools: OpenAI's tool definitions, for templates that
+        list them); ValueError when the template refuses it."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
         try:
-            # tools and documents as transformers passes them without any: templates test `tools is not none`
+            # tools and documents as transformers passes them: None when there are none (templates test
+            # `tools is not none`)
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
-                                         documents=None)
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         tools=list(tools) if tools else None, documents=None)
         except Exception as e:  # the bundle's template on these messages: TemplateError, TypeError (None + str),
             # ZeroDivisionError, the sandbox's OverflowError for a huge range(): the request's answer, not a 500
             raise ValueError(f"chat template failed to render the messages: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None, tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat; BOS added per config unless the template already wrote it."""
-        ids = self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False, max_tokens=max_tokens)
+        text = self.render_chat(messages, add_generation_prompt, tools)
+        ids = self.encode(text, add_bos=False, max_tokens=max_tokens)
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

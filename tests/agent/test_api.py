@@ -42,6 +42,7 @@ from agent.engine.sequence import Sequence
 from agent.wire import Manifest, RequestFigures
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
+from api_servers import agent_process
 
 TINY_ENGINE = EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=64)
 USER_HI = [{"role": "user", "content": "Hello there"}]
@@ -186,21 +187,6 @@ def test_openai_client_chat_and_stream_on_real_model(real):
 
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
-
-
-@contextmanager
-def agent_process(bundle, workdir: Path):
-    """`edge-agent serve` on a real-architecture bundle, as its own process: the memory planner counts its
-    process's peak RSS as the model's, and this test process holds far more than a device would."""
-    from processes import Agent
-
-    agent = Agent(workdir, "--model", bundle.path, "--memory-budget-mb", 4096)
-    agent.start(timeout_s=180)
-    try:
-        yield openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0, timeout=120,
-                            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(agent.sock))))
-    finally:
-        assert agent.stop() == 0
 
 
 @pytest.mark.real_model
