@@ -227,6 +227,10 @@ class RequestFigures(_Frozen):
     # including any a stop string then cut off)
     drafted_tokens: Count = 0
     accepted_tokens: Count = 0
+    # structured output and tool calls: whether the output was held to a grammar, and the time its matcher took
+    # (legality checks, masks, advances): what structure cost this request
+    constrained: bool = False
+    constraint_ms: Amount = 0.0
 
 
 # Which requests a percentile of these figures counts (the agent's summary and the fleet's queries): one that

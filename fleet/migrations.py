@@ -15,13 +15,17 @@ import sqlite_utils
 KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
 PRIMARY_KEY = ("device_id", "boot_id", "seq")
 
-# RequestFigures fields stored as request columns (tests check that every field of the wire model is here)
-REQUEST_FIGURES_COLUMNS = {
+# The request columns 0002 creates: fixed, as a shipped migration is (columns added later come in migrations of
+# their own, below)
+REQUEST_FIGURES_COLUMNS_0002 = {
     "prompt_tokens": int, "completion_tokens": int, "cached_prompt_tokens": int, "queue_ms": float,
     "ttft_ms": float, "prefill_tokens_per_s": float, "decode_tokens_per_s": float, "itl_p50_ms": float,
     "itl_p95_ms": float, "e2e_ms": float, "kv_bytes": int, "finish_reason": str, "preemptions": int,
     "drafted_tokens": int, "accepted_tokens": int,
 }
+REQUEST_CONSTRAINT_COLUMNS = {"constrained": int, "constraint_ms": float}  # 0010
+# RequestFigures fields stored as request columns (tests check that every field of the wire model is here)
+REQUEST_FIGURES_COLUMNS = {**REQUEST_FIGURES_COLUMNS_0002, **REQUEST_CONSTRAINT_COLUMNS}
 SAMPLE_COLUMNS = {
     "interval_s": float, "rss_mb": float, "cpu_percent": float, "kv_utilization": float, "queue_depth": int,
     "running": int, "tokens_per_s": float,
@@ -36,7 +40,7 @@ def _create_devices(db: sqlite_utils.Database) -> None:
 
 
 def _create_telemetry(db: sqlite_utils.Database) -> None:
-    db["requests"].create({**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS}, pk=PRIMARY_KEY)
+    db["requests"].create({**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS_0002}, pk=PRIMARY_KEY)
     db["requests"].create_index(["ts"])
     db["requests"].create_index(["model", "version", "ts"])
     db["requests"].create_index(["device_id", "ts"])
@@ -94,6 +98,12 @@ def index_job_device_state(db: sqlite_utils.Database) -> None:
     db["job_devices"].create_index(["state"], if_not_exists=True)
 
 
+def add_request_constraint(db: sqlite_utils.Database) -> None:
+    """Whether a request's output was held to a grammar and what its matcher cost; 0 for rows from before."""
+    for column, kind in REQUEST_CONSTRAINT_COLUMNS.items():
+        db["requests"].add_column(column, kind, not_null_default=0)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -104,4 +114,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
     ("0007_telemetry_ts_index", _index_telemetry_ts),
     ("0008_job_device_notified_connection", add_notified_connection),
     ("0009_job_device_state_index", index_job_device_state),
+    ("0010_request_constraint", add_request_constraint),
 )

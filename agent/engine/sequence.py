@@ -142,4 +142,6 @@ class Sequence:
             itl_p50_ms=float(np.percentile(itl, 50)), itl_p95_ms=float(np.percentile(itl, 95)),
             e2e_ms=ms(self.t_submit, end), kv_bytes=self.kv_bytes,
             finish_reason=(self.finish_reason or FinishReason.ERROR).value, preemptions=self.preemptions,
-            drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens)
+            drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens,
+            constrained=self.constraint is not None,
+            constraint_ms=1000.0 * self.constraint.time_s if self.constraint is not None else 0.0)

@@ -137,6 +137,7 @@ def test_regex_choice_and_grammar_outputs_match(engine):
         for (kind, _, pattern), fin in zip(cases, run_together(engine, requests)):
             assert fin.figures.finish_reason == "stop" and pattern.fullmatch(fin.text), (kind, fin.text)
             assert fin.constrained and fin.constraint_s > 0
+            assert fin.figures.constrained and fin.figures.constraint_ms == pytest.approx(1000 * fin.constraint_s)
 
 
 class DeadEnd:

@@ -9,12 +9,13 @@ Run: PYTHONPATH=$PWD python -m pytest -q tests/agent/test_tools.py
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -145,10 +146,15 @@ def test_arguments_in_the_history_that_are_not_json_are_refused_by_name():
 
 # ---- over the socket -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def client(real_q4_bundle):
+def socket_path(real_q4_bundle):
     with serving(real_q4_bundle) as path:
-        yield openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
-                            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), timeout=120))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def client(socket_path):
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), timeout=120))
 
 
 def check_calls(calls, names=SCHEMAS) -> None:
@@ -249,3 +255,82 @@ def test_qwen_calls_tools_in_its_own_syntax(real_arch_bundle, tmp_path):
     with agent_process(real_arch_bundle(QWEN, "int4"), tmp_path) as qwen:
         check_tool_calling(qwen, QWEN)
         check_round_trip(qwen, QWEN)
+
+
+# ---- generated tool lists ----------------------------------------------------------------------------------
+GOOD_LEAVES = [{"type": "string", "maxLength": 8}, {"type": "integer", "minimum": 0, "maximum": 99},
+               {"type": "boolean"}, {"enum": ["on", "off"]}, {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+               {"type": "string", "format": "date"}, {"type": "number", "minimum": -1, "maximum": 1}]
+# refused or unsatisfiable: a 400 naming the field, or (unsatisfiable) a failed request, never a 500
+BAD_LEAVES = [{"type": "strin"}, {"type": "string", "pattern": "(?<=a)b"}, {"type": "integer", "minimum": 5, "maximum": 1}]
+
+
+def rarely(good, bad, one_in: int):
+    """good, but bad once in one_in draws: a list with a bad item is refused whole, so bad items stay rare."""
+    return st.integers(1, one_in).flatmap(lambda i: bad if i == 1 else good)
+
+
+LEAF = rarely(st.sampled_from(GOOD_LEAVES), st.sampled_from(BAD_LEAVES), 12)
+NAMES = rarely(st.from_regex(r"[a-z_]{1,10}", fullmatch=True), st.sampled_from(["bad name", "", "x" * 65]), 12)
+PARAMETERS = st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), LEAF, max_size=3).map(
+    lambda props: {"type": "object", "additionalProperties": False, "properties": props, "required": sorted(props)})
+TOOL = st.builds(lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+                 NAMES, st.none() | PARAMETERS)
+CHOICE = st.sampled_from(["auto", "required", "none", None, "named", "named", "unknown"])
+
+
+def tool_request(tools: list[dict], choice: str | None) -> dict:
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 64, "temperature": 0, "tools": tools}
+    if choice in ("named", "unknown"):
+        name = tools[0]["function"]["name"] if tools and choice == "named" else "nowhere"
+        body["tool_choice"] = {"type": "function", "function": {"name": name}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    return body
+
+
+def check_tool_answer(body: dict, response: httpx.Response) -> str:
+    """'valid', 'length' or 'refused'; fails on anything else (a 500, an invalid call, a 400 naming no field)."""
+    if response.status_code == 400:
+        param = response.json()["error"]["param"] or ""
+        assert param.startswith(("tools", "tool_choice")), (body, response.json())
+        return "refused"
+    assert response.status_code == 200, (body, response.text)
+    choice = response.json()["choices"][0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] or {} for t in body["tools"]}
+    for call in choice["message"].get("tool_calls") or []:
+        assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] in schemas, (body, choice)
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+    if choice["finish_reason"] == "length":
+        return "length"
+    assert choice["message"].get("tool_calls") or choice["message"]["content"] is not None, (body, choice)
+    return "valid"
+
+
+@pytest.mark.real_model
+def test_generated_tool_lists_get_valid_calls_or_a_400_naming_the_field(socket_path, figures):
+    """32 examples of 8 concurrent requests (one batch): 256 tool lists, each a 200 whose calls validate or a 400
+    naming tools / tool_choice, never a 500 or a hang; a free request beside them keeps its greedy text."""
+    free = {"model": "smollm2", "messages": [{"role": "user", "content": "Name three fruits."}], "max_tokens": 16,
+            "temperature": 0}
+    outcomes: dict[str, int] = {}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://localhost",
+                      timeout=120) as client:
+        alone = client.post("/v1/chat/completions", json=free).json()["choices"][0]["message"]["content"]
+
+        @settings(max_examples=32, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(st.lists(st.tuples(st.lists(TOOL, max_size=3), CHOICE), min_size=8, max_size=8))
+        def batch(cases):
+            bodies = [tool_request(tools, choice) for tools, choice in cases]
+            with ThreadPoolExecutor(9) as pool:
+                beside = pool.submit(client.post, "/v1/chat/completions", json=free)
+                answers = list(pool.map(lambda b: client.post("/v1/chat/completions", json=b), bodies))
+                assert beside.result().json()["choices"][0]["message"]["content"] == alone
+            for body, response in zip(bodies, answers):
+                kind = check_tool_answer(body, response)
+                outcomes[kind] = outcomes.get(kind, 0) + 1
+
+        batch()
+    figures.append(f"tool calling: 256 generated tool lists: {outcomes}")
+    assert sum(outcomes.values()) == 256 and outcomes.get("valid", 0) > 50 and outcomes.get("refused", 0) > 50

@@ -5,9 +5,10 @@ import random
 import threading
 
 import pytest
+import sqlite_utils
 
 from agent.wire import DeviceState, RequestFigures
-from fleet.migrations import MIGRATIONS, REQUEST_FIGURES_COLUMNS
+from fleet.migrations import MIGRATIONS, REQUEST_FIGURES_COLUMNS, REQUEST_FIGURES_COLUMNS_0002
 from fleet.store import FleetStore, Ingest, is_newer_state
 from simdevice import event_record, request_record, sample_record
 
@@ -52,6 +53,26 @@ def test_migrations_run_once_in_order(tmp_path):
 
 def test_every_request_figure_has_a_column():
     assert set(REQUEST_FIGURES_COLUMNS) == set(RequestFigures.model_fields)
+
+
+def test_a_database_from_before_the_constraint_columns_gains_them_and_keeps_its_rows(tmp_path):
+    old = sqlite_utils.Database(tmp_path / "f.db")  # as a fleet before 0010 left it, with one request stored
+    old["_migrations"].create({"name": str, "applied_at": float}, pk="name")
+    for name, step in MIGRATIONS[:9]:
+        step(old)
+        old["_migrations"].insert({"name": name, "applied_at": 0.0})
+    figures = request_record("b", 1, 1000.0, RNG).request.figures.model_dump()
+    old["requests"].insert({"device_id": "d1", "boot_id": "b", "seq": 1, "ts": 1000.0, "model": "m", "version": "v",
+                            **{c: figures[c] for c in REQUEST_FIGURES_COLUMNS_0002}})
+    old.close()
+    store = FleetStore(tmp_path / "f.db")
+    assert store.applied_migrations()[-1] == "0010_request_constraint"
+    record = request_record("b", 2, 1001.0, RNG)
+    figures = record.request.figures.model_copy(update={"constrained": True, "constraint_ms": 12.5})
+    record = record.model_copy(update={"request": record.request.model_copy(update={"figures": figures})})
+    store.commit(ingest_of("d1", [record]))
+    rows = store.db.execute("select seq, constrained, constraint_ms from requests order by seq").fetchall()
+    assert rows == [(1, 0, 0.0), (2, 1, 12.5)]
 
 
 def test_batch_is_stored_once_and_replays_are_dropped(tmp_path):
