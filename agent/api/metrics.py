@@ -48,6 +48,7 @@ class StructureCost(Protocol):
     constrained: bool
     constraint_s: float
     constraint_masks: int
+    constraint_forced: int
 
 
 class Metrics:
@@ -91,6 +92,9 @@ class Metrics:
                                         "Full token masks computed (a drawn token the grammar refused).", registry=r)
         self.structured_tokens = Counter("edge:structured_generation_tokens",
                                          "Generated tokens of constrained requests.", registry=r)
+        self.structured_forced = Counter("edge:structured_forced_tokens",
+                                         "Generated tokens the grammar forced (run through the model several in "
+                                         "one step).", registry=r)
         self._prefix_query_tokens = self._prefix_hit_tokens = 0  # mirrors of the counters, for the rate
         self._prefix_lock = threading.Lock()
         self._gauges(r)
@@ -130,6 +134,7 @@ class Metrics:
             self.structured_seconds.inc(structure.constraint_s)
             self.structured_masks.inc(structure.constraint_masks)
             self.structured_tokens.inc(f.completion_tokens)
+            self.structured_forced.inc(structure.constraint_forced)
         self.prompt_tokens.inc(f.prompt_tokens)
         self.generation_tokens.inc(f.completion_tokens)
         self.spec_drafted.inc(f.drafted_tokens)

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -144,6 +145,27 @@ class Constraint:
         if not legal.any():
             raise ConstraintError("structured output failed: the grammar allows no next token (a dead end)")
         return legal
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to limit tokens the grammar allows as the only continuation (a key name, closing brackets): they
+        can go through the model together, as an accepted draft does."""
+        t0 = time.perf_counter()
+        forced = self.matcher.compute_ff_tokens()[:max(limit, 0)]
+        self.time_s += time.perf_counter() - t0
+        return [t for t in itertools.takewhile(lambda t: t not in self.eos_ids, forced)]
+
+    def legal_prefix(self, draft: list[int]) -> list[int]:
+        """The part of a draft the grammar allows from here, cut before an end id (one ends the request)."""
+        t0 = time.perf_counter()
+        draft = list(itertools.takewhile(lambda t: t not in self.eos_ids, draft))
+        legal = draft[:self.matcher.validate_tokens(draft)] if draft else []
+        self.time_s += time.perf_counter() - t0
+        return legal
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accept()s (verification tried them; the step appends what it keeps)."""
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise ConstraintError(f"structured output failed: {_first_line(self.matcher.get_error())}")
 
     def accept(self, token: int) -> None:
         """Advance past an appended token (one allows() said was legal)."""

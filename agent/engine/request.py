@@ -66,6 +66,7 @@ class Finished:
     constrained: bool = False
     constraint_s: float = 0.0
     constraint_masks: int = 0
+    constraint_forced: int = 0  # of the completion tokens, those the grammar forced (run several in one step)
 
 
 class RequestHandle:
@@ -111,7 +112,7 @@ class RequestHandle:
         c = seq.constraint
         self.events.put(Finished("".join(self.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
                                  list(seq.token_times), c is not None, c.time_s if c else 0.0,
-                                 c.num_masks if c else 0))
+                                 c.num_masks if c else 0, seq.forced_tokens))
 
     def _emit(self, text: str) -> None:
         self.text_parts.append(text)

@@ -71,6 +71,7 @@ class Sequence:
     draft_length: DraftLength | LookupLength = field(default_factory=DraftLength)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    forced_tokens: int = 0  # tokens the grammar forced, verified together in multi-token steps
     constraint: Constraint | None = None  # set when params.structure is: the matcher its tokens must pass
 
     # ---- derived ----

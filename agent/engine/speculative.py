@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from agent.engine.sampler import sample
+from agent.engine.sampler import sample, sample_constrained
 from agent.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the draft model runs the runtime; a sequence holds this module's controllers
@@ -190,6 +190,11 @@ class LookupLength:
         self.misses = decay * self.misses + misses
 
 
+def _room(seq: Request, capacity: int) -> int:
+    """Tokens a step may verify beyond the one it samples: within max_tokens, the context and the slot."""
+    return min(seq.params.max_tokens - len(seq.output_ids), min(seq.max_total_tokens, capacity) - seq.num_tokens) - 1
+
+
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else 0.7 * old + 0.3 * new
 
@@ -210,6 +215,30 @@ def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_
             return out
     out.append(sample(logits[len(draft)], params, prompt_ids, history, rng))
     return out
+
+
+def verify_constrained(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                       output_ids: Sequence[int], rng: np.random.Generator, constraint) -> list[int]:
+    """verify for a sequence held to a grammar: each position draws as constrained decoding does there
+    (sample_constrained, the matcher advanced past the draft tokens accepted before it), so the output is exactly
+    what plain constrained decoding gives. The matcher is left as it was: the step accepts the tokens it appends.
+    A draft the grammar forces (every position has one legal token) is always accepted whole."""
+    out: list[int] = []
+    history = list(output_ids)
+    consumed = 0
+    try:
+        for i, d in enumerate(draft):
+            token = sample_constrained(logits[i], params, prompt_ids, history, rng, constraint)
+            out.append(token)
+            history.append(token)
+            if token != d:
+                return out
+            constraint.accept(token)  # never an end id: drafts are cut before one (Constraint.legal_prefix)
+            consumed += 1
+        out.append(sample_constrained(logits[len(draft)], params, prompt_ids, history, rng, constraint))
+        return out
+    finally:
+        constraint.rollback(consumed)
 
 
 @dataclass
@@ -235,23 +264,42 @@ class Speculation:
         mode = self.mode_of(seq)
         seq.draft_length = next_draft_length(mode, self.backoff.get(mode))
 
+    def draft_for(self, seq: Request, batch: int, capacity: int) -> tuple[list[int], bool]:
+        """(tokens to verify this step, whether the grammar forces them). A constrained sequence's draft is the
+        tokens its grammar forces, else the speculative draft cut at its first illegal token."""
+        if seq.constraint is None:
+            return self.propose(seq, batch, capacity), False
+        # like drafts, forced tokens widen every row of the step: only in a batch small enough for drafts
+        forced = seq.constraint.forced_tokens(_room(seq, capacity)) if batch <= self.config.speculative_max_batch else []
+        if forced:
+            return forced, True
+        return seq.constraint.legal_prefix(self.propose(seq, batch, capacity)), False
+
     def propose(self, seq: Request, batch: int, capacity: int) -> list[int]:
         """This step's draft (prompt lookup's or the draft model's), or [] when speculation is off, paused or not
         worth it. capacity: the tokens seq's slot holds (a draft model writes its tokens into its own slot)."""
         mode = self.mode_of(seq)
         if mode == "off" or batch > self.config.speculative_max_batch:
             return []
-        room = min(seq.params.max_tokens - len(seq.output_ids), min(seq.max_total_tokens, capacity) - seq.num_tokens) - 1
+        room = _room(seq, capacity)
         if mode == "ngram":
             return seq.draft_length.propose(seq.all_ids, room)
         k = min(seq.draft_length.current(), room)
         return self.draft.propose(seq.seq_id, seq.all_ids, k) if k > 0 and self.draft is not None else []
 
-    def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float) -> list[int]:
+    def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float,
+                 forced: bool = False) -> list[int]:
         """The tokens a verify step that took `seconds` gives (see verify), counted in seq's figures and
-        controller. logits [len(draft) + 1, V]."""
-        tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+        controller (forced tokens are the grammar's, not a draft's: not counted). logits [len(draft) + 1, V]."""
+        if seq.constraint is None:
+            tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
+        else:
+            tokens = verify_constrained(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng,
+                                        seq.constraint)
         accepted = len(tokens) - 1
+        if forced:
+            seq.forced_tokens += accepted
+            return tokens
         seq.drafted_tokens += len(draft)
         seq.accepted_tokens += accepted
         seq.draft_length.update(len(draft), accepted, seconds)

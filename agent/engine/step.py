@@ -122,8 +122,8 @@ class Stepper:
         pool = self.scheduler.kv.classes[idx]
         decoding = {s.seq_id: s for s in seqs}
         t0 = time.perf_counter()
-        # no drafts for a constrained sequence: its verification would need a mask per drafted position
-        drafts = {s.seq_id: [] if s.constraint else self.spec.propose(s, len(seqs), pool.capacity) for s in seqs}
+        plans = {s.seq_id: self.spec.draft_for(s, len(seqs), pool.capacity) for s in seqs}  # (draft, forced)
+        drafts = {k: d for k, (d, _) in plans.items()}
         # GQA needs room for the whole padded row in every slot: cached tokens + width <= capacity
         cached = [decoding[o].num_computed if o in decoding else max(pool.lengths[o], 1) for o in pool.owners]
         width = min(1 + max(len(d) for d in drafts.values()), pool.capacity - max(cached))
@@ -136,7 +136,7 @@ class Stepper:
             pool.lengths[s.seq_id] = s.num_computed + 1 + len(drafts[s.seq_id])
         for s in seqs:
             try:
-                self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds)
+                self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds, plans[s.seq_id][1])
             except Exception as e:
                 self._fail_one(s, e)
 
@@ -154,10 +154,11 @@ class Stepper:
         if seq.seq_id in self.streams:
             self._finish_stream(seq)
 
-    def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray, seconds: float) -> None:
+    def _advance(self, seq: Sequence, pool, draft: list[int], logits: np.ndarray, seconds: float,
+                 forced: bool = False) -> None:
         """Account for the tokens the step computed and append what verification accepted."""
         if draft:
-            tokens = self.spec.verified(seq, draft, logits, seconds)
+            tokens = self.spec.verified(seq, draft, logits, seconds, forced)
         else:
             tokens = [self._sample(seq, logits[0])]
             seq.draft_length.observe_plain(seconds, tokens[0])
