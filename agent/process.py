@@ -130,6 +130,12 @@ def trim_heap() -> None:
     model or session is dropped its freed memory otherwise stays in this process's RSS, and the next one's
     budget is measured on top of it."""
     gc.collect()
+    return_free_heap()
+
+
+def return_free_heap() -> None:
+    """Return glibc's free heap pages to the OS without a garbage collection: for native code's transient
+    memory (a parse, a session's load), where a gc would only hold the GIL (over a second in a big process)."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
