@@ -4,8 +4,8 @@ Requests follow the OpenAI API reference for /v1/chat/completions and /v1/comple
 n = 1 only, an unknown field is an error, except inside a message: SDKs add their own fields to the replies
 that apps append to the history) plus vLLM's extension names: top_k, min_p, repetition_penalty,
 ignore_eos, priority and structured_outputs (json / regex / choice / Lark grammar; OpenAI's response_format
-takes json_object and json_schema). OpenAI parameters this server does not implement (logprobs, tools,
-echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
+takes json_object and json_schema). OpenAI parameters this server does not implement (tools, echo,
+...) are accepted at the values that mean "off", which clients such as LangChain send on every
 call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
 fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
 the engine's `RequestFigures`. Nothing here does I/O.
@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from agent.engine.sampling_params import SamplingParams, Structure
+from agent.api.logprobs import ChatLogprobs, TextLogprobs
+from agent.engine.sampling_params import MAX_LOGPROBS, SamplingParams, Structure
 from agent.wire import RequestFigures
 
 # OpenAI's default for /v1/completions ("max_tokens ... Defaults to 16"); chat has no limit but the context.
@@ -250,10 +251,7 @@ class SamplingRequest(_Request):
     priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # ours: speculative decoding for this request ("off", "ngram" prompt lookup, "draft" model)
     speculative: Literal["off", "ngram", "draft"] | None = None
-    # OpenAI's, not implemented: accepted when off (LangChain's OpenAI LLM sends "logit_bias": {} and
-    # "logprobs": null on every call; logit_bias is implemented)
-    logprobs: _off(False) = None
-    top_logprobs: _off(0) = None
+    # logprobs is declared per endpoint (chat: a bool with top_logprobs; completions: the count)
     response_format: ResponseFormat | None = None  # OpenAI's structured output
     structured_outputs: StructuredOutputs | None = None  # vLLM's: regex, choice, Lark grammar, json
     store: _off(False) = None
@@ -290,6 +288,10 @@ class SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: the top entries per token, None when log-probabilities are off."""
+        return None
+
     def sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """The engine's SamplingParams; FieldError naming the field when a value is out of range.
 
@@ -304,7 +306,8 @@ class SamplingRequest(_Request):
         given = defaults | {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         structure = response_structure(self.response_format, self.structured_outputs)
         try:
-            return SamplingParams(max_tokens=max_tokens, structure=structure, **given)
+            return SamplingParams(max_tokens=max_tokens, structure=structure, logprobs=self.requested_logprobs(),
+                                  **given)
         except ValidationError as e:
             raise FieldError(*describe_validation_error(e)) from None
 
@@ -317,6 +320,21 @@ MAX_MESSAGES = 10_000  # ours: 4 MB of one-letter messages (123,000 of them), pa
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # the chosen tokens' log-probabilities (agent.api.logprobs)
+    top_logprobs: int | None = None  # and the most probable tokens at each position: 0..20, with logprobs true
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_with_logprobs(cls, n: int | None, info: ValidationInfo) -> int | None:
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {n}")
+        # OpenAI: "logprobs must be set to true if this parameter is used"; 0 (off) is what LangChain sends
+        if n and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return n
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -337,6 +355,19 @@ class CompletionRequest(SamplingRequest):
     # OpenAI also allows a batch of prompts; with n = 1 only, a list must hold exactly one.
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: _off(False) = None
+    # legacy: the chosen tokens' log-probabilities and this many most probable ones (OpenAI allows 5, vLLM 20)
+    logprobs: int | None = None
+    top_logprobs: _off(0) = None  # chat's name; this endpoint's count is `logprobs`
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, n: int | None) -> int | None:
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (the most probable tokens listed), got {n}")
+        return n
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
     suffix: _off("") = None
     best_of: _off(1) = None
 
@@ -404,7 +435,7 @@ class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatDelta(_Response):
@@ -416,14 +447,14 @@ class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class TextChoice(_Response):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class _Completion(_Response):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from agent.api import openai_models as om
+from agent.api.logprobs import ChatLogprobs, TextLogprobs, chat_logprobs, text_logprobs
 from agent.engine.request import Finished, TextDelta
 
 
@@ -40,7 +41,8 @@ class ChatReplies:
         self.reply = reply
 
     def response(self, fin: Finished) -> om.ChatCompletion:
-        choice = om.ChatChoice(message=om.AssistantMessage(content=fin.text), finish_reason=fin.figures.finish_reason)
+        choice = om.ChatChoice(message=om.AssistantMessage(content=fin.text), finish_reason=fin.figures.finish_reason,
+                               logprobs=chat_logprobs(fin.logprobs))
         return om.ChatCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
                                  timings=fin.figures)
 
@@ -49,15 +51,17 @@ class ChatReplies:
         return [self._chunk(om.ChatDelta(role="assistant", content=""))]
 
     def delta(self, event: TextDelta) -> list[om.ChatCompletionChunk]:
-        return [self._chunk(om.ChatDelta(content=event.text))]
+        return [self._chunk(om.ChatDelta(content=event.text), logprobs=chat_logprobs(event.logprobs or None))]
 
     def end(self, fin: Finished) -> list[om.ChatCompletionChunk]:
         last = self._chunk(om.ChatDelta(), fin)
         usage = om.ChatCompletionChunk(**self.reply.common(), choices=[], usage=om.Usage.of(fin.figures))
         return [last, usage] if self.reply.include_usage else [last]
 
-    def _chunk(self, delta: om.ChatDelta, fin: Finished | None = None) -> om.ChatCompletionChunk:
-        choice = om.ChatChunkChoice(delta=delta, finish_reason=fin.figures.finish_reason if fin else None)
+    def _chunk(self, delta: om.ChatDelta, fin: Finished | None = None,
+               logprobs: ChatLogprobs | None = None) -> om.ChatCompletionChunk:
+        choice = om.ChatChunkChoice(delta=delta, finish_reason=fin.figures.finish_reason if fin else None,
+                                    logprobs=logprobs)
         return om.ChatCompletionChunk(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
 
 
@@ -66,9 +70,11 @@ class TextReplies:
 
     def __init__(self, reply: Reply):
         self.reply = reply
+        self.text_offset = 0  # characters of the stream's tokens so far (logprobs' text_offset)
 
     def response(self, fin: Finished) -> om.TextCompletion:
-        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason)
+        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason,
+                               logprobs=text_logprobs(fin.logprobs))
         return om.TextCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
                                  timings=fin.figures)
 
@@ -76,15 +82,18 @@ class TextReplies:
         return []
 
     def delta(self, event: TextDelta) -> list[om.TextCompletion]:
-        return [self._chunk(event.text)]
+        logprobs = text_logprobs(event.logprobs or None, self.text_offset)
+        if logprobs is not None:
+            self.text_offset += sum(len(t) for t in logprobs.tokens)
+        return [self._chunk(event.text, logprobs=logprobs)]
 
     def end(self, fin: Finished) -> list[om.TextCompletion]:
         last = self._chunk("", fin)
         usage = om.TextCompletion(**self.reply.common(), choices=[], usage=om.Usage.of(fin.figures))
         return [last, usage] if self.reply.include_usage else [last]
 
-    def _chunk(self, text: str, fin: Finished | None = None) -> om.TextCompletion:
-        choice = om.TextChoice(text=text, finish_reason=fin.figures.finish_reason if fin else None)
+    def _chunk(self, text: str, fin: Finished | None = None, logprobs: TextLogprobs | None = None) -> om.TextCompletion:
+        choice = om.TextChoice(text=text, finish_reason=fin.figures.finish_reason if fin else None, logprobs=logprobs)
         return om.TextCompletion(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
 
 
