@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,16 +62,19 @@ def token_logprobs(x: np.ndarray, token: int, params: SamplingParams, legal: np.
     legal: bool [V], a constrained request's legal tokens at this position (the others get probability 0).
     """
     assert params.logprobs is not None
-    # greedy: the distribution at temperature 1 (module docstring)
-    scale = np.float32(1.0 if params.is_greedy else 1.0 / params.temperature)
-    with np.errstate(over="ignore"):  # -inf or float32's extremes, clipped below
-        z = np.multiply(x, scale, dtype=np.float32)
+    # greedy: the distribution at temperature 1 (module docstring); x itself when nothing changes it (no copy)
+    z = x
+    if not params.is_greedy and params.temperature != 1:
+        with np.errstate(over="ignore"):  # to +-inf: handled below
+            z = np.multiply(x, np.float32(1 / params.temperature), dtype=np.float32)
     if legal is not None:
-        z[~legal] = -np.inf
-    # a +inf logit (a penalty's overflow) would make the sum NaN: float32's largest, as the sampler treats it
-    np.clip(z, _F32.min, _F32.max, out=z)
+        z = np.where(legal, z, np.float32(-np.inf))
     top = float(z.max())
-    e = np.subtract(z, top, dtype=np.float32)
+    if not math.isfinite(top):  # a +inf logit (a penalty's overflow): float32's largest, as the sampler treats it
+        z = np.clip(z, _F32.min, _F32.max)
+        top = float(z.max())
+    with np.errstate(over="ignore"):  # float32's lowest minus its largest: -inf, probability 0
+        e = np.subtract(z, top, dtype=np.float32)
     np.exp(e, out=e)
     log_total = top + float(np.log(e.sum()))  # logsumexp(z); float32 pairwise sum: relative error ~1e-6
     n = min(params.logprobs, len(z))
