@@ -355,6 +355,8 @@ class CompletionRequest(SamplingRequest):
     # OpenAI also allows a batch of prompts; with n = 1 only, a list must hold exactly one.
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: _off(False) = None
+    suffix: _off("") = None
+    best_of: _off(1) = None
     # legacy: the chosen tokens' log-probabilities and this many most probable ones (OpenAI allows 5, vLLM 20)
     logprobs: int | None = None
     top_logprobs: _off(0) = None  # chat's name; this endpoint's count is `logprobs`
@@ -368,8 +370,6 @@ class CompletionRequest(SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
-    suffix: _off("") = None
-    best_of: _off(1) = None
 
     def prompt_text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):

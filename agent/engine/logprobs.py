@@ -85,9 +85,11 @@ def token_logprobs(x: np.ndarray, token: int, params: SamplingParams, legal: np.
 
 
 def with_bytes(lp: TokenLogprobs, table: list[bytes]) -> LogprobEntry:
-    """lp with its token ids replaced by their bytes (table: token_byte_table's)."""
-    return LogprobEntry(table[lp.token_id], lp.logprob,
-                        tuple((table[i], v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
+    """lp with its token ids replaced by their bytes (table: token_byte_table's). A model whose logits are wider
+    than its tokenizer's vocabulary (padded rows) has ids without text: b""."""
+    def text(i: int) -> bytes:
+        return table[i] if i < len(table) else b""
+    return LogprobEntry(text(lp.token_id), lp.logprob, tuple((text(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
 
 
 def _gpt2_byte_alphabet() -> dict[int, int]:

@@ -28,7 +28,8 @@ from agent.api.backend import Backend
 from agent.api.http_server import ApiServer, bind_unix
 from agent.config import ApiConfig, EngineConfig
 from agent.engine.engine import Engine
-from agent.engine.logprobs import MIN_LOGPROB, token_byte_table, token_logprobs
+from agent.engine.logprobs import (MIN_LOGPROB, LogprobEntry, TokenLogprobs, token_byte_table, token_logprobs,
+                                   with_bytes)
 from agent.engine.runner import open_runner
 from agent.engine.sampler import apply_penalties, make_rng, sample, sample_with_logprobs
 from agent.engine.sampling_params import SamplingParams
@@ -92,6 +93,12 @@ def test_sentencepiece_tokens_are_their_piece_with_spaces_and_byte_fallback_toke
     assert table[:3] == [b"<unk>", b"<s>", b"</s>"]
     assert table[3 + 0xE2] == b"\xe2" and table[3 + ord("A")] == b"A"
     assert table[259:] == [b" ", b" a", b"b", b" ab"]
+
+
+def test_ids_past_the_tokenizers_vocabulary_have_no_bytes():
+    """A model whose logits are wider than its vocabulary (padded rows) may list those ids under a grammar."""
+    entry = with_bytes(TokenLogprobs(1, -0.1, (1, 7), (-0.1, MIN_LOGPROB)), [b"a", b"b"])
+    assert entry == LogprobEntry(b"b", -0.1, ((b"b", -0.1), (b"", MIN_LOGPROB)))
 
 
 # ---- the engine ---------------------------------------------------------------------------------------
