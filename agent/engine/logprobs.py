@@ -2,11 +2,11 @@
 
 `token_logprobs` reads the distribution a token was drawn from: the logits after logit_bias and the penalties,
 restricted to the grammar's legal tokens for a constrained request, divided by the temperature. Greedy requests
-(temperature 0) have no such distribution, so theirs is the one at temperature 1 after the same processing
-(vLLM's and llama.cpp's choice too): the chosen token is then its most probable one. top-k, top-p and min-p are
-not applied: they would give -inf to all but a few tokens, which a client asking for the top 20 could not tell
-from banned ones. Pure numpy: it runs only for the requests that ask (SamplingParams.logprobs not None), one row
-at a time, so other requests' steps cost nothing more.
+(temperature 0) have no such distribution, so theirs is the one at temperature 1 after the same processing: the
+chosen token is then its most probable one. top-k, top-p and min-p are not applied: they would give -inf to all
+but a few tokens, which a client asking for the top 20 could not tell from banned ones. Pure numpy: it runs only
+for the requests that ask (SamplingParams.logprobs not None), one row at a time, so other requests' steps cost
+nothing more.
 
 `token_byte_table` gives each token id the UTF-8 bytes it decodes to: byte-level BPE (GPT-2's printable alphabet
 mapped back to bytes), SentencePiece ("▁" as a space, `<0xNN>` byte-fallback tokens as that byte), added and

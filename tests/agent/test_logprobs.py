@@ -33,6 +33,7 @@ from agent.engine.logprobs import (MIN_LOGPROB, LogprobEntry, TokenLogprobs, tok
 from agent.engine.runner import open_runner
 from agent.engine.sampler import apply_penalties, make_rng, sample, sample_with_logprobs
 from agent.engine.sampling_params import SamplingParams
+from agent.engine.tokenizer import TextTokenizer
 from agent.wire import Manifest
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -93,6 +94,16 @@ def test_sentencepiece_tokens_are_their_piece_with_spaces_and_byte_fallback_toke
     assert table[:3] == [b"<unk>", b"<s>", b"</s>"]
     assert table[3 + 0xE2] == b"\xe2" and table[3 + ord("A")] == b"A"
     assert table[259:] == [b" ", b" a", b"b", b" ab"]
+
+
+@pytest.mark.real_model
+def test_byte_level_tokens_bytes_join_to_the_text_they_encode(real_q4_bundle):
+    tok = TextTokenizer(real_q4_bundle.tokenizer_json(), real_q4_bundle.config)
+    text = "Héllo wörld — 你好 😊\n\tdone <|im_end|>"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes[i] for i in ids) == text.encode()
+    assert any(len(tok.token_bytes[i].decode(errors="replace")) != len(tok.token_bytes[i].decode(errors="ignore"))
+               for i in ids)  # some token holds part of a character: its bytes, not U+FFFD's
 
 
 def test_ids_past_the_tokenizers_vocabulary_have_no_bytes():
