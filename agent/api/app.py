@@ -333,7 +333,8 @@ class OpenAIServer:
         try:
             params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults(),
                                          prepared.structure)
-            if params.structure is not None:  # its grammar compiles in submit: off the loop (up to ~1 s)
+            # a grammar compiles in submit (up to ~1 s), the first logprobs request builds the token table: off the loop
+            if params.structure is not None or params.logprobs is not None:
                 return await asyncio.to_thread(engine.submit, prepared.prompt_ids, params, req.priority)
             return engine.submit(prepared.prompt_ids, params, req.priority)
         except om.FieldError as e:

@@ -4,8 +4,8 @@ Requests follow the OpenAI API reference for /v1/chat/completions and /v1/comple
 n = 1 only, an unknown field is an error, except inside a message: SDKs add their own fields to the replies
 that apps append to the history) plus vLLM's extension names: top_k, min_p, repetition_penalty,
 ignore_eos, priority and structured_outputs (json / regex / choice / Lark grammar; OpenAI's response_format
-takes json_object and json_schema). OpenAI parameters this server does not implement (logprobs,
-echo, ...) are accepted at the values that mean "off", which clients such as LangChain send on every
+takes json_object and json_schema). OpenAI parameters this server does not implement (echo,
+...) are accepted at the values that mean "off", which clients such as LangChain send on every
 call, and refused by name otherwise. Sampling ranges are checked once, by `SamplingParams`; this module only maps
 fields onto it. Responses mirror OpenAI's objects and add `timings` (as llama.cpp's server does) carrying
 the engine's `RequestFigures`. Nothing here does I/O.
@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
+from agent.api.logprobs import ChatLogprobs, TextLogprobs
 from agent.api.tool_models import MAX_TOOLS, MessageToolCall, Tool, ToolCall, ToolCallDelta, ToolChoice
-from agent.engine.sampling_params import SamplingParams, Structure
+from agent.engine.sampling_params import MAX_LOGPROBS, SamplingParams, Structure
 from agent.wire import RequestFigures
 
 # OpenAI's default for /v1/completions ("max_tokens ... Defaults to 16"); chat has no limit but the context.
@@ -275,10 +276,7 @@ class SamplingRequest(_Request):
     priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # ours: speculative decoding for this request ("off", "ngram" prompt lookup, "draft" model)
     speculative: Literal["off", "ngram", "draft"] | None = None
-    # OpenAI's, not implemented: accepted when off (LangChain's OpenAI LLM sends "logit_bias": {} and
-    # "logprobs": null on every call; logit_bias is implemented)
-    logprobs: _off(False) = None
-    top_logprobs: _off(0) = None
+    # logprobs is declared per endpoint (chat: a bool with top_logprobs; completions: the count)
     response_format: ResponseFormat | None = None  # OpenAI's structured output
     structured_outputs: StructuredOutputs | None = None  # vLLM's: regex, choice, Lark grammar, json
     store: _off(False) = None
@@ -312,6 +310,10 @@ class SamplingRequest(_Request):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: the top entries per token, None when log-probabilities are off."""
+        return None
+
     def sampling_params(self, default_max_tokens: int, defaults: dict | None = None,
                         structure: Structure | None = None) -> SamplingParams:
         """The engine's SamplingParams; FieldError naming the field when a value is out of range.
@@ -328,7 +330,8 @@ class SamplingRequest(_Request):
         given = defaults | {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
         structure = structure or response_structure(self.response_format, self.structured_outputs)
         try:
-            return SamplingParams(max_tokens=max_tokens, structure=structure, **given)
+            return SamplingParams(max_tokens=max_tokens, structure=structure, logprobs=self.requested_logprobs(),
+                                  **given)
         except ValidationError as e:
             raise FieldError(*describe_validation_error(e)) from None
 
@@ -344,6 +347,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # OpenAI: "none" without tools, "auto" with them
     parallel_tool_calls: bool | None = None  # OpenAI: true (several calls in one reply)
+    logprobs: bool | None = None  # the chosen tokens' log-probabilities (agent.api.logprobs)
+    top_logprobs: int | None = None  # and the most probable tokens at each position: 0..20, with logprobs true
 
     @field_validator("tools")
     @classmethod
@@ -353,6 +358,19 @@ class ChatCompletionRequest(SamplingRequest):
             repeated = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"tools: function names must be unique ({repeated!r} repeats)")
         return tools
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_with_logprobs(cls, n: int | None, info: ValidationInfo) -> int | None:
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {n}")
+        # OpenAI: "logprobs must be set to true if this parameter is used"; 0 (off) is what LangChain sends
+        if n and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return n
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -384,6 +402,20 @@ class CompletionRequest(SamplingRequest):
     tools: _off([]) = None  # chat's
     tool_choice: _off("none") = None
     parallel_tool_calls: _off(True, False) = None
+
+    # legacy: the chosen tokens' log-probabilities and this many most probable ones (OpenAI allows 5, vLLM 20)
+    logprobs: int | None = None
+    top_logprobs: _off(0) = None  # chat's name; this endpoint's count is `logprobs`
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, n: int | None) -> int | None:
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (the most probable tokens listed), got {n}")
+        return n
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
@@ -450,7 +482,7 @@ class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatDelta(_Response):
@@ -463,14 +495,14 @@ class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class TextChoice(_Response):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class _Completion(_Response):

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from agent.api import openai_models as om
 from agent.api.tool_calls import Syntax, ToolCallStream, parse_reply, tool_calls
+from agent.api.logprobs import ChatLogprobs, TextLogprobs, chat_logprobs, text_logprobs
 from agent.engine.request import Finished, TextDelta
 
 
@@ -51,7 +52,7 @@ class ChatReplies:
                 message, finish = om.AssistantMessage(content=view.content or None, tool_calls=calls), "tool_calls"
             elif not view.calls:
                 message = om.AssistantMessage(content=view.content)
-        choice = om.ChatChoice(message=message, finish_reason=finish)
+        choice = om.ChatChoice(message=message, finish_reason=finish, logprobs=chat_logprobs(fin.logprobs))
         return om.ChatCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
                                  timings=fin.figures)
 
@@ -60,21 +61,25 @@ class ChatReplies:
         return [self._chunk(om.ChatDelta(role="assistant", content=""))]
 
     def delta(self, event: TextDelta) -> list[om.ChatCompletionChunk]:
+        logprobs = chat_logprobs(event.logprobs or None)
         if self.tool_stream is None:
-            return [self._chunk(om.ChatDelta(content=event.text))]
+            return [self._chunk(om.ChatDelta(content=event.text), logprobs=logprobs)]
         content, calls = self.tool_stream.push(event.text)
-        return [self._chunk(om.ChatDelta(content=content or None, tool_calls=calls or None))] if content or calls else []
+        if not (content or calls or logprobs):
+            return []
+        return [self._chunk(om.ChatDelta(content=content or None, tool_calls=calls or None), logprobs=logprobs)]
 
     def end(self, fin: Finished) -> list[om.ChatCompletionChunk]:
         last = self._chunk(om.ChatDelta(), fin)
         usage = om.ChatCompletionChunk(**self.reply.common(), choices=[], usage=om.Usage.of(fin.figures))
         return [last, usage] if self.reply.include_usage else [last]
 
-    def _chunk(self, delta: om.ChatDelta, fin: Finished | None = None) -> om.ChatCompletionChunk:
+    def _chunk(self, delta: om.ChatDelta, fin: Finished | None = None,
+               logprobs: ChatLogprobs | None = None) -> om.ChatCompletionChunk:
         finish = fin.figures.finish_reason if fin else None
         if finish == "stop" and self.tool_stream is not None and self.tool_stream.has_calls:
             finish = "tool_calls"
-        choice = om.ChatChunkChoice(delta=delta, finish_reason=finish)
+        choice = om.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         return om.ChatCompletionChunk(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
 
 
@@ -83,9 +88,11 @@ class TextReplies:
 
     def __init__(self, reply: Reply):
         self.reply = reply
+        self.text_offset = 0  # characters of the stream's tokens so far (logprobs' text_offset)
 
     def response(self, fin: Finished) -> om.TextCompletion:
-        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason)
+        choice = om.TextChoice(text=fin.text, finish_reason=fin.figures.finish_reason,
+                               logprobs=text_logprobs(fin.logprobs))
         return om.TextCompletion(**self.reply.common(), choices=[choice], usage=om.Usage.of(fin.figures),
                                  timings=fin.figures)
 
@@ -93,15 +100,18 @@ class TextReplies:
         return []
 
     def delta(self, event: TextDelta) -> list[om.TextCompletion]:
-        return [self._chunk(event.text)]
+        logprobs = text_logprobs(event.logprobs or None, self.text_offset)
+        if logprobs is not None:
+            self.text_offset += sum(len(t) for t in logprobs.tokens)
+        return [self._chunk(event.text, logprobs=logprobs)]
 
     def end(self, fin: Finished) -> list[om.TextCompletion]:
         last = self._chunk("", fin)
         usage = om.TextCompletion(**self.reply.common(), choices=[], usage=om.Usage.of(fin.figures))
         return [last, usage] if self.reply.include_usage else [last]
 
-    def _chunk(self, text: str, fin: Finished | None = None) -> om.TextCompletion:
-        choice = om.TextChoice(text=text, finish_reason=fin.figures.finish_reason if fin else None)
+    def _chunk(self, text: str, fin: Finished | None = None, logprobs: TextLogprobs | None = None) -> om.TextCompletion:
+        choice = om.TextChoice(text=text, finish_reason=fin.figures.finish_reason if fin else None, logprobs=logprobs)
         return om.TextCompletion(**self.reply.common(), choices=[choice], timings=fin.figures if fin else None)
 
 

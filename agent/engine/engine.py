@@ -116,7 +116,8 @@ class Engine:
             except GrammarError as e:
                 raise RequestError(str(e), "invalid_value", param=e.param) from None
         self.spec.start(seq)
-        handle = RequestHandle(seq)
+        # the table is built on the first request that asks (~80 ms), by its submitter rather than the engine thread
+        handle = RequestHandle(seq, token_bytes=self.tokenizer.token_bytes if params.logprobs is not None else None)
         with self._submit_lock:  # counted and queued as one: simultaneous submits cannot all pass the check
             if self._stop.is_set():
                 raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
+from agent.engine.logprobs import LogprobEntry, TokenLogprobs, with_bytes
 from agent.engine.sampling_params import SamplingParams
 from agent.engine.sequence import FinishReason, Sequence
 from agent.engine.tokenizer import IncrementalDetokenizer
@@ -49,6 +50,9 @@ ERROR_CODES = {"overloaded": "overloaded", "unavailable": "unavailable", "struct
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    # a request that asks for log-probabilities: the entries of the tokens whose text starts in this delta (or, in
+    # the last delta, of those whose text never appeared: a stop string's, a special token's), in order
+    logprobs: tuple[LogprobEntry, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,16 +71,23 @@ class Finished:
     constraint_s: float = 0.0
     constraint_masks: int = 0
     constraint_forced: int = 0  # of the completion tokens, those the grammar forced (run several in one step)
+    # one entry per generated token but the EOS that ended the output (as OpenAI and vLLM give), when the request
+    # asked for log-probabilities (SamplingParams.logprobs); None when it did not
+    logprobs: list[LogprobEntry] | None = None
 
 
 class RequestHandle:
     """The submitter's side of a request: iterate its events; cancel() from any thread."""
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer | None = None):
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer | None = None,
+                 token_bytes: list[bytes] | None = None):
         self.seq = seq
         self.events: queue.Queue = queue.Queue()
         self.text_parts: list[str] = []  # written by the engine thread only
         self.detok = detok  # the engine thread's, set when it takes the request in
+        self.token_bytes = token_bytes  # each token id's bytes: set when the request asks for log-probabilities
+        self.logprobs: list[LogprobEntry] = []  # the engine thread's; logprobs[num_sent:] wait for their text
+        self.num_sent = 0
 
     def cancel(self) -> None:
         self.seq.cancelled = True
@@ -93,8 +104,11 @@ class RequestHandle:
         return last
 
     # ---- the engine thread's side ----
-    def add_token(self, token: int, is_eos: bool) -> bool:
-        """Stream a generated token's text (an EOS token has none); returns whether a stop string ended it."""
+    def add_token(self, token: int, is_eos: bool, logprobs: TokenLogprobs | None = None) -> bool:
+        """Stream a generated token's text (an EOS token has none) and log-probabilities; returns whether a stop
+        string ended it."""
+        if logprobs is not None and not is_eos:
+            self.logprobs.append(with_bytes(logprobs, self.token_bytes))
         delta = "" if is_eos else self.detok.add(token)
         if delta:
             self._emit(delta)
@@ -104,7 +118,7 @@ class RequestHandle:
         """The last events: text held back that turned out not to be a stop string, then Finished."""
         seq = self.seq
         tail = self.detok.flush()
-        if tail:
+        if tail or self.num_sent < len(self.logprobs):
             self._emit(tail)
         code = None
         if seq.finish_reason is FinishReason.ERROR:
@@ -112,8 +126,10 @@ class RequestHandle:
         c = seq.constraint
         self.events.put(Finished("".join(self.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
                                  list(seq.token_times), c is not None, c.time_s if c else 0.0,
-                                 c.num_masks if c else 0, seq.forced_tokens))
+                                 c.num_masks if c else 0, seq.forced_tokens,
+                                 self.logprobs if seq.params.logprobs is not None else None))
 
     def _emit(self, text: str) -> None:
         self.text_parts.append(text)
-        self.events.put(TextDelta(text))
+        entries, self.num_sent = tuple(self.logprobs[self.num_sent:]), len(self.logprobs)
+        self.events.put(TextDelta(text, entries))

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from agent.engine.logprobs import TokenLogprobs, token_logprobs
 from agent.engine.sampling_params import SamplingParams
 
 _TOP_P_FIRST_GUESS = 64  # candidates partitioned out first when looking for top_p's mass; grows x4 on a miss
@@ -169,11 +170,24 @@ def sample_constrained(logits: np.ndarray, params: SamplingParams, prompt_ids: S
     draw and redrawing otherwise gives each legal candidate p(t) + (1 - L) p(t) / L = p(t) / L, L the legal
     mass: exactly the filtered distribution conditioned on legality.
     """
+    return sample_with_logprobs(logits, params, prompt_ids, output_ids, rng, constraint)[0]
+
+
+def sample_with_logprobs(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                         output_ids: Sequence[int], rng: np.random.Generator,
+                         constraint: TokenFilter | None = None) -> tuple[int, TokenLogprobs | None]:
+    """The token sample (or, given a constraint, sample_constrained) chooses, drawing from rng exactly as they
+    do, and its log-probabilities when params.logprobs is set (agent.engine.logprobs), else None."""
     x = apply_penalties(logits, params, prompt_ids, output_ids)
-    token = _choose(x, params, rng)
-    if constraint.allows(token):
-        return token
-    return redraw(x, params, constraint.legal_mask(), rng)
+    token, legal = _choose(x, params, rng), None
+    if constraint is not None and not constraint.allows(token):
+        legal = constraint.legal_mask()
+        token = redraw(x, params, legal, rng)
+    if params.logprobs is None:
+        return token, None
+    if constraint is not None and legal is None:  # the grammar's mask is part of the distribution drawn from
+        legal = constraint.legal_mask()
+    return token, token_logprobs(x, token, params, legal)
 
 
 def _choose(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -98,6 +98,15 @@ def _check_logit_bias(bias: dict[int, float]) -> dict[int, float]:
     return bias
 
 
+MAX_LOGPROBS = 20  # top entries per token: OpenAI's chat limit, and vLLM's default cap
+
+
+def _check_logprobs(n: int | None) -> int | None:
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (top entries per token), got {n}")
+    return n
+
+
 MAX_STRUCTURE_CHARS = 256 * 1024  # a schema, regex or grammar: bounds what compiling one request may cost
 StructureKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -151,6 +160,9 @@ class SamplingParams(BaseModel):
         Field(default_factory=dict)
     # constrained decoding: only tokens that keep the output matching this structure are drawn
     structure: Structure | None = None
+    # log-probabilities of the generated tokens (agent.engine.logprobs), with this many of the most probable
+    # tokens at each position; None: not computed at all
+    logprobs: Annotated[int | None, AfterValidator(_check_logprobs)] = None
 
     @model_validator(mode="after")
     def _eos_needed(self) -> "SamplingParams":

@@ -16,7 +16,8 @@ text with or without speculation and whatever else is in the batch, up to roundi
 target's logits for a position verified in a k+1-row step (or decoded in a step padded to a neighbour's
 drafts) differ from a one-row step's in the last bits (ONNX Runtime rounds the two widths apart, ~1e-5 in
 fp32), so at a near-tie the token can differ, as it can after vLLM's speculative decoding. On INT4/INT8
-bundles the rows' activations are quantized apart too, and the difference is larger.
+bundles the rows' activations are quantized apart too, and the difference is larger. A request that asks for
+log-probabilities keeps speculating: each emitted token's come from the verify row it was sampled from.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from agent.engine.sampler import sample, sample_constrained
+from agent.engine.logprobs import TokenLogprobs
+from agent.engine.sampler import sample_with_logprobs
 from agent.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the draft model runs the runtime; a sequence holds this module's controllers
@@ -200,45 +202,37 @@ def _ema(old: float | None, new: float) -> float:
 
 
 def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
-           output_ids: Sequence[int], rng: np.random.Generator) -> list[int]:
+           output_ids: Sequence[int], rng: np.random.Generator,
+           logprobs: list[TokenLogprobs | None] | None = None, constraint=None) -> list[int]:
     """The tokens to append: the accepted prefix of the draft plus one token from the target.
 
-    logits [len(draft) + 1, V]: row i predicts the token after draft[:i].
+    logits [len(draft) + 1, V]: row i predicts the token after draft[:i]. logprobs: when given, each returned
+    token's log-probabilities (None unless params.logprobs is set) are appended to it, from the same row.
+    constraint: a grammar's matcher (agent.engine.constraint.Constraint): each position draws as constrained
+    decoding does there, the matcher advanced past the draft tokens accepted before it, so the output is exactly
+    what plain constrained decoding gives; a draft the grammar forces is accepted whole. The matcher is left as
+    it was: the step accepts the tokens it appends.
     """
-    out: list[int] = []
-    history = list(output_ids)
-    for i, d in enumerate(draft):
-        token = sample(logits[i], params, prompt_ids, history, rng)  # what plain decoding gives here
-        out.append(token)
-        history.append(token)
-        if token != d:
-            return out
-    out.append(sample(logits[len(draft)], params, prompt_ids, history, rng))
-    return out
-
-
-def verify_constrained(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
-                       output_ids: Sequence[int], rng: np.random.Generator, constraint) -> list[int]:
-    """verify for a sequence held to a grammar: each position draws as constrained decoding does there
-    (sample_constrained, the matcher advanced past the draft tokens accepted before it), so the output is exactly
-    what plain constrained decoding gives. The matcher is left as it was: the step accepts the tokens it appends.
-    A draft the grammar forces (every position has one legal token) is always accepted whole."""
     out: list[int] = []
     history = list(output_ids)
     consumed = 0
     try:
-        for i, d in enumerate(draft):
-            token = sample_constrained(logits[i], params, prompt_ids, history, rng, constraint)
+        for i in range(len(draft) + 1):
+            # what plain decoding gives here
+            token, lp = sample_with_logprobs(logits[i], params, prompt_ids, history, rng, constraint)
             out.append(token)
             history.append(token)
-            if token != d:
+            if logprobs is not None:
+                logprobs.append(lp)
+            if i == len(draft) or token != draft[i]:
                 return out
-            constraint.accept(token)  # never an end id: drafts are cut before one (Constraint.legal_prefix)
-            consumed += 1
-        out.append(sample_constrained(logits[len(draft)], params, prompt_ids, history, rng, constraint))
+            if constraint is not None:  # never an end id: drafts are cut before one (Constraint.legal_prefix)
+                constraint.accept(token)
+                consumed += 1
         return out
     finally:
-        constraint.rollback(consumed)
+        if constraint is not None:
+            constraint.rollback(consumed)
 
 
 @dataclass
@@ -288,22 +282,20 @@ class Speculation:
         return self.draft.propose(seq.seq_id, seq.all_ids, k) if k > 0 and self.draft is not None else []
 
     def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float,
-                 forced: bool = False) -> list[int]:
-        """The tokens a verify step that took `seconds` gives (see verify), counted in seq's figures and
-        controller (forced tokens are the grammar's, not a draft's: not counted). logits [len(draft) + 1, V]."""
-        if seq.constraint is None:
-            tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
-        else:
-            tokens = verify_constrained(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng,
-                                        seq.constraint)
+                 forced: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The tokens a verify step that took `seconds` gives (see verify) and their log-probabilities, counted
+        in seq's figures and controller (forced tokens are the grammar's, not a draft's: not counted there).
+        logits [len(draft) + 1, V]."""
+        logprobs: list[TokenLogprobs | None] = []
+        tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, logprobs, seq.constraint)
         accepted = len(tokens) - 1
         if forced:
             seq.forced_tokens += accepted
-            return tokens
+            return tokens, logprobs
         seq.drafted_tokens += len(draft)
         seq.accepted_tokens += accepted
         seq.draft_length.update(len(draft), accepted, seconds)
-        return tokens
+        return tokens, logprobs
 
     def computed(self, seq: Request) -> None:
         """After a step: the draft model's cache matches seq for its computed tokens only."""

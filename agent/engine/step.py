@@ -17,7 +17,8 @@ import numpy as np
 from agent.engine.constraint import ConstraintError
 from agent.engine.prefix_cache import PrefixCache
 from agent.engine.request import RequestHandle
-from agent.engine.sampler import sample, sample_constrained
+from agent.engine.logprobs import TokenLogprobs
+from agent.engine.sampler import sample_with_logprobs
 from agent.engine.scheduler import Scheduler
 from agent.engine.sequence import FinishReason, Sequence
 from agent.engine.speculative import Speculation
@@ -112,7 +113,7 @@ class Stepper:
                 self.prefix.store(seq.seq_id, seq.prompt_ids)
             seq.start_decoding()
             try:
-                self._accept(seq, self._sample(seq, logits[0, 0]), time.perf_counter())
+                self._accept(seq, *self._sample(seq, logits[0, 0]), time.perf_counter())
             except Exception as e:
                 self._fail_one(seq, e)
 
@@ -158,31 +159,32 @@ class Stepper:
                  forced: bool = False) -> None:
         """Account for the tokens the step computed and append what verification accepted."""
         if draft:
-            tokens = self.spec.verified(seq, draft, logits, seconds, forced)
+            tokens, logprobs = self.spec.verified(seq, draft, logits, seconds, forced)
         else:
-            tokens = [self._sample(seq, logits[0])]
-            seq.draft_length.observe_plain(seconds, tokens[0])
+            token, lp = self._sample(seq, logits[0])
+            tokens, logprobs = [token], [lp]
+            seq.draft_length.observe_plain(seconds, token)
         seq.num_computed += len(tokens)  # the last token + the accepted drafts now have valid KV
         self.spec.computed(seq)
         pool.lengths[seq.seq_id] = seq.num_computed
         now = time.perf_counter()  # the step's tokens reach the client together
-        for t in tokens:
-            self._accept(seq, t, now)
+        for t, lp in zip(tokens, logprobs):
+            self._accept(seq, t, lp, now)
             if seq.is_finished:
                 return
 
-    def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
-        if seq.constraint is None:
-            return sample(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng)
-        return sample_constrained(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, seq.constraint)
+    def _sample(self, seq: Sequence, logits: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """The next token from logits [V] and, when the request asks, its log-probabilities."""
+        return sample_with_logprobs(logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, seq.constraint)
 
-    def _accept(self, seq: Sequence, token: int, now: float) -> None:
-        """Append a sampled token, stream its text, and finish the request if it is done."""
+    def _accept(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
+        """Append a sampled token, stream its text (with its log-probabilities), and finish the request if it is
+        done."""
         if seq.constraint is not None:
             seq.constraint.accept(token)
         seq.append_token(token, now)
         is_eos = token in self.eos_ids and not seq.params.ignore_eos
-        stopped = self.streams[seq.seq_id].add_token(token, is_eos)
+        stopped = self.streams[seq.seq_id].add_token(token, is_eos, logprobs)
         reason = None
         if stopped or is_eos:
             reason = FinishReason.STOP

