@@ -29,7 +29,6 @@ import numpy as np
 CHUNK_TOKENS = 256
 GENAI_MIN_LENGTH = 1024
 SCHEMA_CONTEXT_TOKENS = 2048  # json-schemas: a prompt plus the job's max_tokens
-SCHEMA_TIMEOUT_S = 60  # json-schemas: one schema's conversion or generation; past it the schema counts as failed
 
 
 def quantize(src: str, dst: str, ftype_name: str, threads: int) -> dict:
@@ -101,7 +100,7 @@ class _Timeout(Exception):
 
 
 def _raise_timeout(signum, frame):
-    raise _Timeout(f"took over {SCHEMA_TIMEOUT_S} s")
+    raise _Timeout("took over the job's timeout_s")
 
 
 def _schema_record(llm, item: dict, max_tokens: int) -> dict:
@@ -126,7 +125,9 @@ def _schema_record(llm, item: dict, max_tokens: int) -> dict:
 
 
 def json_schemas(model: str, job_path: str, out: str, threads: int) -> dict:
-    """Each schema of the job compiled (and, where asked, generated with) by llama.cpp; {url: record} to out."""
+    """Each schema of the job compiled (and, where asked, generated with) by llama.cpp; {url: record} to out.
+    job: {"max_tokens", "timeout_s" (one schema's conversion and generation), "schemas": [{"url", "schema",
+    "prompt", "generate"}]}."""
     # the converter fetches a remote $ref with `import requests; requests.get(...)`: an ImportError instead, so
     # that such a schema fails at once and offline, as it does on our side
     sys.modules["requests"] = None
@@ -137,7 +138,7 @@ def json_schemas(model: str, job_path: str, out: str, threads: int) -> dict:
     signal.signal(signal.SIGALRM, _raise_timeout)
     records = {}
     for item in job["schemas"]:
-        signal.alarm(SCHEMA_TIMEOUT_S)
+        signal.alarm(job["timeout_s"])
         try:
             records[item["url"]] = _schema_record(llm, item, job["max_tokens"])
         except _Timeout as e:

@@ -110,8 +110,9 @@ schemas = st.one_of(satisfiable, satisfiable, satisfiable, broken())  # three sa
 
 # ---- the requests -------------------------------------------------------------------------------------
 def ask(client: httpx.Client, schema: dict) -> httpx.Response:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "g", "schema": schema}}}
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Answer in JSON."}],
+            "max_tokens": MAX_TOKENS, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "g", "schema": schema}}}
     return client.post("/v1/chat/completions", json=body)
 
 
