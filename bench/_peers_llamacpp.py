@@ -1,5 +1,6 @@
-"""Peer side of bench/quality.py and bench/tps.py: quantize a GGUF, dump a GGUF's logits over given token ids
-(llama.cpp) or an onnxruntime-genai model's, or tokenize a text with a GGUF's tokenizer.
+"""Peer side of bench/quality.py, bench/tps.py and bench/structured.py: quantize a GGUF, dump a GGUF's logits over
+given token ids (llama.cpp) or an onnxruntime-genai model's, tokenize a text with a GGUF's tokenizer, or compile
+JSON schemas to llama.cpp grammars and generate with them.
 
 Runs only in the peer venv (.venv-peers, built by bench/setup_peers) so that the product venv never
 imports llama_cpp or onnxruntime_genai; bench/quality.py calls it as a subprocess and reads back the files it
@@ -9,6 +10,7 @@ Run: .venv-peers/bin/python bench/_peers_llamacpp.py quantize F32.gguf OUT.gguf 
      .venv-peers/bin/python bench/_peers_llamacpp.py logits MODEL.gguf IDS.npy OUT.npy [--threads 2]
      .venv-peers/bin/python bench/_peers_llamacpp.py tokenize MODEL.gguf TEXT.txt OUT.npy
      .venv-peers/bin/python bench/_peers_llamacpp.py genai-logits GENAI_DIR IDS.npy OUT.npy [--threads 2]
+     .venv-peers/bin/python bench/_peers_llamacpp.py json-schemas MODEL.gguf JOB.json OUT.json [--threads 2]
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import ctypes
 import json
 import os
+import signal
 import sys
 
 import llama_cpp
@@ -25,6 +28,7 @@ import numpy as np
 # chunks, like quantize.evaluate.CHUNK_TOKENS (256) does for the ONNX graphs.
 CHUNK_TOKENS = 256
 GENAI_MIN_LENGTH = 1024
+SCHEMA_CONTEXT_TOKENS = 2048  # json-schemas: a prompt plus the job's max_tokens
 
 
 def quantize(src: str, dst: str, ftype_name: str, threads: int) -> dict:
@@ -91,6 +95,61 @@ def tokenize(model: str, text_path: str, out: str) -> dict:
     return {"tokens": len(ids), "llama_cpp": llama_cpp.__version__}
 
 
+class _Timeout(Exception):
+    pass
+
+
+def _raise_timeout(signum, frame):
+    raise _Timeout("took over the job's timeout_s")
+
+
+def _schema_record(llm, item: dict, max_tokens: int) -> dict:
+    """{"compiled", "error"} and, when item["generate"], {"finish_reason", "text"}: LlamaGrammar.from_json_schema
+    (llama-cpp-python's converter to GBNF), llama.cpp's grammar parser, then a greedy chat completion."""
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    try:
+        grammar = LlamaGrammar.from_json_schema(json.dumps(item["schema"]), verbose=False)
+    except Exception as e:  # noqa: BLE001 -- the converter raises whatever its schema walk meets
+        return {"compiled": False, "error": f"{type(e).__name__}: {e}"[:200]}
+    parsed = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar._grammar.encode(), grammar._root.encode())
+    if not parsed:  # llama.cpp's parser refused the GBNF (a NULL sampler would crash the completion)
+        return {"compiled": False, "error": "llama.cpp could not parse the converted grammar"}
+    llama_cpp.llama_sampler_free(parsed)
+    if not item["generate"]:
+        return {"compiled": True}
+    out = llm.create_chat_completion(messages=[{"role": "user", "content": item["prompt"]}], grammar=grammar,
+                                     max_tokens=max_tokens, temperature=0.0)
+    choice = out["choices"][0]
+    return {"compiled": True, "finish_reason": choice["finish_reason"], "text": choice["message"]["content"] or ""}
+
+
+def json_schemas(model: str, job_path: str, out: str, threads: int) -> dict:
+    """Each schema of the job compiled (and, where asked, generated with) by llama.cpp; {url: record} to out.
+    job: {"max_tokens", "timeout_s" (one schema's conversion and generation), "schemas": [{"url", "schema",
+    "prompt", "generate"}]}."""
+    # the converter fetches a remote $ref with `import requests; requests.get(...)`: an ImportError instead, so
+    # that such a schema fails at once and offline, as it does on our side
+    sys.modules["requests"] = None
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    llm = llama_cpp.Llama(model, n_ctx=SCHEMA_CONTEXT_TOKENS, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    signal.signal(signal.SIGALRM, _raise_timeout)
+    records = {}
+    for item in job["schemas"]:
+        signal.alarm(job["timeout_s"])
+        try:
+            records[item["url"]] = _schema_record(llm, item, job["max_tokens"])
+        except _Timeout as e:
+            records[item["url"]] = {"compiled": True, "finish_reason": "timeout", "text": "", "error": str(e)}
+        finally:
+            signal.alarm(0)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(records, f)
+    return {"schemas": len(records), "llama_cpp": llama_cpp.__version__}
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -102,7 +161,9 @@ def main(argv: list[str]) -> None:
     tk.add_argument("model"), tk.add_argument("text"), tk.add_argument("out")
     gl = sub.add_parser("genai-logits")
     gl.add_argument("model"), gl.add_argument("ids"), gl.add_argument("out")
-    for s in (q, lg, tk, gl):
+    js = sub.add_parser("json-schemas")
+    js.add_argument("model"), js.add_argument("job"), js.add_argument("out")
+    for s in (q, lg, tk, gl, js):
         s.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     if a.command == "quantize":
@@ -111,6 +172,8 @@ def main(argv: list[str]) -> None:
         result = tokenize(a.model, a.text, a.out)
     elif a.command == "genai-logits":
         result = genai_logits(a.model, a.ids, a.out, a.threads)
+    elif a.command == "json-schemas":
+        result = json_schemas(a.model, a.job, a.out, a.threads)
     else:
         result = logits(a.model, a.ids, a.out, a.threads)
     print(json.dumps(result))  # the last stdout line is the result the benchmarks read

@@ -1,6 +1,6 @@
-"""Real API servers for tests: the socket server and a running engine in this process (`serving`), or
-`edge-agent serve` as its own process (`agent_process`) for models whose memory planning must not count this
-test process's heap."""
+"""Real API servers for tests: the socket server and a running engine in this process (`serving`, with `http`
+for a client of its socket), or `edge-agent serve` as its own process (`agent_process`) for models whose memory
+planning must not count this test process's heap."""
 from __future__ import annotations
 
 import re
@@ -63,3 +63,7 @@ def agent_process(bundle, workdir: Path):
                             http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(agent.sock))))
     finally:
         assert agent.stop() == 0
+
+
+def http(path: Path, timeout_s: float = 60) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost", timeout=timeout_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -24,7 +23,7 @@ from pydantic import BaseModel
 from agent.engine.constraint import ConstraintError
 from agent.engine.engine import Engine
 from agent.engine.sampling_params import SamplingParams, Structure
-from api_servers import engine_config, serving
+from api_servers import engine_config, http, serving
 
 pytestmark = pytest.mark.real_model
 
@@ -174,10 +173,6 @@ def test_a_dead_end_fails_its_own_request_and_not_the_batch(engine):
 def socket_path(real_q4_bundle):
     with serving(real_q4_bundle) as path:
         yield path
-
-
-def http(path: Path) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://localhost", timeout=60)
 
 
 class Capital(BaseModel):
