@@ -63,13 +63,13 @@ def record_logits(monkeypatch) -> list[tuple[object, np.ndarray]]:
     """(the request's generator, the logits row) of every token the engine samples, in order."""
     import agent.engine.step
 
-    seen, sample = [], agent.engine.step.sample
+    seen, sample = [], agent.engine.step.sample_with_logprobs
 
-    def recording(logits, params, prompt_ids, output_ids, rng):
+    def recording(logits, params, prompt_ids, output_ids, rng, constraint=None):
         seen.append((rng, np.array(logits, copy=True)))
-        return sample(logits, params, prompt_ids, output_ids, rng)
+        return sample(logits, params, prompt_ids, output_ids, rng, constraint)
 
-    monkeypatch.setattr(agent.engine.step, "sample", recording)
+    monkeypatch.setattr(agent.engine.step, "sample_with_logprobs", recording)
     return seen
 
 
