@@ -23,6 +23,7 @@ Run: .venv/bin/python bench/quality.py [--model smollm2-135m] [--text FILE] [--t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import hashlib
 import inspect
@@ -47,6 +48,7 @@ from benchmodels import DEFAULT, MODELS, PEER_PYTHON, BenchModel, peer, token_id
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
 
 from agent import wire  # noqa: E402
+from agent.wire import Geometry  # noqa: E402
 from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.engine.runner import open_runner  # noqa: E402
 from quantize.architectures import GLOBAL_NAMES, Architecture, by_name  # noqa: E402
@@ -55,6 +57,7 @@ from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa:
 from quantize.gguf_reader import unpermute_rows  # noqa: E402
 from quantize.package import build_bundle  # noqa: E402
 from quantize.precision import QuantSpec  # noqa: E402
+from quantize.recipes import build_spec  # noqa: E402
 
 DATA = REPO / "quantize" / "data"
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -71,6 +74,12 @@ class OnnxConfig:
     group: str = FROM_FP32
     int8_kv: bool = False  # also a row for the same bundle with its int8 KV cache graph
     goal: str | None = None  # "int4" / "int8": the row the issue's goal for that precision is about
+    # spec holds only the precision: the bundle is `edge-quantize build`'s default for the model, its recipe
+    # (quantize.recipes) when it has one
+    default: bool = False
+
+    def resolved(self, g: Geometry) -> "OnnxConfig":
+        return dataclasses.replace(self, spec=build_spec(g, self.spec.precision, {})) if self.default else self
 
 
 PLAIN = {"int4_int8_layers": {}}  # every projection at 4 bits, as the row's label says
@@ -91,7 +100,7 @@ CONFIGS = [
     OnnxConfig("int4 GPTQ (asym b64, down b128)", QuantSpec(precision="int4", int4_symmetric_kinds=frozenset(),
                                                            **PLAIN), calibrated=True),
     OnnxConfig("int4 default: GPTQ (b64, down b128, o+gate_up sym, L18 qkv int8)", QuantSpec(precision="int4"),
-               calibrated=True, int8_kv=True, goal="int4"),
+               calibrated=True, int8_kv=True, goal="int4", default=True),
     # the lm_head at 4 bits as well (untied from the 8-bit embedding), GPTQ'd like the layers
     OnnxConfig("int4 default + int4 lm_head (GPTQ)", QuantSpec(precision="int4", lm_head="int4"), calibrated=True),
     OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),
@@ -104,7 +113,7 @@ LARGE_CONFIGS = [
                calibrated=True, goal="int8"),
     CONFIGS[3],  # int4 RTN, symmetric blocks of 32, as Q4_0 does it
     OnnxConfig("int4 default (edge-quantize build --precision int4)", QuantSpec(precision="int4"), calibrated=True,
-               int8_kv=True, goal="int4"),
+               int8_kv=True, goal="int4", default=True),
 ]
 # Gemma 3 270M's default INT4 is a few MB over Q4_0's size: blocks of 128 everywhere halve the scales' share
 B128 = OnnxConfig("int4 default, every block 128", QuantSpec(precision="int4", block_size=128), calibrated=True)
@@ -210,7 +219,7 @@ def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib
     ref_lp = np.concatenate([lp for _, lp in chunked_logits(open_runner(fp32, threads), ids)])
     own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
     rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
-    for cfg in configs:
+    for cfg in (c.resolved(ckpt.geometry) for c in configs):
         t0 = time.monotonic()
         bundle, note = build(ckpt, cfg, root, calib_text, threads, name)
         fig = figures(chunked_logits(open_runner(bundle, threads), ids), ref_lp, ids)
