@@ -118,15 +118,7 @@ LARGE_CONFIGS = [
 # What a model without a recipe gets (QuantSpec's defaults, measured on SmolLM2): the row the recipe is against
 NO_RECIPE = OnnxConfig("int4 without the model's recipe (blocks of 64, down 128, L18 qkv int8)",
                        QuantSpec(precision="int4"), calibrated=True)
-# Qwen2.5-0.5B's embedding and lm_head are two tables of 136 M weights each: at 8 bits they put the default INT4
-# bundle over llama.cpp Q4_0's size (whose token_embd is Q4_0); this row takes both to 4 bits.
-SMALL_TABLES = OnnxConfig("int4 default + int4 embedding and lm_head", QuantSpec(precision="int4", embedding="int4",
-                                                                                  lm_head="int4"), calibrated=True)
-# ... and spends part of what that saves on 8-bit down projections (24 x 4.4 M weights, ~52 MB)
-SMALL_TABLES_DOWN8 = OnnxConfig("int4 + int4 embedding and lm_head + int8 down_proj",
-                                QuantSpec(precision="int4", embedding="int4", lm_head="int4",
-                                          int4_int8_layers={"qkv": [18], "down": list(range(24))}), calibrated=True)
-CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": [*LARGE_CONFIGS, SMALL_TABLES, SMALL_TABLES_DOWN8],
+CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS,
                     "gemma3-270m": [*LARGE_CONFIGS, NO_RECIPE]}
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
 LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]

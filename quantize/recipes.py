@@ -36,6 +36,15 @@ class Recipe:
 
 
 RECIPES: tuple[Recipe, ...] = (
+    # Q4_0 keeps its token_embd at 4 bits (and its lm_head at 8): both 151,936 x 896 tables at 8 bits put the
+    # SmolLM2 recipe at 499 MB against Q4_0's 428.7. Both at 4 bits (the lookup table in blocks of 128, which
+    # cost nothing measurable, the head GPTQ'd in blocks of 32) pay for the projections that measured most per
+    # MB at 8 bits: every layer's down (mean KL 0.0744 -> 0.0615 for 52 MB) and o (0.0615 -> 0.0576 for 9.6 MB);
+    # every qkv at 8 bits gained nothing (0.0610 for 12 MB). Measured with a harness that swaps one setting at a
+    # time; the figures of the whole recipe are bench/quality.py's.
+    Recipe("qwen2.5-0.5b", "qwen2", 896, 24, 151936, {
+        "embedding": "int4", "embedding_block_size": 128, "lm_head": "int4", "head_block_size": 32,
+        "int4_int8_layers": {"qkv": [18], "o": list(range(24)), "down": list(range(24))}}),
     # Blocks of 128 everywhere: with its 14.4 MB tokenizer.json the default blocks of 64 came to 243.7 MB against
     # Q4_0's 241.4; the one 8-bit table stays (a 4-bit tied head costs far more KL than the layers' blocks).
     Recipe("gemma3-270m", "gemma3", 640, 18, 262144, {"block_size": 128}),
