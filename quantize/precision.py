@@ -17,7 +17,7 @@ class QuantSpec(BaseModel):
 
     precision: Precision = "fp32"
     # The defaults are the measured best INT4 recipe at no more than llama.cpp Q4_0's size for SmolLM2
-    # (docs/benchmarks.md): blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for zero points,
+    # (docs/benchmarks.md), and any model without a row in quantize/recipes.py gets them: blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for zero points,
     # GPTQ with activation order when a calibration text is given. For INT8, GPTQ in blocks of 32.
     block_size: Literal[16, 32, 64, 128] = 64
     # Per-projection overrides of block_size, by fused kind: "qkv", "o", "gate_up", "down". A block that

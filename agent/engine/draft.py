@@ -19,7 +19,8 @@ from agent.engine.runner import ModelRunner, open_runner
 
 def same_tokenizer(a: str, b: str) -> bool:
     """The two tokenizer.json documents hold the same tokenizer: compared as JSON, not as text, since how a
-    document is spaced depends on the quantizer version that wrote the bundle (compact since Gemma 3's 16 MB)."""
+    document is spaced depends on the quantizer that wrote the bundle (quantize.tokenizer writes it compact,
+    earlier versions with spaces after separators)."""
     return a == b or json.loads(a) == json.loads(b)
 
 
