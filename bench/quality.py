@@ -166,7 +166,8 @@ def logit_chunks(logits: np.ndarray):
 
 def dir_bytes(path: Path) -> int:
     """What a device needs to run the bundle: every file but the optional int8 KV cache graph (an
-    alternative to the main graph, not an addition)."""
+    alternative to the main graph, not an addition). Every row's size counts the model's tokenizer: ours
+    tokenizer.json, a GGUF its vocabulary (and merges) in its metadata, GenAI's folder its tokenizer files."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != wire.GRAPH_INT8_KV)
 
 
@@ -345,11 +346,12 @@ def genai_row(model: BenchModel, source: Path, ids_path: Path, ids: list[int], r
     fig = figures(logit_chunks(logits), ref_lp, ids)
     del logits
     out.unlink()
-    size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())  # its tokenizer too, as dir_bytes counts ours
     args = " ".join(model.genai_args)
     print(f"  GenAI int4: mean KL {fig.mean_kl:.4f}", flush=True)
     return Row("GenAI", "int4 (its builder)", FROM_FP32, size, fig,
-               f"onnxruntime-genai {info['onnxruntime_genai']} builder `{args}`; size is model.onnx + its data")
+               f"onnxruntime-genai {info['onnxruntime_genai']} builder `{args}`; size is its whole folder "
+               "(graph, weights, genai_config.json, tokenizer files)")
 
 
 # ---- report ------------------------------------------------------------------------------------------
