@@ -71,3 +71,17 @@ def test_edge_quantize_build_uses_the_models_recipe_under_its_flags(tiny_gguf, t
     assert (q["block_size"], q["block_sizes"], q["embedding"]) == (16, {"down": 32}, "int8")
     q = quant("--precision", "int8")
     assert (q["block_size"], q["block_sizes"], q["embedding"]) == (32, {"down": 32}, None)
+
+
+def test_untied_tables_take_their_own_block_sizes(tiny_checkpoint):
+    """Qwen's recipe stores the embedding in blocks of 128 and GPTQs the lm_head in blocks of 32, apart from the
+    layers' block size; unset, both follow block_size as before."""
+    from quantize.graph import build_graph
+
+    def report(**kw) -> list[str]:
+        spec = QuantSpec(precision="int4", method="rtn", embedding="int4", lm_head="int4", block_size=16, **kw)
+        return [line for line in build_graph(tiny_checkpoint, spec)[1] if "embed" in line or "lm_head" in line]
+
+    assert report() == ["embed_tokens: int4 block 16", "/lm_head: int4 rtn block 16 asym"]
+    assert report(embedding_block_size=32, head_block_size=64) == ["embed_tokens: int4 block 32",
+                                                                   "/lm_head: int4 rtn block 64 asym"]
