@@ -23,6 +23,7 @@ Run: .venv/bin/python bench/quality.py [--model smollm2-135m] [--text FILE] [--t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import hashlib
 import inspect
@@ -47,6 +48,7 @@ from benchmodels import DEFAULT, MODELS, PEER_PYTHON, BenchModel, peer, token_id
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType  # noqa: E402
 
 from agent import wire  # noqa: E402
+from agent.wire import Geometry  # noqa: E402
 from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.engine.runner import open_runner  # noqa: E402
 from quantize.architectures import GLOBAL_NAMES, Architecture, by_name  # noqa: E402
@@ -55,6 +57,7 @@ from quantize.evaluate import CHUNK_TOKENS, chunked_logits, log_softmax  # noqa:
 from quantize.gguf_reader import unpermute_rows  # noqa: E402
 from quantize.package import build_bundle  # noqa: E402
 from quantize.precision import QuantSpec  # noqa: E402
+from quantize.recipes import build_spec  # noqa: E402
 
 DATA = REPO / "quantize" / "data"
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -71,6 +74,12 @@ class OnnxConfig:
     group: str = FROM_FP32
     int8_kv: bool = False  # also a row for the same bundle with its int8 KV cache graph
     goal: str | None = None  # "int4" / "int8": the row the issue's goal for that precision is about
+    # spec holds only the precision: the bundle is `edge-quantize build`'s default for the model, its recipe
+    # (quantize.recipes) when it has one
+    default: bool = False
+
+    def resolved(self, g: Geometry) -> "OnnxConfig":
+        return dataclasses.replace(self, spec=build_spec(g, self.spec.precision, {})) if self.default else self
 
 
 PLAIN = {"int4_int8_layers": {}}  # every projection at 4 bits, as the row's label says
@@ -91,7 +100,7 @@ CONFIGS = [
     OnnxConfig("int4 GPTQ (asym b64, down b128)", QuantSpec(precision="int4", int4_symmetric_kinds=frozenset(),
                                                            **PLAIN), calibrated=True),
     OnnxConfig("int4 default: GPTQ (b64, down b128, o+gate_up sym, L18 qkv int8)", QuantSpec(precision="int4"),
-               calibrated=True, int8_kv=True, goal="int4"),
+               calibrated=True, int8_kv=True, goal="int4", default=True),
     # the lm_head at 4 bits as well (untied from the 8-bit embedding), GPTQ'd like the layers
     OnnxConfig("int4 default + int4 lm_head (GPTQ)", QuantSpec(precision="int4", lm_head="int4"), calibrated=True),
     OnnxConfig("int4 keep-source-quant", QuantSpec(precision="int4", keep_source_quant=True), group=FROM_SOURCE),
@@ -104,20 +113,13 @@ LARGE_CONFIGS = [
                calibrated=True, goal="int8"),
     CONFIGS[3],  # int4 RTN, symmetric blocks of 32, as Q4_0 does it
     OnnxConfig("int4 default (edge-quantize build --precision int4)", QuantSpec(precision="int4"), calibrated=True,
-               int8_kv=True, goal="int4"),
+               int8_kv=True, goal="int4", default=True),
 ]
-# Gemma 3 270M's default INT4 is a few MB over Q4_0's size: blocks of 128 everywhere halve the scales' share
-B128 = OnnxConfig("int4 default, every block 128", QuantSpec(precision="int4", block_size=128), calibrated=True)
-# Qwen2.5-0.5B's embedding and lm_head are two tables of 136 M weights each: at 8 bits they put the default INT4
-# bundle over llama.cpp Q4_0's size (whose token_embd is Q4_0); this row takes both to 4 bits.
-SMALL_TABLES = OnnxConfig("int4 default + int4 embedding and lm_head", QuantSpec(precision="int4", embedding="int4",
-                                                                                  lm_head="int4"), calibrated=True)
-# ... and spends part of what that saves on 8-bit down projections (24 x 4.4 M weights, ~52 MB)
-SMALL_TABLES_DOWN8 = OnnxConfig("int4 + int4 embedding and lm_head + int8 down_proj",
-                                QuantSpec(precision="int4", embedding="int4", lm_head="int4",
-                                          int4_int8_layers={"qkv": [18], "down": list(range(24))}), calibrated=True)
-CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": [*LARGE_CONFIGS, SMALL_TABLES, SMALL_TABLES_DOWN8],
-                    "gemma3-270m": [*LARGE_CONFIGS, B128]}
+# What a model without a recipe gets (QuantSpec's defaults, measured on SmolLM2): the row the recipe is against
+NO_RECIPE = OnnxConfig("int4 without the model's recipe (blocks of 64, down 128, L18 qkv int8)",
+                       QuantSpec(precision="int4"), calibrated=True)
+CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS,
+                    "gemma3-270m": [*LARGE_CONFIGS, NO_RECIPE]}
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
 LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]
 
@@ -164,7 +166,8 @@ def logit_chunks(logits: np.ndarray):
 
 def dir_bytes(path: Path) -> int:
     """What a device needs to run the bundle: every file but the optional int8 KV cache graph (an
-    alternative to the main graph, not an addition)."""
+    alternative to the main graph, not an addition). Every row's size counts the model's tokenizer: ours
+    tokenizer.json, a GGUF its vocabulary (and merges) in its metadata, GenAI's folder its tokenizer files."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != wire.GRAPH_INT8_KV)
 
 
@@ -210,7 +213,7 @@ def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib
     ref_lp = np.concatenate([lp for _, lp in chunked_logits(open_runner(fp32, threads), ids)])
     own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
     rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
-    for cfg in configs:
+    for cfg in (c.resolved(ckpt.geometry) for c in configs):
         t0 = time.monotonic()
         bundle, note = build(ckpt, cfg, root, calib_text, threads, name)
         fig = figures(chunked_logits(open_runner(bundle, threads), ids), ref_lp, ids)
@@ -343,11 +346,12 @@ def genai_row(model: BenchModel, source: Path, ids_path: Path, ids: list[int], r
     fig = figures(logit_chunks(logits), ref_lp, ids)
     del logits
     out.unlink()
-    size = sum(p.stat().st_size for p in path.iterdir() if p.name.startswith("model.onnx"))
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())  # its tokenizer too, as dir_bytes counts ours
     args = " ".join(model.genai_args)
     print(f"  GenAI int4: mean KL {fig.mean_kl:.4f}", flush=True)
     return Row("GenAI", "int4 (its builder)", FROM_FP32, size, fig,
-               f"onnxruntime-genai {info['onnxruntime_genai']} builder `{args}`; size is model.onnx + its data")
+               f"onnxruntime-genai {info['onnxruntime_genai']} builder `{args}`; size is its whole folder "
+               "(graph, weights, genai_config.json, tokenizer files)")
 
 
 # ---- report ------------------------------------------------------------------------------------------

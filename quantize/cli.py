@@ -61,15 +61,17 @@ def cli() -> None:
 @click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="int4", show_default=True,
               help="Weights: fp32 (the quality reference for eval), int8 or int4.")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
-              help="Quantization block size [default: 64 for int4, 32 for int8].")
+              help="Quantization block size [default: int4: the model's recipe (quantize/recipes.py), else 64; "
+                   "int8: 32].")
 @click.option("--down-block-size", type=click.Choice(["16", "32", "64", "128"]), default=None,
-              help="Block size of the MLP down projection [default: 128 for int4, the block size for int8].")
+              help="Block size of the MLP down projection [default: int4: the model's recipe, else 128; int8: "
+                   "the block size].")
 @click.option("--symmetric/--asymmetric", default=None,
               help="No per-block zero points, or zero points everywhere [default: int4: symmetric o and gate_up "
                    "projections, asymmetric qkv and down; int8: asymmetric].")
 @click.option("--int8-layers", default=None, metavar="KIND:LAYER,...|none",
               help="INT4 only: projections kept at 8 bits, e.g. qkv:18,down:28 (kinds: qkv, o, gate_up, down), "
-                   "or none [default: qkv:18, measured on SmolLM2].")
+                   "or none [default: the model's recipe, else qkv:18, measured on SmolLM2].")
 @click.option("--method", type=click.Choice(["rtn", "search", "gptq"]), default="gptq", show_default=True,
               help="rtn: round to nearest; search: per-block error-minimizing scales, importance-weighted; "
                    "gptq: search plus GPTQ error compensation.")
@@ -78,10 +80,11 @@ def cli() -> None:
 @click.option("--accuracy-level", type=click.Choice(["0", "1", "4"]), default="4", show_default=True,
               help="MatMulNBits activation compute: 4 = int8 per block, 0/1 = fp32.")
 @click.option("--embedding", type=click.Choice(["fp32", "int8", "int4"]), default=None,
-              help="The embedding table's precision (default: --precision, but never below int8).")
+              help="The embedding table's precision (default: the model's recipe for int4, else --precision, but never "
+                   "below int8).")
 @click.option("--lm-head", type=click.Choice(["fp32", "int8", "int4"]), default=None,
-              help="The lm_head's precision (default: int8 for int4 bundles). A head apart from the embedding's "
-                   "precision is stored apart from it, and GPTQ'd like the layers.")
+              help="The lm_head's precision (default: the model's recipe for int4, else int8 for int4 bundles). A "
+                   "head apart from the embedding's precision is stored apart from it, and GPTQ'd like the layers.")
 @click.option("--keep-source-quant", is_flag=True, help="Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks.")
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")
@@ -107,27 +110,21 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
     from quantize.checkpoint import load_checkpoint
     from quantize.package import build_bundle
     from quantize.precision import QuantSpec
+    from quantize.recipes import build_spec
 
     try:
         check_destination(out, force)  # before reading the source: converting a 1B model takes minutes
-        # measured defaults (docs/benchmarks.md): int4 GPTQ b64 with down b128 at Q4_0's size; int8 GPTQ b32
-        block = int(block_size or (64 if precision == "int4" else 32))
-        down = int(down_block_size or (128 if precision == "int4" else block))
-        overrides = {} if symmetric is None else {"int4_symmetric_kinds": frozenset()}  # a flag applies to all kinds
-        if int8_layers is not None:
-            overrides["int4_int8_layers"] = parse_int8_layers(int8_layers)
-        spec = QuantSpec(precision=precision, block_size=block, block_sizes={"down": down}, symmetric=bool(symmetric),
-                         **overrides, method=method,
-                         accuracy_level=int(accuracy_level), embedding=embedding, lm_head=lm_head,
-                         keep_source_quant=keep_source_quant)
-        if int8_layers is not None and precision != "int4":
-            raise ValueError("--int8-layers applies to --precision int4 only")
+        explicit = spec_options(precision, block_size, down_block_size, symmetric, int8_layers) | {
+            k: v for k, v in {"method": method, "accuracy_level": int(accuracy_level), "embedding": embedding,
+                              "lm_head": lm_head, "keep_source_quant": keep_source_quant}.items() if v is not None}
+        QuantSpec(precision=precision, **explicit)  # the options' errors before the source is read
         template = read_text(chat_template) if chat_template else None
         click.echo(f"reading {source}")
         ckpt = load_checkpoint(source)
         if template is not None:
             ckpt.tokenizer = dataclasses.replace(ckpt.tokenizer, chat_template=template)
-        if beyond := [f"{k}:{i}" for k, ids in overrides.get("int4_int8_layers", {}).items()
+        spec = build_spec(ckpt.geometry, precision, explicit)  # the model's recipe (quantize/recipes.py) under them
+        if beyond := [f"{k}:{i}" for k, ids in explicit.get("int4_int8_layers", {}).items()
                       for i in ids if i >= ckpt.geometry.num_layers]:
             raise ValueError(f"--int8-layers {', '.join(beyond)}: the model has layers 0-{ckpt.geometry.num_layers - 1}")
         text = None if no_eval else (read_text(eval_text) if eval_text else default_eval_text())
@@ -139,6 +136,27 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)
+
+
+def spec_options(precision: str, block_size: str | None, down_block_size: str | None, symmetric: bool | None,
+                 int8_layers: str | None) -> dict:
+    """The QuantSpec fields the layer options give; for INT4 only those given, so that the model's recipe
+    (quantize/recipes.py) or QuantSpec's defaults (int4 GPTQ b64 with down b128, measured) fill the rest.
+    INT8 is GPTQ in blocks of 32 everywhere unless told otherwise."""
+    options: dict = {}
+    if precision != "int4":
+        block = int(block_size or 32)
+        options |= {"block_size": block, "block_sizes": {"down": int(down_block_size or block)}}
+    else:
+        options |= {"block_size": int(block_size)} if block_size else {}
+        options |= {"block_sizes": {"down": int(down_block_size)}} if down_block_size else {}
+    if symmetric is not None:  # a flag applies to all kinds
+        options |= {"symmetric": symmetric, "int4_symmetric_kinds": frozenset()}
+    if int8_layers is not None:
+        if precision != "int4":
+            raise ValueError("--int8-layers applies to --precision int4 only")
+        options["int4_int8_layers"] = parse_int8_layers(int8_layers)
+    return options
 
 
 def read_text(path: Path) -> str:

@@ -38,8 +38,8 @@ def embedding(b: GraphBuilder, table: np.ndarray, precision: Precision, spec: Qu
         return b.one("Gather", [b.const("model.embed_tokens.weight", table), wire.INPUT_IDS],
                      "/model/embed_tokens/Gather")
     bits = 8 if precision == "int8" else 4
-    q = nbits.quantize_embedding(table, bits, spec.block_size)
-    b.report.append(f"embed_tokens: int{bits} block {spec.block_size}")
+    q = nbits.quantize_embedding(table, bits, spec.embedding_block_size or spec.block_size)
+    b.report.append(f"embed_tokens: int{bits} block {q.block_size}")
     inputs = [b.const("model.embed_tokens.qweight", q.gather_data()),
               wire.INPUT_IDS, b.const("model.embed_tokens.scales", q.scales.astype(np.float32))]
     if q.zero_points is not None:
@@ -169,7 +169,8 @@ def _embedding_and_head(b: GraphBuilder, ckpt: Checkpoint, spec: QuantSpec) -> t
     else:
         x = embedding(b, table, spec.embedding_precision, spec)
         lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head, spec,  # noqa: E731
-                                   LinearPlan(spec.lm_head_precision, spec.block_size, spec.symmetric), key=LM_HEAD)
+                                   LinearPlan(spec.lm_head_precision, spec.head_block_size or spec.block_size, spec.symmetric),
+                                   key=LM_HEAD)
     if g.embedding_multiplier != 1:
         x = b.one("Mul", [x, b.const("/model/embed_tokens.multiplier", np.array(g.embedding_multiplier, np.float32))],
                   "/model/embed_tokens/multiplier")

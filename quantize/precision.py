@@ -17,7 +17,7 @@ class QuantSpec(BaseModel):
 
     precision: Precision = "fp32"
     # The defaults are the measured best INT4 recipe at no more than llama.cpp Q4_0's size for SmolLM2
-    # (docs/benchmarks.md): blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for zero points,
+    # (docs/benchmarks.md), and any model without a row in quantize/recipes.py gets them: blocks of 64, down_proj (K = 1536) in blocks of 128 to pay for zero points,
     # GPTQ with activation order when a calibration text is given. For INT8, GPTQ in blocks of 32.
     block_size: Literal[16, 32, 64, 128] = 64
     # Per-projection overrides of block_size, by fused kind: "qkv", "o", "gate_up", "down". A block that
@@ -46,8 +46,12 @@ class QuantSpec(BaseModel):
     # Block size of the 8-bit embedding / lm_head (stored once when tied). None: 32 for an INT8 bundle
     # (the lm_head's activations are quantized per block too, and on SmolLM2 INT8 mean KL was 0.0037 with
     # blocks of 64, 0.0028 with 32); for INT4 the largest that divides the hidden size, as space is
-    # what INT4 is for (and a block that does not divide the row pads it).
+    # what INT4 is for (and a block that does not divide the row pads it). An lm_head stored apart from
+    # the embedding takes this block size when it is set, block_size otherwise.
     head_block_size: Literal[16, 32, 64, 128] | None = None
+    # Block size of an embedding stored apart from the lm_head (None: block_size). A looked-up row feeds
+    # one position's residual stream, not every logit, so it tolerates coarser blocks than the head.
+    embedding_block_size: Literal[16, 32, 64, 128] | None = None
     embedding: Precision | None = None  # None: same as `precision` but never below int8
     # None: int8 when precision is int4 (the lm_head is ~1/5 of the weights). On SmolLM2 a 4-bit head (GPTQ,
     # stored apart from the 8-bit embedding) raised INT4's mean KL from 0.134 to 0.158 and the bundle from

@@ -133,8 +133,12 @@ def _pre_tokenizer_json(pre: PreTokenizer) -> dict:
 
 
 def _checked_json(document: dict, source: str) -> str:
-    """Serialize, and load once so a document `tokenizers` would reject fails here, naming the source."""
-    text = json.dumps(document, ensure_ascii=False)
+    """Serialize, and load once so a document `tokenizers` would reject fails here, naming the source.
+
+    Compact (no spaces after separators, characters as themselves): the document ships in every bundle, and
+    a 262,144-token vocabulary's (Gemma 3's, 514,847 merges) is 16.0 MB with json.dumps' default
+    separators, 14.4 MB without."""
+    text = json.dumps(document, ensure_ascii=False, separators=(",", ":"))
     try:
         Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception for a malformed document

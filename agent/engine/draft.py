@@ -8,6 +8,8 @@ in the target's cache.
 """
 from __future__ import annotations
 
+import json
+
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import KVPool
 from agent.engine.memory import kv_bytes_per_token
@@ -15,9 +17,16 @@ from agent.engine.request import RequestError
 from agent.engine.runner import ModelRunner, open_runner
 
 
+def same_tokenizer(a: str, b: str) -> bool:
+    """The two tokenizer.json documents hold the same tokenizer: compared as JSON, not as text, since how a
+    document is spaced depends on the quantizer that wrote the bundle (quantize.tokenizer writes it compact,
+    earlier versions with spaces after separators)."""
+    return a == b or json.loads(a) == json.loads(b)
+
+
 class DraftModel:
     def __init__(self, bundle: Bundle, target: Bundle, threads: int | None, chunk_tokens: int):
-        if bundle.tokenizer_json() != target.tokenizer_json():
+        if not same_tokenizer(bundle.tokenizer_json(), target.tokenizer_json()):
             raise RequestError(f"draft model {bundle.manifest.name}@{bundle.manifest.version} has another tokenizer "
                                f"than {target.manifest.name}; speculative decoding needs the same one")
         self.bundle, self.chunk_tokens = bundle, chunk_tokens

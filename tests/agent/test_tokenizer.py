@@ -324,3 +324,17 @@ def test_a_long_text_is_encoded_without_holding_other_threads(smollm):
         ticker.join()
     assert ids == smollm._tokenizer.encode(text, add_special_tokens=False).ids
     assert during > 50, during  # ~260-300 ticks here; with the GIL held, 9
+
+
+def test_a_draft_whose_tokenizer_json_is_spaced_otherwise_has_the_same_tokenizer(smollm_info):
+    """The quantizer writes tokenizer.json compact; bundles built before hold the same document spaced out. A
+    draft model built by either version pairs with a target built by the other; another vocabulary does not."""
+    from agent.engine.draft import same_tokenizer
+
+    compact = smollm_info.tokenizer_json
+    assert ", " not in compact[:200] and ": " not in compact[:200]  # written without separator spaces
+    document = json.loads(compact)
+    spaced = json.dumps(document, ensure_ascii=False)
+    assert spaced != compact and same_tokenizer(spaced, compact)
+    document["model"]["vocab"]["<extra>"] = len(document["model"]["vocab"])
+    assert not same_tokenizer(json.dumps(document, ensure_ascii=False), compact)
