@@ -303,10 +303,11 @@ def quality_bundle(model: BenchModel, source: Path, config: str, threads: int) -
         from quality import CONFIGS_BY_MODEL, build as quality_build
         from quantize.checkpoint import load_checkpoint
 
-        cfg = next(c for c in CONFIGS_BY_MODEL[model.name] if config in (c.goal, c.label))
+        ckpt = load_checkpoint(source)
+        # resolved: a default row is the model's recipe, as bench/quality.py builds it
+        cfg = next(c for c in CONFIGS_BY_MODEL[model.name] if config in (c.goal, c.label)).resolved(ckpt.geometry)
         calib = (REPO / "quantize" / "data" / "calib_en.txt").read_text()
-        bundle, note = quality_build(load_checkpoint(source), cfg, model.cache / "quality", calib, threads,
-                                     f"{model.name}-bench")
+        bundle, note = quality_build(ckpt, cfg, model.cache / "quality", calib, threads, f"{model.name}-bench")
         print(f"  {path.name} -> {bundle.path.name} ({note})", flush=True)
         path.symlink_to(bundle.path)
     return build
