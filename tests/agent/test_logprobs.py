@@ -11,11 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import shutil
-import tempfile
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -24,9 +19,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from agent.api.backend import Backend
-from agent.api.http_server import ApiServer, bind_unix
-from agent.config import ApiConfig, EngineConfig
+from agent.config import EngineConfig
 from agent.engine.engine import Engine
 from agent.engine.logprobs import (MIN_LOGPROB, LogprobEntry, TokenLogprobs, token_byte_table, token_logprobs,
                                    with_bytes)
@@ -38,6 +31,7 @@ from agent.wire import Manifest
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 from quantize.spm_tokenizer import spm_document
+from api_servers import serving
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -182,34 +176,6 @@ def test_a_request_without_logprobs_has_none(tiny_bundle):
 
 
 # ---- the API on the real model -------------------------------------------------------------------------
-def engine_config() -> EngineConfig:
-    rss_mb = int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) // 1024
-    return EngineConfig(threads=2, memory_budget_mb=rss_mb + 1536, max_context=1024)
-
-
-@contextmanager
-def serving(bundle):
-    """A real server and running engine on a fresh Unix socket (AF_UNIX paths are short: not under tmp_path)."""
-    engine = Engine(bundle, engine_config())
-    engine.start()
-    folder = Path(tempfile.mkdtemp(prefix="edge-logprobs-", dir="/tmp"))
-    config = ApiConfig(socket=folder / "api.sock", drain_timeout_s=2)
-    server = ApiServer(Backend(Manifest.read(bundle.path)), [bind_unix(config.socket, config.socket_mode, None)],
-                       config)
-    server.start()
-    server.load_in_background(lambda: engine)
-    try:
-        deadline = time.monotonic() + 30
-        while server.backend.state.value != "ready":
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.01)
-        yield folder / "api.sock"
-    finally:
-        server.stop()
-        engine.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def served(real_q4_bundle):
     with serving(real_q4_bundle) as sock:
