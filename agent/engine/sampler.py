@@ -179,10 +179,10 @@ def sample_with_logprobs(logits: np.ndarray, params: SamplingParams, prompt_ids:
     """The token sample (or, given a constraint, sample_constrained) chooses, drawing from rng exactly as they
     do, and its log-probabilities when params.logprobs is set (agent.engine.logprobs), else None."""
     x = apply_penalties(logits, params, prompt_ids, output_ids)
-    token, legal = _choose(x, params, rng), None
+    (token, candidates), legal = _choose_among(x, params, rng), None
     if constraint is not None and not constraint.allows(token):
         legal = constraint.legal_mask()
-        token = redraw(x, params, legal, rng)
+        token = redraw(x, params, legal, rng, candidates)
     if params.logprobs is None:
         return token, None
     if constraint is not None and legal is None:  # the grammar's mask is part of the distribution drawn from
@@ -192,28 +192,36 @@ def sample_with_logprobs(logits: np.ndarray, params: SamplingParams, prompt_ids:
 
 def _choose(x: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """Greedy or a draw from x [V] (penalties applied)."""
+    return _choose_among(x, params, rng)[0]
+
+
+def _choose_among(x: np.ndarray, params: SamplingParams,
+                  rng: np.random.Generator) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+    """(_choose's token, the filtered candidates it was drawn from; None when greedy or among +inf logits)."""
     best = int(np.argmax(x))  # ties go to the lowest id; a NaN anywhere is found first, +inf before finite
     if np.isnan(x[best]):  # a broken model or graph: fail this request rather than answer with token 0
         raise ValueError("the model produced NaN logits")
     if params.is_greedy:
-        return best
+        return best, None
     if np.isposinf(x[best]):  # softmax would be NaN (inf - inf); its limit: the +inf tokens alike, one uniform
         infinite = np.flatnonzero(np.isposinf(x))  # as when penalties clip them to float32's largest
-        return int(infinite[min(int(rng.random() * len(infinite)), len(infinite) - 1)])
+        return int(infinite[min(int(rng.random() * len(infinite)), len(infinite) - 1)]), None
     ids, probs = filtered(x, params)
-    return int(ids[draw(probs, rng)])
+    return int(ids[draw(probs, rng)]), (ids, probs)
 
 
-def redraw(x: np.ndarray, params: SamplingParams, legal: np.ndarray, rng: np.random.Generator) -> int:
+def redraw(x: np.ndarray, params: SamplingParams, legal: np.ndarray, rng: np.random.Generator,
+           candidates: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """A token from logits x [V] (penalties applied) among the legal ones (bool [V], at least one True).
 
     Greedy: the most probable legal token. Sampled: the filtered candidates that are legal, or, when no legal
-    token survives the filters, the filters applied to the legal tokens alone.
+    token survives the filters, the filters applied to the legal tokens alone. candidates: the first draw's
+    filtered (ids, probs) of x, which are not computed again.
     """
     masked = np.where(legal, x, -np.inf).astype(np.float32, copy=False)
     # +inf logits: the first draw's candidates were the +inf tokens, none of them legal
     if not params.is_greedy and not np.isposinf(x).any():
-        ids, probs = filtered(x, params)
+        ids, probs = candidates if candidates is not None else filtered(x, params)
         keep = legal[ids]
         if keep.any() and probs[keep].sum() > 0:
             return int(ids[keep][draw(probs[keep], rng)])
