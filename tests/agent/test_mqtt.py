@@ -572,7 +572,11 @@ def test_a_command_flood_is_answered_ok_or_busy_and_logged_in_a_few_counted_line
             props.ResponseTopic, props.CorrelationData = topic("dev-flood", "cmd", "res"), b"flood-%d" % i
             fleet.client.publish(topic("dev-flood", "cmd", "req", "ping"), b"{}", qos=1, properties=props)
         waiting = mqtt_module.COMMAND_QUEUE_MAX + 1  # answered once released: the one held and its queue
-        assert fleet.wait(lambda f: len(f.responses) >= last - waiting, TIMEOUT_S), "a command went unanswered"
+        answered = fleet.wait(lambda f: len(f.responses) >= last - waiting, TIMEOUT_S)
+        missing = [i for i in range(first, last - waiting) if b"flood-%d" % i not in fleet.responses]
+        assert answered, (f"{len(missing)} commands of {first}..{last} unanswered (first {missing[:5]}); "
+                          f"{len(fleet.responses)} answers in all, link connections {link.store.connections}, "
+                          f"{len(logs.lines)} log lines")
 
     try:
         started = time.monotonic()
