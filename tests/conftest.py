@@ -152,3 +152,28 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured figures")
         for line in FIGURES:
             terminalreporter.write_line(line)
+
+
+# ---- PostgreSQL: one throwaway server per session (tests/postgres.py), a fresh database per test ---------------
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL on a free loopback port for the whole session (never the packaged cluster)."""
+    from postgres import Postgres
+
+    server = Postgres().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server):
+    """The URL of a new, empty database, dropped after the test with any connections the test left open."""
+    import psycopg
+    from postgres import database_name
+
+    url = postgres_server.fresh_database()
+    yield url
+    try:
+        postgres_server.drop_database(database_name(url))
+    except psycopg.Error:
+        pass  # a database that outlives its test goes with the session's server
