@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import signal
-import sqlite3
 import sys
 import threading
 import time
@@ -27,9 +26,10 @@ from agent.mqtt_link import LinkError
 from agent.wire import is_device_id
 from fleet import queries
 from fleet.commands import CommandError
+from fleet.db import database_errors, is_url
 from fleet.queries import QueryError
 
-USER_ERRORS = (QueryError, CommandError, LinkError, OSError, sqlite3.Error, ValueError)  # BundleError is a ValueError
+USER_ERRORS = (QueryError, CommandError, LinkError, OSError, ValueError)  # BundleError, StoreError: ValueErrors
 DEFAULT_DB = "fleet.db"
 
 
@@ -39,14 +39,16 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except USER_ERRORS as e:
+        except USER_ERRORS + database_errors() as e:
             raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     return wrapper
 
 
 def db_option(command):
-    return click.option("--db", "db_path", type=click.Path(path_type=Path), default=DEFAULT_DB, show_default=True,
-                        envvar="EDGE_FLEET_DB", show_envvar=True, help="Fleet database (SQLite).")(command)
+    # a str: click's Path would fold a URL's '//'
+    return click.option("--db", "db_path", default=DEFAULT_DB, show_default=True, envvar="EDGE_FLEET_DB",
+                        show_envvar=True, help="Fleet database: a SQLite file, or postgresql://USER@HOST[:PORT]/DB "
+                        "(the password from ~/.pgpass or PGPASSFILE, never the command line).")(command)
 
 
 def json_option(command):
@@ -384,7 +386,8 @@ def keygen(out):
 def _db(db_path: Path):
     from fleet.store import FleetStore
 
-    return FleetStore(queries.existing_db(db_path))  # runs migrations; `serve` alone creates the database
+    # runs migrations; `serve` alone creates a SQLite file
+    return FleetStore(db_path if is_url(db_path) else queries.existing_db(db_path))
 
 
 @cli.command()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 from agent.mqtt_link import Credentials
 from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
 from fleet.mqtt import Inbound, Link, Session
+from fleet.db import database_errors
 from fleet.store import EXPIRED, TELEMETRY_TABLES, Committed, FleetStore, Ingest
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class Consumer:
         ages = describe_retention(self.keep_s)
         try:
             n = self.store.prune_step(prune.before)
-        except sqlite3.Error as e:
+        except database_errors() as e:
             log.error("pruning telemetry older than it is kept (%s) failed: %s", ages, e)
             return False
         prune.deleted += n
@@ -288,7 +288,7 @@ class Consumer:
         while True:
             try:
                 committed = self.store.commit(ingest)
-            except sqlite3.Error as e:
+            except database_errors() as e:
                 attempt += 1
                 # the first few, then one an hour while it lasts (a database on a disk gone read-only fails
                 # every 5 s for good: ~17,000 lines a day)

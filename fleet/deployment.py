@@ -13,10 +13,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-import sqlite_utils
 from pydantic import ValidationError
 
 from agent.wire import Manifest
+from fleet.db import Database
 from fleet.queries import iso
 
 # decode speed by precision, fastest first: a precision later in this list is slower (docs/benchmarks.md)
@@ -39,7 +39,7 @@ def _manifest(text: str) -> Manifest | None:
         return None
 
 
-def published_versions(db: sqlite_utils.Database, name: str) -> list[dict]:
+def published_versions(db: Database, name: str) -> list[dict]:
     """NAME's published versions, oldest build first: what `deploy NAME@VERSION` accepts."""
     rows = []
     for r in db.query("select version, manifest, published_at from models where name = ?", [name]):
@@ -49,7 +49,7 @@ def published_versions(db: sqlite_utils.Database, name: str) -> list[dict]:
     return sorted(rows, key=lambda r: (r["built"] or "", r["target"]))
 
 
-def published_manifest(db: sqlite_utils.Database, target: str) -> Manifest | None:
+def published_manifest(db: Database, target: str) -> Manifest | None:
     """The manifest published as MODEL@VERSION (None if the row holds none this fleet can read)."""
     name, _, version = target.partition("@")
     row = next(db.query("select manifest from models where name = ? and version = ?", [name, version]), None)
@@ -58,7 +58,7 @@ def published_manifest(db: sqlite_utils.Database, target: str) -> Manifest | Non
     return _manifest(row["manifest"])
 
 
-def choose_devices(db: sqlite_utils.Database, devices: list[str], group: str | None, to_all: bool) -> list[str]:
+def choose_devices(db: Database, devices: list[str], group: str | None, to_all: bool) -> list[str]:
     """--all, --group GLOB or --to DEVICE...: registered device ids, each once."""
     known = [r["id"] for r in db.query("select id from devices order by id")]
     if to_all:
@@ -78,7 +78,7 @@ class Needing:
     skipped: dict[str, list[str]]  # why -> device ids left out
 
 
-def needing(db: sqlite_utils.Database, chosen: list[str], target: str, offline_too: bool) -> Needing:
+def needing(db: Database, chosen: list[str], target: str, offline_too: bool) -> Needing:
     """The chosen devices that need the job: not those already on the target (re-running a halted rollout),
     nor the offline devices of --all or --group, each of which would wait out its timeout: both would count
     as failures and halt the rollout at once. A device named with --to is deployed to even when offline."""
@@ -90,7 +90,7 @@ def needing(db: sqlite_utils.Database, chosen: list[str], target: str, offline_t
     return Needing([d for d in chosen if d not in skipped], {k: ids for k, ids in why.items() if ids})
 
 
-def refusals(db: sqlite_utils.Database, target: Manifest, devices: list[str], allow_downgrade: bool,
+def refusals(db: Database, target: Manifest, devices: list[str], allow_downgrade: bool,
              min_tokens_per_s: float | None) -> list[str]:
     """Why the devices' own checks would refuse the target, as far as the registry knows what they run (its
     precision; its build time when that model is published here): one line per check, with the flag to give."""
@@ -113,7 +113,7 @@ def _slower(target: Manifest, running: list[dict]) -> list[str]:
             f"it; set the floor with --min-tokens-per-s N (0: only each device's own [updates] min_tokens_per_s)"]
 
 
-def _older(db: sqlite_utils.Database, target: Manifest, running: list[dict]) -> list[str]:
+def _older(db: Database, target: Manifest, running: list[dict]) -> list[str]:
     newer, builds = [], {}  # builds: (model, version) -> its manifest, read once for all the devices running it
     for r in running:
         key = (r["model"], r["version"])

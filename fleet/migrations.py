@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import sqlite_utils
+from fleet.db import Database
 
 KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
 PRIMARY_KEY = ("device_id", "boot_id", "seq")
@@ -32,79 +32,79 @@ SAMPLE_COLUMNS = {
 }
 
 
-def _create_devices(db: sqlite_utils.Database) -> None:
-    db["devices"].create({
+def _create_devices(db: Database) -> None:
+    db.create_table("devices", {
         "id": str, "status": str, "connection": int, "state_ts": float, "first_seen": float, "last_seen": float,
         "boot_id": str, "model": str, "version": str, "precision": str, "hardware": str, "agent_version": str,
-    }, pk="id")
+    }, "id")
 
 
-def _create_telemetry(db: sqlite_utils.Database) -> None:
-    db["requests"].create({**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS_0002}, pk=PRIMARY_KEY)
-    db["requests"].create_index(["ts"])
-    db["requests"].create_index(["model", "version", "ts"])
-    db["requests"].create_index(["device_id", "ts"])
-    db["samples"].create({**KEY, **SAMPLE_COLUMNS}, pk=PRIMARY_KEY)
-    db["samples"].create_index(["device_id", "ts"])
-    db["events"].create({**KEY, "kind": str, "detail": str}, pk=PRIMARY_KEY)
-    db["events"].create_index(["device_id", "ts"])
+def _create_telemetry(db: Database) -> None:
+    db.create_table("requests", {**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS_0002}, PRIMARY_KEY)
+    db.create_index("requests", ["ts"])
+    db.create_index("requests", ["model", "version", "ts"])
+    db.create_index("requests", ["device_id", "ts"])
+    db.create_table("samples", {**KEY, **SAMPLE_COLUMNS}, PRIMARY_KEY)
+    db.create_index("samples", ["device_id", "ts"])
+    db.create_table("events", {**KEY, "kind": str, "detail": str}, PRIMARY_KEY)
+    db.create_index("events", ["device_id", "ts"])
 
 
-def _create_rejected(db: sqlite_utils.Database) -> None:
-    db["rejected"].create({"device_id": str, "reason": str, "count": int, "first_ts": float, "last_ts": float},
-                          pk=("device_id", "reason"))
+def _create_rejected(db: Database) -> None:
+    db.create_table("rejected", {"device_id": str, "reason": str, "count": int, "first_ts": float, "last_ts": float},
+                          ("device_id", "reason"))
 
 
-def create_update_tables(db: sqlite_utils.Database) -> None:
-    db["models"].create({"name": str, "version": str, "manifest": str, "signature": str, "key_id": str,
-                         "published_at": float}, pk=("name", "version"))
-    db["jobs"].create({"id": str, "operation": str, "model": str, "version": str, "state": str, "wave_size": int,
+def create_update_tables(db: Database) -> None:
+    db.create_table("models", {"name": str, "version": str, "manifest": str, "signature": str, "key_id": str,
+                         "published_at": float}, ("name", "version"))
+    db.create_table("jobs", {"id": str, "operation": str, "model": str, "version": str, "state": str, "wave_size": int,
                        "max_failure_rate": float, "allow_downgrade": int, "min_tokens_per_s": float, "reason": str,
-                       "created_at": float, "updated_at": float}, pk="id")
-    db["job_devices"].create({"job_id": str, "device_id": str, "wave": int, "state": str, "step": str,
+                       "created_at": float, "updated_at": float}, "id")
+    db.create_table("job_devices", {"job_id": str, "device_id": str, "wave": int, "state": str, "step": str,
                               "percent": float, "reason": str, "figures": str, "notified": int, "updated_at": float},
-                             pk=("job_id", "device_id"))
+                             ("job_id", "device_id"))
 
 
-def add_device_timeout(db: sqlite_utils.Database) -> None:
-    db["jobs"].add_column("device_timeout_s", float)
+def add_device_timeout(db: Database) -> None:
+    db.add_column("jobs", "device_timeout_s", float)
 
 
-def add_report_times(db: sqlite_utils.Database) -> None:
+def add_report_times(db: Database) -> None:
     """notified_at: the device timeout runs from it; reported_ts: the device clock's ts of the report applied."""
-    db["job_devices"].add_column("notified_at", float)
-    db["job_devices"].add_column("reported_ts", float)
+    db.add_column("job_devices", "notified_at", float)
+    db.add_column("job_devices", "reported_ts", float)
     db.execute("update job_devices set notified_at = updated_at where notified = 1")
 
 
-def _index_telemetry_ts(db: sqlite_utils.Database) -> None:
+def _index_telemetry_ts(db: Database) -> None:
     for table in ("samples", "events"):  # requests has one: retention finds old rows without a table scan
-        db[table].create_index(["ts"], if_not_exists=True)
+        db.create_index(table, ["ts"], if_not_exists=True)
 
 
-def add_notified_connection(db: sqlite_utils.Database) -> None:
+def add_notified_connection(db: Database) -> None:
     """notified_connection: the device's connection counter when its notice went (a later one: it came back).
     Notices sent before this column count from the device's connection now, or every device that had not
     answered yet would be sent its notice again at the upgrade."""
-    db["job_devices"].add_column("notified_connection", int)
+    db.add_column("job_devices", "notified_connection", int)
     db.execute("update job_devices set notified_connection = (select connection from devices where id = "
                "job_devices.device_id) where notified = 1")
 
 
-def index_job_device_state(db: sqlite_utils.Database) -> None:
+def index_job_device_state(db: Database) -> None:
     """The driver asks every 0.5 s for the devices still QUEUED or IN_PROGRESS. Without an index that scanned
     every device of every rollout ever run: 23 ms a pass at 100,000 rows, ~5% of a core doing nothing after a
     year of weekly rollouts to 2,000 devices."""
-    db["job_devices"].create_index(["state"], if_not_exists=True)
+    db.create_index("job_devices", ["state"], if_not_exists=True)
 
 
-def add_request_constraint(db: sqlite_utils.Database) -> None:
+def add_request_constraint(db: Database) -> None:
     """Whether a request's output was held to a grammar and what its matcher cost; 0 for rows from before."""
     for column, kind in REQUEST_CONSTRAINT_COLUMNS.items():
-        db["requests"].add_column(column, kind, not_null_default=0)
+        db.add_column("requests", column, kind, not_null_default=0)
 
 
-MIGRATIONS: tuple[tuple[str, Callable[[sqlite_utils.Database], None]], ...] = (
+MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
     ("0003_rejected", _create_rejected),

@@ -1,6 +1,7 @@
 """Read-only questions about the fleet database; every function returns a list of plain row dicts.
 
-The database is opened read-only (SQLite `mode=ro`), so a query can never change what the consumer wrote.
+The database is opened read-only (SQLite `mode=ro`, a PostgreSQL session with read-only transactions), so a
+query can never change what the consumer wrote.
 Percentiles are computed here, over the raw per-request figures, with linear interpolation between ranks.
 TTFT percentiles leave out requests that produced no token, decode speed ones those with fewer than 2
 (agent.wire.ttft_samples / decode_speed_samples). Times are the devices' clocks.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sqlite3
 import statistics
 import time
 from array import array
@@ -22,16 +22,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-import sqlite_utils
 
 from agent.wire import has_decode_speed, has_ttft, percentile
+from fleet.db import Database, database_errors, is_url, open_database
 
 GROUPINGS = ("device", "model", "version", "hour")
 _GROUP_SQL = {  # the SQL expression each --by groups on
-    "device": "device_id",
-    "model": "model",
-    "version": "model || '@' || version",
-    "hour": "strftime('%Y-%m-%dT%H:00Z', ts, 'unixepoch')",
+    "device": lambda dialect: "device_id",
+    "model": lambda dialect: "model",
+    "version": lambda dialect: "model || '@' || version",
+    "hour": lambda dialect: dialect.hour("ts"),
 }
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -51,17 +51,17 @@ def existing_db(path: Path | str) -> Path:
     return path
 
 
-def open_readonly(path: Path | str) -> sqlite_utils.Database:
-    path = existing_db(path)
-    db = sqlite_utils.Database(sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True))
+def open_readonly(target: Path | str) -> Database:
+    """A SQLite file (which must exist) or a postgresql:// URL, opened read-only."""
+    db = open_database(target if is_url(target) else existing_db(target), readonly=True)
     try:  # sqlite's "file is not a database" and "no such table: requests" name no file: the error below does
         tables = set(db.table_names())
-    except sqlite3.DatabaseError as e:
+    except database_errors() as e:
         db.close()
-        raise QueryError(f"{path} is not a fleet database ({e})") from None
+        raise QueryError(f"{db.target} is not a fleet database ({e})") from None
     if "requests" not in tables:
         db.close()
-        raise QueryError(f"{path} is not a fleet database (no requests table; `edge-fleet serve` creates one)")
+        raise QueryError(f"{db.target} is not a fleet database (no requests table; `edge-fleet serve` creates one)")
     return db
 
 
@@ -127,7 +127,7 @@ def _p50_p95(values: array) -> tuple[float | None, float | None]:
     return float(p50), float(p95)
 
 
-def _requests_since(db: sqlite_utils.Database, since_ts: float, key_sql: str = "device_id", where: str = "",
+def _requests_since(db: Database, since_ts: float, key_sql: str = "device_id", where: str = "",
                     params: tuple = ()) -> dict[str, Figures]:
     sql = (f"select {key_sql} as key, ttft_ms, decode_tokens_per_s, completion_tokens, finish_reason = 'error' "
            f"from requests where ts >= ? {where}")
@@ -138,7 +138,7 @@ def _requests_since(db: sqlite_utils.Database, since_ts: float, key_sql: str = "
 
 
 # ---- the questions ----------------------------------------------------------------------------------------
-def devices(db: sqlite_utils.Database, now: float | None = None) -> list[dict]:
+def devices(db: Database, now: float | None = None) -> list[dict]:
     """Every known device: status, last contact, what it runs, its requests over the last hour and the
     median decode speed of the model it runs now over that hour (not of the one it ran before a switch)."""
     now = time.time() if now is None else now
@@ -156,16 +156,16 @@ def devices(db: sqlite_utils.Database, now: float | None = None) -> list[dict]:
     return rows
 
 
-def tps(db: sqlite_utils.Database, since_s: float, by: str = "model", now: float | None = None) -> list[dict]:
+def tps(db: Database, since_s: float, by: str = "model", now: float | None = None) -> list[dict]:
     """Throughput and latency per device, model, model@version or UTC hour, over the last `since_s`."""
     if by not in GROUPINGS:
         raise QueryError(f"cannot group by {by!r}: choose one of {', '.join(GROUPINGS)}")
     now = time.time() if now is None else now
-    groups = _requests_since(db, now - since_s, _GROUP_SQL[by])
+    groups = _requests_since(db, now - since_s, _GROUP_SQL[by](db.dialect))
     return [{by: key, **summarize(f)} for key, f in sorted(groups.items())]
 
 
-def events(db: sqlite_utils.Database, device_id: str, since_s: float | None = None, limit: int = 100,
+def events(db: Database, device_id: str, since_s: float | None = None, limit: int = 100,
            now: float | None = None) -> list[dict]:
     """A device's events, newest first."""
     if not db["devices"].count_where("id = ?", [device_id]):
@@ -177,20 +177,21 @@ def events(db: sqlite_utils.Database, device_id: str, since_s: float | None = No
              "detail": json.loads(r["detail"])} for r in rows]
 
 
-def _model_filter(spec: str) -> tuple[str, tuple]:
+def _model_filter(db: Database, spec: str) -> tuple[str, tuple]:
     """'name' or 'name@version' -> an SQL condition on requests."""
     name, _, version = spec.partition("@")
     # '+model': not the (model, version, ts) index, which a bare name cannot narrow by time and so read every
     # request of that model ever stored, but the ts index (0.67 s -> 0.04 s a day on 10 M rows)
-    return ("and model = ? and version = ?", (name, version)) if version else ("and +model = ?", (name,))
+    return (("and model = ? and version = ?", (name, version)) if version
+            else (f"and {db.dialect.no_index('model')} = ?", (name,)))
 
 
-def compare(db: sqlite_utils.Database, models: list[str], since_s: float, now: float | None = None) -> list[dict]:
+def compare(db: Database, models: list[str], since_s: float, now: float | None = None) -> list[dict]:
     """Median decode speed and TTFT of two or more models side by side, on each device that ran all of them."""
     if len(models) < 2:
         raise QueryError("compare needs at least two --model (name or name@version)")
     now = time.time() if now is None else now
-    per_model = {m: _requests_since(db, now - since_s, "device_id", *_model_filter(m)) for m in models}
+    per_model = {m: _requests_since(db, now - since_s, "device_id", *_model_filter(db, m)) for m in models}
     missing = [m for m, groups in per_model.items() if not groups]
     if missing:
         known = [r["m"] for r in db.query("select distinct model || '@' || version as m from requests where ts >= ? "
@@ -212,14 +213,14 @@ def _compare_row(device_id: str, by_model: dict[str, Figures]) -> dict:
     return row
 
 
-def timeseries(db: sqlite_utils.Database, since_s: float, buckets: int = 60, now: float | None = None) -> list[dict]:
+def timeseries(db: Database, since_s: float, buckets: int = 60, now: float | None = None) -> list[dict]:
     """Median decode speed and TTFT per (model@version, device, time bucket), for charts; t is the bucket's
     start in seconds since the epoch."""
     now = time.time() if now is None else now
     bucket_s = max(60, math.ceil(since_s / buckets / 60) * 60)
     groups: dict[tuple, Figures] = defaultdict(Figures)
     for model, device_id, bucket, *figures in db.execute(
-            "select model || '@' || version, device_id, cast(ts / ? as integer), ttft_ms, decode_tokens_per_s, "
+            f"select model || '@' || version, device_id, {db.dialect.bucket('ts')}, ttft_ms, decode_tokens_per_s, "
             "completion_tokens, finish_reason = 'error' from requests where ts >= ?", [bucket_s, now - since_s]):
         groups[(model, device_id, bucket * bucket_s)].add(*figures)
     return [{"model": model, "device": device_id, "t": t, **_series_point(f)}
@@ -239,7 +240,7 @@ def _median(values: array) -> float | None:
     return statistics.median(values) if values else None
 
 
-def rejected(db: sqlite_utils.Database) -> list[dict]:
+def rejected(db: Database) -> list[dict]:
     """Bad messages per device and reason."""
     return [{"device": r["device_id"], "reason": r["reason"], "count": r["count"], "first": iso(r["first_ts"]),
              "last": iso(r["last_ts"])}

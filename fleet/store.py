@@ -1,30 +1,29 @@
-"""The fleet database: device registry, telemetry and rejected-message counts in one SQLite file.
+"""The fleet database: device registry, telemetry and rejected-message counts, in one SQLite file or one
+PostgreSQL database (fleet.db's seam; `--db` takes a path or a postgresql:// URL).
 
 Schema changes only through the ordered, named migrations in fleet.migrations (never edit one that has
 shipped). Writes come in `Ingest` batches, each committed in one IMMEDIATE transaction; telemetry rows are
-keyed by (device_id, boot_id, seq) and inserted with INSERT OR IGNORE, so a batch the broker or a device
-sends twice is stored once. WAL mode lets `edge-fleet` queries read while the consumer writes, and lets several
-consumer replicas share the file (writers queue on the busy timeout).
+keyed by (device_id, boot_id, seq) and inserted with ON CONFLICT DO NOTHING, so a batch the broker or a
+device sends twice is stored once, whichever replica it reaches. SQLite: WAL mode lets `edge-fleet` queries read
+while the consumer writes, and lets several consumer replicas share the file (writers queue on the busy
+timeout). PostgreSQL: replicas write concurrently; each transaction touches the registry's rows in device
+order, so two replicas' commits queue on a row rather than deadlock.
 
 Read it with docs/fleet.md's schema: `sqlite-utils query fleet.db "select ..."`.
 """
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
-
-import sqlite_utils
 
 from agent.wire import DeviceState, TelemetryRecord
+from fleet.db import BUSY_TIMEOUT_S, Database, SqliteDatabase, StoreError, database_errors, describe, open_database
 from fleet.migrations import KEY, MIGRATIONS, REQUEST_FIGURES_COLUMNS, SAMPLE_COLUMNS
 
-BUSY_TIMEOUT_S = 30.0  # replicas sharing one file wait this long for the write lock before failing a commit
+__all__ = ["BUSY_TIMEOUT_S", "StoreError", "FleetStore", "Ingest", "Committed"]
 
 # ---- limits (the schema and its migrations are in fleet/migrations.py) ------------------------------------
 CLOCK_SLACK_S = 300.0  # how far ahead of the fleet's clock a device's stamp may be before it is replaced
@@ -123,7 +122,12 @@ def _key(device_id: str, r: TelemetryRecord) -> tuple:
 def request_row(device_id: str, r: TelemetryRecord) -> tuple:
     figures = r.request.figures
     return (*_key(device_id, r), r.request.model, r.request.version,
-            *(getattr(figures, c) for c in REQUEST_FIGURES_COLUMNS))
+            *(_number(getattr(figures, c)) for c in REQUEST_FIGURES_COLUMNS))
+
+
+def _number(value):
+    """A flag stored as 0/1: PostgreSQL takes no bool into a bigint column (SQLite stored True as 1)."""
+    return int(value) if value.__class__ is bool else value
 
 
 def sample_row(device_id: str, r: TelemetryRecord) -> tuple:
@@ -135,8 +139,9 @@ def event_row(device_id: str, r: TelemetryRecord) -> tuple:
 
 
 def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
-    # INSERT OR IGNORE: a (device_id, boot_id, seq) already stored is a replay and is dropped
-    return f"insert or ignore into {table} ({', '.join(columns)}) values ({', '.join('?' * len(columns))})"
+    # a (device_id, boot_id, seq) already stored is a replay and is dropped
+    return (f"insert into {table} ({', '.join(columns)}) values ({', '.join('?' * len(columns))}) "
+            f"on conflict do nothing")
 
 
 # record kind -> (insert statement, row builder). The hot path uses executemany with these fixed statements:
@@ -156,49 +161,32 @@ def state_row(state: DeviceState) -> dict:
 
 
 # ---- the store ---------------------------------------------------------------------------------------------
-def connect(path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite_utils.Database:
-    conn = sqlite3.connect(str(path), timeout=busy_timeout_s, check_same_thread=False)
-    return sqlite_utils.Database(conn)
-
-
-class StoreError(ValueError):
-    """The fleet database cannot be opened; the message names the file."""
-
-
 class FleetStore:
-    """Owned by one thread at a time (the consumer's writer)."""
+    """Owned by one thread at a time (the consumer's writer). target: a SQLite path or a postgresql:// URL."""
 
-    def __init__(self, path: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S):
-        self.path = Path(path)
+    def __init__(self, target: Path | str, busy_timeout_s: float = BUSY_TIMEOUT_S):
+        self.target = describe(target)
+        self.db: Database | None = None
         try:
-            self._open(busy_timeout_s)
-        except sqlite3.DatabaseError as e:  # "unable to open database file", "file is not a database": which?
-            raise StoreError(f"fleet database {self.path}: {e}") from e
+            self.db = open_database(target, busy_timeout_s=busy_timeout_s)
+            if isinstance(self.db, SqliteDatabase):
+                _tune_sqlite(self.db)
+            self.migrate()
+        except database_errors() as e:  # "unable to open database file", "file is not a database": which?
+            if self.db is not None:
+                self.db.close()
+            raise StoreError(f"fleet database {self.target}: {str(e).strip()}") from e
 
-    def _open(self, busy_timeout_s: float) -> None:
-        self.db = connect(self.path, busy_timeout_s)
-        self.db.enable_wal()
-        # WAL + FULL: a commit survives a power cut, not only a crash. The consumer PUBACKs a batch after its
-        # commit and the device marks it sent for good, so a commit NORMAL left unsynced in the WAL was lost.
-        self.db.execute("PRAGMA synchronous=FULL")
-        # A long read (a 90-day report) keeps the WAL from restarting; it can grow to 1.8 GB and, the
-        # consumer's connection never closing, would stay that size. Truncated to this after checkpoints.
-        self.db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
-        self.migrate()
+    @property
+    def path(self) -> Path:
+        return Path(self.target)  # a SQLite store's file
 
     def close(self) -> None:
         self.db.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """BEGIN IMMEDIATE takes the write lock up front, so two replicas never deadlock upgrading a read."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self.db.rollback()
-            raise
-        self.db.execute("COMMIT")
+    def _transaction(self):
+        """SQLite: BEGIN IMMEDIATE takes the write lock up front, so two replicas never deadlock upgrading a read."""
+        return self.db.transaction(immediate=True)
 
     def prune(self, before: dict[str, float]) -> int:
         """Delete the rows of each table in `before` (some of TELEMETRY_TABLES) stamped before its time (the
@@ -216,23 +204,34 @@ class FleetStore:
             if table not in TELEMETRY_TABLES:
                 raise ValueError(f"{table!r} is not a telemetry table")
             with self._transaction():
-                n = self.db.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE ts < ? "
-                                    f"LIMIT ?)", [before_ts, PRUNE_BATCH_ROWS]).rowcount
+                row_id = self.db.dialect.row_id
+                n = self.db.execute(f"DELETE FROM {table} WHERE {row_id} IN (SELECT {row_id} FROM {table} "
+                                    f"WHERE ts < ? LIMIT ?)", [before_ts, PRUNE_BATCH_ROWS]).rowcount
             if n:
                 return n
         return 0
 
     def migrate(self) -> list[str]:
-        """Apply the migrations this file has not seen, in order, each in its own transaction."""
+        """Apply the migrations this database has not seen, in order, each in its own transaction; under the
+        migration lock, so that of several replicas starting together one migrates and the others find it
+        done. A database migrated by a newer edge-fleet is refused: this code would misread its schema."""
         applied = []
-        for name, step in MIGRATIONS:
-            with self._transaction():
-                self.db["_migrations"].create({"name": str, "applied_at": float}, pk="name", if_not_exists=True)
-                if self.db["_migrations"].count_where("name = ?", [name]):
-                    continue
-                step(self.db)
-                self.db["_migrations"].insert({"name": name, "applied_at": time.time()})
-                applied.append(name)
+        with self.db.migration_lock():
+            with self._transaction():  # SQLite: another replica's check waits for this one's create
+                if "_migrations" not in self.db.table_names():
+                    self.db.create_table("_migrations", {"name": str, "applied_at": float}, "name")
+            known = {name for name, _ in MIGRATIONS}
+            newer = sorted(set(self.applied_migrations()) - known)
+            if newer:
+                raise StoreError(f"fleet database {self.target} was migrated by a newer edge-fleet ({', '.join(newer)}):"
+                                 f" upgrade this one to use it")
+            for name, step in MIGRATIONS:
+                with self._transaction():
+                    if self.db["_migrations"].count_where("name = ?", [name]):
+                        continue
+                    step(self.db)
+                    self.db["_migrations"].insert({"name": name, "applied_at": time.time()})
+                    applied.append(name)
         return applied
 
     def applied_migrations(self) -> list[str]:
@@ -242,41 +241,52 @@ class FleetStore:
         """Write one batch in one transaction: telemetry (replays dropped), device states, last-seen times
         and rejected counts."""
         with self._transaction():
-            before = self.db.conn.total_changes
-            self._insert_records(ingest.records)
-            inserted = self.db.conn.total_changes - before
+            inserted = self._insert_records(ingest.records)
             states_applied = sum(self._apply_state(s, live) for s, live in ingest.states)
             self._mark_seen(ingest.seen)
             self._count_rejected(ingest.rejected)
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
                          rejected=sum(ingest.rejected.values()), states_applied=states_applied)
 
-    def _insert_records(self, records: list[tuple[str, TelemetryRecord]]) -> None:
+    def _insert_records(self, records: list[tuple[str, TelemetryRecord]]) -> int:
+        """Rows new to the database. In key order: two replicas inserting the same replayed keys take their
+        locks in one order."""
         rows: dict[str, list[tuple]] = {kind: [] for kind in ROW_WRITERS}
         for device_id, record in records:
             rows[record.kind].append(ROW_WRITERS[record.kind][1](device_id, record))
-        for kind, kind_rows in rows.items():
-            if kind_rows:
-                self.db.conn.executemany(ROW_WRITERS[kind][0], kind_rows)
+        return sum(self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
+                   for kind, kind_rows in rows.items() if kind_rows)
 
     def _apply_state(self, state: DeviceState, live: bool) -> bool:
-        current = next(self.db.query("select status, connection, boot_id, state_ts from devices where id = ?",
-                                     [state.device_id]), None)
+        # the row locked until the commit (PostgreSQL): another replica's newer state waits, then compares
+        current = next(self.db.query("select status, connection, boot_id, state_ts from devices where id = ?"
+                                     + self.db.dialect.lock_row, [state.device_id]), None)
         if not is_newer_state(current, state, live):
             return False
         self.db["devices"].upsert(state_row(state), pk="id")
         return True
 
     def _mark_seen(self, seen: dict[str, float]) -> None:
-        self.db.conn.executemany(
+        self.db.executemany(
             "insert into devices (id, first_seen, last_seen) values (?, ?, ?) on conflict(id) do update set "
-            "last_seen = max(coalesce(last_seen, 0), excluded.last_seen), "
-            "first_seen = coalesce(first_seen, excluded.first_seen)",
-            [(device_id, ts, ts) for device_id, ts in seen.items()])
+            f"last_seen = {self.db.dialect.greatest('coalesce(devices.last_seen, 0)', 'excluded.last_seen')}, "
+            "first_seen = coalesce(devices.first_seen, excluded.first_seen)",
+            [(device_id, ts, ts) for device_id, ts in sorted(seen.items())])
 
     def _count_rejected(self, rejected: Counter) -> None:
         now = time.time()
-        self.db.conn.executemany(
+        self.db.executemany(
             "insert into rejected (device_id, reason, count, first_ts, last_ts) values (?, ?, ?, ?, ?) "
-            "on conflict(device_id, reason) do update set count = count + excluded.count, last_ts = excluded.last_ts",
-            [(device_id, reason, n, now, now) for (device_id, reason), n in rejected.items()])
+            "on conflict(device_id, reason) do update set count = rejected.count + excluded.count, "
+            "last_ts = excluded.last_ts",
+            [(device_id, reason, n, now, now) for (device_id, reason), n in sorted(rejected.items())])
+
+
+def _tune_sqlite(db: SqliteDatabase) -> None:
+    db.utils.enable_wal()
+    # WAL + FULL: a commit survives a power cut, not only a crash. The consumer PUBACKs a batch after its
+    # commit and the device marks it sent for good, so a commit NORMAL left unsynced in the WAL was lost.
+    db.execute("PRAGMA synchronous=FULL")
+    # A long read (a 90-day report) keeps the WAL from restarting; it can grow to 1.8 GB and, the
+    # consumer's connection never closing, would stay that size. Truncated to this after checkpoints.
+    db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")

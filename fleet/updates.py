@@ -18,20 +18,19 @@ import logging
 import math
 import re
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
-import sqlite_utils
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent import durable
 from agent.engine.bundle import open_bundle
 from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
                         JobStatusUpdate, Manifest, device_of, is_device_id, topic)
+from fleet.db import Database, database_errors, open_database, unavailable_errors
 from fleet.mqtt import UNCONFIRMED_HOLD_S
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_job, sign_manifest
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 NO_JOB_SUBSCRIBER = "no device session subscribes to its job notices"
 OPEN_JOB_STATES = sorted(s.value for s in JobState if s not in TERMINAL_JOB_STATES)  # QUEUED, IN_PROGRESS
 STATUS_INBOX_MAX = 100_000  # device reports waiting for the driver's thread
-BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another connection's lock (a backup, a replica)
+BUSY_TIMEOUT_S = 10.0  # how long a SQLite write waits for another connection's lock (a backup, a replica)
 
 
 def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate) -> bool:
@@ -65,7 +64,7 @@ def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate)
 
 
 # ---- registry and jobs (CLI side) -------------------------------------------------------------------------
-def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifacts_dir: Path) -> str:
+def publish(db: Database, bundle_dir: Path, key_path: Path, artifacts_dir: Path) -> str:
     """Verify a bundle, sign its manifest, copy it where the artifact server serves it; returns NAME@VERSION."""
     bundle = open_bundle(bundle_dir)
     m = bundle.manifest
@@ -86,7 +85,7 @@ def publish(db: sqlite_utils.Database, bundle_dir: Path, key_path: Path, artifac
     return f"{m.name}@{m.version}"
 
 
-def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str], wave_size: int,
+def create_job(db: Database, target: str | None, devices: list[str], wave_size: int,
                max_failure_rate: float, allow_downgrade: bool = False, min_tokens_per_s: float | None = None,
                operation: str = "install", device_timeout_s: float = 1800.0) -> str:
     devices = list(dict.fromkeys(devices))  # a device named twice is deployed to once
@@ -112,30 +111,25 @@ def create_job(db: sqlite_utils.Database, target: str | None, devices: list[str]
             raise ValueError(f"{target} is not published (edge-fleet publish BUNDLE --key KEY)")
     job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     now = time.time()
-    with db.conn:  # sqlite-utils commits each insert itself: a failed second one must not leave the job row
+    with db.transaction():  # a failed insert of its devices must not leave the job row
         db["jobs"].insert({"id": job_id, "operation": operation, "model": name, "version": version,
                            "state": JobState.IN_PROGRESS.value, "wave_size": wave_size,
                            "max_failure_rate": max_failure_rate, "allow_downgrade": int(allow_downgrade),
                            "min_tokens_per_s": min_tokens_per_s, "reason": None, "created_at": now, "updated_at": now,
                            "device_timeout_s": device_timeout_s})
-        try:
-            db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
-                                          "state": JobState.QUEUED.value, "step": None, "percent": None,
-                                          "reason": None, "figures": None, "notified": 0, "updated_at": now}
-                                         for d in plan_waves(devices, wave_size))
-        except BaseException:
-            db["job_devices"].delete_where("job_id = ?", [job_id])
-            db["jobs"].delete(job_id)
-            raise
+        db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
+                                      "state": JobState.QUEUED.value, "step": None, "percent": None,
+                                      "reason": None, "figures": None, "notified": 0, "updated_at": now}
+                                     for d in plan_waves(devices, wave_size))
     return job_id
 
 
-def cancel_job(db: sqlite_utils.Database, job_id: str) -> list[str]:
+def cancel_job(db: Database, job_id: str) -> list[str]:
     """Stop a rollout: the job is CANCELED and no device it has not notified yet will be; returns the devices
     it did notify that have not ended, which may still install it (a notice cannot be taken back). It ends
     a job that would otherwise stay IN_PROGRESS for good (no driver running, a device never notified)."""
     final = sorted(s.value for s in TERMINAL_JOB_STATES)
-    with db.conn:  # one transaction: the driver's next pass sees the job ended with its devices
+    with db.transaction():  # the driver's next pass sees the job ended with its devices
         ended = db.execute("update jobs set state = ?, reason = 'canceled by the operator', updated_at = ? "
                            "where id = ? and state = ?",
                            [JobState.CANCELED.value, time.time(), job_id, JobState.IN_PROGRESS.value]).rowcount
@@ -150,26 +144,25 @@ def cancel_job(db: sqlite_utils.Database, job_id: str) -> list[str]:
         f"({', '.join('?' * len(final))}) order by device_id", [job_id, *final])]
 
 
-def job_rows(db: sqlite_utils.Database, job_id: str) -> list[dict]:
+def job_rows(db: Database, job_id: str) -> list[dict]:
     return list(db.query("select device_id, wave, state, step, percent, reason, figures from job_devices "
                          "where job_id = ? order by wave, device_id", [job_id]))
 
 
-def list_jobs(db: sqlite_utils.Database) -> list[dict]:
+def list_jobs(db: Database) -> list[dict]:
     return list(db.query(
         "select j.id, j.operation, coalesce(j.model || '@' || j.version, '') as target, j.state, j.reason, "
-        "count(d.device_id) as devices, sum(d.state = 'SUCCEEDED') as succeeded, "
-        "sum(d.state in ('FAILED', 'REJECTED', 'TIMED_OUT')) as failed, "
-        "datetime(j.created_at, 'unixepoch') as created from jobs j left join job_devices d on d.job_id = j.id "
+        "count(d.device_id) as devices, count(case when d.state = 'SUCCEEDED' then 1 end) as succeeded, "
+        "count(case when d.state in ('FAILED', 'REJECTED', 'TIMED_OUT') then 1 end) as failed, "
+        f"{db.dialect.day_time('j.created_at')} as created from jobs j left join job_devices d on d.job_id = j.id "
         "group by j.id order by j.created_at desc"))
 
 
-def wait_for_job(db_path: Path, job_id: str, timeout_s: float) -> str:
+def wait_for_job(target: Path | str, job_id: str, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
-        db = sqlite_utils.Database(db_path)
-        state = db["jobs"].get(job_id)["state"]
-        db.close()
+        with open_database(target, readonly=True) as db:
+            state = db["jobs"].get(job_id)["state"]
         if state in {s.value for s in TERMINAL_JOB_STATES} or time.monotonic() > deadline:
             return state
         time.sleep(0.5)
@@ -179,12 +172,12 @@ def wait_for_job(db_path: Path, job_id: str, timeout_s: float) -> str:
 class RolloutDriver:
     """Publishes job documents as waves open and records device reports. One per fleet database."""
 
-    def __init__(self, db_path: Path, publish_mqtt: Callable[[str, bytes, float], bool | str],
+    def __init__(self, target: Path | str, publish_mqtt: Callable[[str, bytes, float], bool | str],
                  artifacts_base_url: str, interval_s: float = 0.5, job_key: Ed25519PrivateKey | None = None):
         """publish_mqtt(topic, payload, expiry_s): QoS 1 with that message expiry; True once the broker took
         it, False if not sent (tried again next pass), or the reason the broker refused it (the device fails).
         job_key: sign each device's job document (devices with [updates] job_keys require it)."""
-        self.db_path, self.publish_mqtt, self.base_url, self.interval_s = db_path, publish_mqtt, artifacts_base_url, interval_s
+        self.target, self.publish_mqtt, self.base_url, self.interval_s = target, publish_mqtt, artifacts_base_url, interval_s
         self.job_key = job_key
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -234,12 +227,12 @@ class RolloutDriver:
     def apply_reports(self) -> int:
         """Record the queued reports, in arrival order; returns how many are still waiting (a database
         error leaves the rest queued for the next try)."""
-        with self._lock, _open(self.db_path) as db:
+        with self._lock, self._open() as db:
             while self._reports:
                 u, ack = self._reports.popleft()
                 try:
                     self._record(db, u)
-                except sqlite3.OperationalError:
+                except unavailable_errors():
                     self._reports.appendleft((u, ack))  # locked or full: first in line again next time
                     raise
                 except Exception:  # one report that cannot be recorded must not hold up the others
@@ -248,7 +241,7 @@ class RolloutDriver:
         return len(self._reports)
 
     @staticmethod
-    def _record(db: sqlite_utils.Database, u: JobStatusUpdate) -> None:
+    def _record(db: Database, u: JobStatusUpdate) -> None:
         row = next(db.query("select state, reported_ts, notified from job_devices where job_id = ? and device_id = ?",
                             [u.job_id, u.device_id]), None)
         # not notified yet: the device cannot have the job from us, so a report is about someone else's
@@ -259,7 +252,6 @@ class RolloutDriver:
                    "updated_at = ?, reported_ts = ? where job_id = ? and device_id = ?",
                    [u.state.value, u.step.value if u.step else None, u.percent, u.reason,
                     json.dumps(u.figures) if u.figures else None, time.time(), u.ts, u.job_id, u.device_id])
-        db.conn.commit()
 
     def _run(self) -> None:
         last_pass = -math.inf
@@ -270,9 +262,9 @@ class RolloutDriver:
                 self.apply_reports()  # first: a device that reported must not be timed out meanwhile
                 if time.monotonic() - last_pass >= self.interval_s:
                     last_pass = time.monotonic()
-                    with self._lock, _open(self.db_path) as db:
+                    with self._lock, self._open() as db, db.transaction():
                         self._pass(db)
-            except sqlite3.OperationalError as e:  # locked or full: the reports wait, the pass runs again
+            except unavailable_errors() as e:  # locked or full: the reports wait, the pass runs again
                 log.warning("rollouts: the database is unavailable (%s); trying again", e)
             except Exception:  # a bad database state must not stop the driver
                 log.exception("rollout pass failed")
@@ -282,22 +274,21 @@ class RolloutDriver:
         except Exception as e:
             log.warning("rollouts: %d device reports not recorded at stop: %s", len(self._reports), e)
 
-    def _pass(self, db: sqlite_utils.Database) -> None:
+    def _pass(self, db: Database) -> None:
         """Time out silent devices, notify again those that came back, then advance every job in progress."""
         self._time_out_devices(db)
         self._renotify_returned(db)
         for job in list(db.query("select * from jobs where state = ?", [JobState.IN_PROGRESS.value])):
             try:
                 self._advance(db, job)
-            except sqlite3.Error:
+            except database_errors():
                 raise  # the database, not the job: the next pass retries
             except Exception as e:  # this job cannot be carried out: it ends, the others go on
                 log.exception("rollout %s failed", job["id"])
                 db.execute("update jobs set state = ?, reason = ?, updated_at = ? where id = ?",
                            [JobState.FAILED.value, f"cannot be carried out: {e}", time.time(), job["id"]])
-        db.conn.commit()
 
-    def _time_out_devices(self, db: sqlite_utils.Database) -> None:
+    def _time_out_devices(self, db: Database) -> None:
         """A notified device that has not finished within its job's device timeout of the notice is TIMED_OUT
         (progress reports do not extend it: a device stuck at 99% must end too). Every job's devices: those
         of a halted job still installing would otherwise stay IN_PROGRESS for good. The timeout runs on the
@@ -330,7 +321,7 @@ class RolloutDriver:
                        f"(job_id, device_id) in (values {', '.join(['(?, ?)'] * len(batch))})",
                        [JobState.TIMED_OUT.value, wall, *final, *(x for key in batch for x in key)])
 
-    def _renotify_returned(self, db: sqlite_utils.Database) -> None:
+    def _renotify_returned(self, db: Database) -> None:
         """Send the notice again to a device that connected anew since it went and has not answered it: a
         device away longer than its broker session lasts (7 days) loses the notice with the session, and the
         fleet would wait out the whole device timeout after its return. A device that did get it drops the
@@ -356,9 +347,9 @@ class RolloutDriver:
                 db.execute("update job_devices set notified_connection = ? where job_id = ? and device_id = ?",
                            [r["connection"], r["job_id"], r["device_id"]])
 
-    def _advance(self, db: sqlite_utils.Database, job: dict) -> None:
+    def _advance(self, db: Database, job: dict) -> None:
         rows = list(db.query("select device_id, wave, state, notified from job_devices where job_id = ? "
-                             "order by wave, rowid", [job["id"]]))
+                             f"order by wave, {db.dialect.row_id}", [job["id"]]))
         devices = [DeviceJob(r["device_id"], r["wave"], JobState(r["state"])) for r in rows]
         notified = {r["device_id"] for r in rows if r["notified"]}
         d = decide(devices, notified, job["max_failure_rate"])
@@ -415,7 +406,11 @@ class RolloutDriver:
         """The document one device gets: signed for it alone, until the message itself expires, with a job key."""
         return doc if self.job_key is None else sign_job(doc, self.job_key, device_id, time.time(), ttl_s)
 
-    def _document(self, db: sqlite_utils.Database, job: dict) -> JobDocument:
+    def _open(self) -> Database:
+        """A short-lived connection (SQLite's WAL: the consumer writes through its own)."""
+        return open_database(self.target, busy_timeout_s=BUSY_TIMEOUT_S)
+
+    def _document(self, db: Database, job: dict) -> JobDocument:
         if job["operation"] == "rollback":
             return JobDocument(job_id=job["id"], operation="rollback")
         model = db["models"].get((job["model"], job["version"]))
@@ -424,18 +419,3 @@ class RolloutDriver:
         return JobDocument(job_id=job["id"], manifest=Manifest.model_validate_json(model["manifest"]),
                            signature=model["signature"], key_id=model["key_id"], base_url=f"{self.base_url}/{path}",
                            min_tokens_per_s=job["min_tokens_per_s"], allow_downgrade=bool(job["allow_downgrade"]))
-
-
-class _open:
-    """A short-lived connection (WAL: the consumer writes through its own)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self) -> sqlite_utils.Database:
-        self.db = sqlite_utils.Database(self.path)
-        self.db.execute(f"pragma busy_timeout = {BUSY_TIMEOUT_MS}")
-        return self.db
-
-    def __exit__(self, *exc) -> None:
-        self.db.close()

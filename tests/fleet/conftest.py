@@ -68,3 +68,11 @@ def serve_processes():
         if p.proc.poll() is None:
             p.proc.kill()
             p.proc.wait()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def fleet_target(request, tmp_path):
+    """The fleet database on each backend: a SQLite file's path, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return tmp_path / "fleet.db"
+    return request.getfixturevalue("postgres_url")

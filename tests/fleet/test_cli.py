@@ -18,7 +18,8 @@ from agent.wire import DeviceState
 from fleet_support import REPO, wait_until
 from fleet.cli import cli
 from fleet.signing import load_private_key
-from fleet.store import FleetStore, Ingest, connect
+from fleet.db import open_database
+from fleet.store import FleetStore, Ingest
 from simdevice import event_record, request_record
 
 
@@ -149,8 +150,8 @@ def test_cmd_round_trips(broker, consumers, devices, fleet_db):
     devices("dev-mute", answer_commands=False)
     gone = devices("dev-gone")
     gone.stop()
-    wait_until(lambda: connect(fleet_db).execute("select count(*) from devices where status is not null")
-               .fetchone()[0] == 3 and connect(fleet_db)["devices"].get("dev-gone")["status"] == "stopped")
+    wait_until(lambda: open_database(fleet_db).execute("select count(*) from devices where status is not null")
+               .fetchone()[0] == 3 and open_database(fleet_db)["devices"].get("dev-gone")["status"] == "stopped")
     mqtt = ["--mqtt", broker.url]
 
     pong = json.loads(run("cmd", "dev-a", "ping", *mqtt).output)
@@ -276,7 +277,7 @@ def test_a_database_that_is_not_a_fleet_database_is_named(tmp_path):
     none said which file; `--db .` suggested a command that then failed."""
     garbage, other = tmp_path / "g.db", tmp_path / "o.db"
     garbage.write_text("garbage")
-    connect(other).execute("create table x (a)")
+    open_database(other).execute("create table x (a)")
     for args, words in ((["devices", "--db", str(garbage)], f"{garbage} is not a fleet database"),
                         (["tps", "--db", str(other)], f"{other} is not a fleet database"),
                         (["devices", "--db", str(tmp_path)], "is a directory"),
@@ -363,7 +364,7 @@ def publish_row(db_path, version: str, precision: str, built: str) -> str:
 
 
 def job_count(db_path) -> int:
-    return connect(db_path).execute("select count(*) from jobs").fetchone()[0]
+    return open_database(db_path).execute("select count(*) from jobs").fetchone()[0]
 
 
 def test_deploy_of_a_model_name_without_a_version_lists_its_published_versions(filled_db):
@@ -410,7 +411,7 @@ def test_a_downgrade_by_build_time_is_refused_before_the_job_unless_allowed(fill
 
 def settle_job(db_path, state: str, figures: dict | None) -> str:
     """What the rollout driver records when the device reports the job's end."""
-    db = connect(db_path)
+    db = open_database(db_path)
     job_id = wait_until(lambda: db.execute("select id from jobs").fetchone(), message="the job")[0]
     db.execute("update job_devices set state = ?, figures = ? where job_id = ?",
                [state, json.dumps(figures) if figures else None, job_id])

@@ -16,18 +16,19 @@ import pytest
 
 from agent.wire import MAX_PAYLOAD_BYTES, TelemetryBatch, topic
 from fleet_support import wait_until
-from fleet.store import FleetStore, connect
+from fleet.db import open_database
+from fleet.store import FleetStore
 from simdevice import event_record, request_record
 
 
 def stored_keys(db_path) -> set[tuple]:
-    db = connect(db_path)
+    db = open_database(db_path)
     return {tuple(r) for t in ("requests", "samples", "events")
             for r in db.execute(f"select device_id, boot_id, seq from {t}").fetchall()}
 
 
 def stored_count(db_path) -> int:
-    db = connect(db_path)
+    db = open_database(db_path)
     return sum(db.execute(f"select count(*) from {t}").fetchone()[0] for t in ("requests", "samples", "events"))
 
 
@@ -69,7 +70,7 @@ def test_two_devices_through_a_broker_restart_store_exactly_their_records(broker
     assert stored_count(fleet_db) == len(expected)
     wait_until(lambda: consumer.stats.duplicates >= 5, message="the replay to be seen and dropped")
     first = a.produced[0]
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     assert db.execute("select ttft_ms from requests where device_id='dev-a' and seq=?",
                       [first.seq]).fetchone()[0] == first.request.figures.ttft_ms
 
@@ -162,7 +163,7 @@ def test_garbage_is_counted_and_dropped_and_ingestion_goes_on(broker, consumers,
     for t, _, reason in garbage:
         key = (t.split("/")[2], reason)
         expected[key] = expected.get(key, 0) + 1
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     wait_until(lambda: {(r["device_id"], r["reason"]): r["count"] for r in db["rejected"].rows} == expected,
                message="every bad message counted")
     wait_until(lambda: stored_keys(fleet_db) == produced_keys(good) | {("dev-good", good.boot_id, 1000)})
@@ -205,7 +206,7 @@ def test_invented_finish_reasons_string_seqs_and_unbounded_ids_or_names_are_refu
         assert len(payload) <= MAX_PAYLOAD_BYTES  # refused for its field, not for its size
         publish(raw, topic(device_id, kind), payload)
     good.emit(3)
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     wait_until(lambda: {(r["device_id"], r["reason"]): r["count"] for r in db["rejected"].rows}
                == {(device_id, "schema"): 1 for device_id in cases}, message="every bad message counted")
     wait_until(lambda: stored_keys(fleet_db) == produced_keys(good), message="the good device's records stored")
@@ -227,13 +228,13 @@ def test_rejected_messages_are_acked_so_never_recounted(broker, consumers, fleet
     second = consumers(client_id="fleet-1")  # the same session: anything unacked would come again
     time.sleep(1.0)
     assert second.stats.rejected == 0
-    assert connect(fleet_db)["rejected"].get(("dev-x", "invalid_json"))["count"] == 3
+    assert open_database(fleet_db)["rejected"].get(("dev-x", "invalid_json"))["count"] == 3
     raw.loop_stop()
 
 
 def test_registry_follows_state_wills_and_ignores_late_wills(broker, consumers, devices, fleet_db):
     consumers()
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     device_row = lambda d: db["devices"].get(d)  # noqa: E731
     lost = devices("dev-lost")
     wait_until(lambda: db["devices"].count_where("id = 'dev-lost' and status = 'online'") == 1)
@@ -269,7 +270,7 @@ def test_two_replicas_on_a_shared_subscription_store_everything_exactly_once(bro
     stored_by = [int(s.split("stored ")[1].split()[0]) for s in summaries]
     assert all(n > 0 for n in stored_by), summaries  # both replicas took a share
     assert sum(stored_by) == len(expected) == stored_count(fleet_db)  # ... and no record was stored twice
-    devices_seen = connect(fleet_db).execute("select count(*) from devices where status = 'online'").fetchone()[0]
+    devices_seen = open_database(fleet_db).execute("select count(*) from devices where status = 'online'").fetchone()[0]
     assert devices_seen == 10
 
 

@@ -53,7 +53,7 @@ def test_a_failure_within_the_rate_lets_the_next_wave_start_once_the_wave_ended(
 
 def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     """The driver marks a notified device that never reports as TIMED_OUT, and the job then FAILS."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.store import FleetStore
     from fleet.updates import RolloutDriver, create_job
@@ -65,7 +65,7 @@ def test_a_silent_device_times_out_and_the_job_ends(tmp_path):
     store.db.execute("update job_devices set notified = 1, notified_at = 0 where job_id = ?", [job_id])
     store.db.conn.commit()
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
-    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    db = open_database(tmp_path / "fleet.db")
     driver._pass(db)
     assert db["job_devices"].get((job_id, "quiet"))["state"] == "TIMED_OUT"
     assert db["jobs"].get(job_id)["state"] == "FAILED"
@@ -155,7 +155,7 @@ def test_a_final_report_stamped_before_the_progress_it_ends_is_recorded(tmp_path
 def test_progress_reports_do_not_extend_the_device_timeout(tmp_path):
     """Found in review: the timeout ran from the last report, so a device that kept reporting progress (or a
     retained report replayed at every reconnect) kept its job from ever ending."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, create_job
 
@@ -166,7 +166,7 @@ def test_progress_reports_do_not_extend_the_device_timeout(tmp_path):
     store.db.conn.commit()
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
     report(driver, job_id, P, ts=time.time())  # reported just now, notified 2 s ago
-    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    db = open_database(tmp_path / "fleet.db")
     driver._pass(db)
     assert recorded(store, job_id) == "TIMED_OUT" and db["jobs"].get(job_id)["state"] == "FAILED"
 
@@ -174,7 +174,7 @@ def test_progress_reports_do_not_extend_the_device_timeout(tmp_path):
 def test_a_device_still_installing_when_its_rollout_halted_times_out_too(tmp_path):
     """Found in review: the timeout pass looked only at jobs in progress, so a halted job's devices that were
     still installing (and then went silent) showed IN_PROGRESS for good."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, create_job
 
@@ -187,7 +187,7 @@ def test_a_device_still_installing_when_its_rollout_halted_times_out_too(tmp_pat
     store.db.execute("update job_devices set state = 'FAILED' where device_id = 'dev-b'")
     store.db.conn.commit()
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
-    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    db = open_database(tmp_path / "fleet.db")
     driver._pass(db)
     assert recorded(store, job_id) == "TIMED_OUT" and recorded(store, job_id, "dev-b") == "FAILED"
 
@@ -229,7 +229,7 @@ def test_a_device_named_twice_is_deployed_to_once_and_a_huge_wave_is_the_whole_j
 
 
 def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, create_job
 
@@ -247,7 +247,7 @@ def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
 
     driver = RolloutDriver(tmp_path / "fleet.db", publish, "http://unused", interval_s=0.05).start()
     try:
-        db = sqlite_utils.Database(tmp_path / "fleet.db")
+        db = open_database(tmp_path / "fleet.db")
         deadline = time.monotonic() + 10
         while not sent or db["jobs"].get(broken)["state"] == "IN_PROGRESS":
             assert time.monotonic() < deadline, (sent, db["jobs"].get(broken))
@@ -263,7 +263,7 @@ def test_a_job_that_fails_in_the_driver_ends_and_the_others_go_on(tmp_path):
 def test_a_notice_the_broker_refuses_fails_the_device_with_the_reason(tmp_path):
     """Found in review: a notice the broker's ACL refused counted as sent; the device timed out much later with
     'no final status' and nothing said why."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, create_job
 
@@ -271,10 +271,10 @@ def test_a_notice_the_broker_refuses_fails_the_device_with_the_reason(tmp_path):
     job_id = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback")
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: "the broker refused it: Not authorized",
                            "http://unused")
-    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    driver._pass(open_database(tmp_path / "fleet.db"))
     row = store.db["job_devices"].get((job_id, "dev-a"))
     assert row["state"] == "FAILED" and "Not authorized" in row["reason"]
-    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))  # the next pass ends the job
+    driver._pass(open_database(tmp_path / "fleet.db"))  # the next pass ends the job
     assert store.db["jobs"].get(job_id)["state"] == "FAILED"
 
 
@@ -291,7 +291,7 @@ def test_a_report_that_arrives_while_the_database_is_locked_is_recorded_once_it_
     holder = sqlite3.connect(tmp_path / "fleet.db")
     holder.execute("BEGIN IMMEDIATE")  # as `sqlite3 fleet.db .backup` or a second replica would
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("fleet.updates.BUSY_TIMEOUT_MS", 100)  # the lock outlasts it, as a long backup's does
+        mp.setattr("fleet.updates.BUSY_TIMEOUT_S", 0.1)  # the lock outlasts it, as a long backup's does
         driver.start()
         try:
             report_only(driver, job_id, S, ts=100)
@@ -345,14 +345,14 @@ def test_device_timeouts_run_on_the_monotonic_clock(tmp_path, monkeypatch):
     """Found in review: the device timeout compared wall-clock times, so a fleet clock stepped two hours
     forward timed every device out at once, and notices sent while the clock ran a year ahead never timed
     out once NTP set it right (the rollout hung for a year)."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, create_job
 
     store = published_store(tmp_path)
     ahead = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback", device_timeout_s=0.5)
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
-    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    db = open_database(tmp_path / "fleet.db")
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 365 * 86400)  # the fleet's clock a year ahead
     driver._pass(db)
@@ -376,15 +376,15 @@ def test_a_running_driver_times_a_silent_device_out_once_its_timeout_has_passed(
     pass), not at once. A final report another replica commits while a pass runs is not overwritten, what
     timed out leaves the driver's memory, and a restart whose wall clock is behind a notice's stamp counts
     from the restart (found in review of the monotonic timeout)."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, create_job
 
     store = published_store(tmp_path)
     job = create_job(store.db, None, ["dev-a", "dev-b"], 2, 1.0, operation="rollback", device_timeout_s=0.4)
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")
-    db = sqlite_utils.Database(tmp_path / "fleet.db")
-    other = sqlite_utils.Database(tmp_path / "fleet.db")  # another replica's connection
+    db = open_database(tmp_path / "fleet.db")
+    other = open_database(tmp_path / "fleet.db")  # another replica's connection
 
     class Racing:  # the other replica records dev-b's SUCCEEDED between the pass's read and its update
         def __getattr__(self, name):
@@ -423,7 +423,7 @@ def test_a_device_that_connects_anew_without_answering_its_notice_is_notified_ag
     """Found in review: a device away longer than its broker session (7 days) lost the job notice with the
     session, and after its return the fleet waited out the whole device timeout. A new connection of a
     device that has not answered gets the notice again, once, with what is left of its timeout."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from agent.wire import DeviceState
     from fleet.store import Ingest
@@ -441,7 +441,7 @@ def test_a_device_that_connects_anew_without_answering_its_notice_is_notified_ag
     job_id = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback", device_timeout_s=600)
     sent = []
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: sent.append(e) or True, "http://unused")
-    run = lambda: driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))  # noqa: E731
+    run = lambda: driver._pass(open_database(tmp_path / "fleet.db"))  # noqa: E731
     run()
     run()
     assert len(sent) == 1 and sent[0] == 600  # notified while away; its session holds it
@@ -460,7 +460,7 @@ def test_reports_sent_while_the_fleet_is_down_are_all_recorded_when_it_returns(t
     """Found in review: the driver's MQTT session was not persistent, so of the reports a device sent while
     the fleet was down only its last (retained) one arrived: a job that finished before another one timed
     out, and its rollout failed although the device ran it."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from agent.wire import JobStatusUpdate, topic
     from fleet.consumer import jobs_link
@@ -487,7 +487,7 @@ def test_reports_sent_while_the_fleet_is_down_are_all_recorded_when_it_returns(t
         device._publish_other(topic("dev-a", "jobs", "update"), done.model_dump_json(), retain=True).wait_for_publish(5)
     link, driver = fleet()
     try:
-        db = sqlite_utils.Database(tmp_path / "fleet.db")
+        db = open_database(tmp_path / "fleet.db")
         wait_until(lambda: [r["state"] for r in db.query("select state from job_devices order by job_id")]
                    == ["SUCCEEDED", "SUCCEEDED"], 10, message="both reports recorded")
     finally:
@@ -500,7 +500,7 @@ def test_a_notice_no_session_takes_fails_an_online_device_at_once(tmp_path, stat
     """Found in review: the broker's PUBACK said no session subscribed to the notice, and the device was
     counted as notified and timed out after the whole device timeout. Online, it fails at once; offline, its
     session may have expired, and it is notified again when it connects anew."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from agent.wire import DeviceState
     from fleet.store import Ingest
@@ -513,7 +513,7 @@ def test_a_notice_no_session_takes_fails_an_online_device_at_once(tmp_path, stat
     store.commit(ingest)
     job_id = create_job(store.db, None, ["dev-a"], 1, 0.0, operation="rollback")
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: NO_JOB_SUBSCRIBER, "http://unused")
-    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    driver._pass(open_database(tmp_path / "fleet.db"))
     row = store.db["job_devices"].get((job_id, "dev-a"))
     if status == "online":
         assert row["state"] == "FAILED" and "not subscribed to its job notices" in row["reason"]
@@ -525,7 +525,7 @@ def test_a_cancel_during_a_notice_keeps_tracking_the_device_it_reached_and_sends
     """Found in review: a cancel committed while the driver waited for a notice's PUBACK left that device
     CANCELED though it had the job, so its reports were ignored while it installed it; and the driver went on
     notifying the rest of the wave."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.updates import RolloutDriver, cancel_job, create_job
 
@@ -535,10 +535,10 @@ def test_a_cancel_during_a_notice_keeps_tracking_the_device_it_reached_and_sends
 
     def publish(t, p, e):
         sent.append(t)
-        cancel_job(sqlite_utils.Database(tmp_path / "fleet.db"), job_id)  # the operator, meanwhile
+        cancel_job(open_database(tmp_path / "fleet.db"), job_id)  # the operator, meanwhile
         return True
     driver = RolloutDriver(tmp_path / "fleet.db", publish, "http://unused")
-    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    driver._pass(open_database(tmp_path / "fleet.db"))
     rows = {r["device_id"]: (r["state"], r["notified"]) for r in store.db.query("select * from job_devices")}
     assert len(sent) == 1 and rows == {"dev-a": ("QUEUED", 1), "dev-b": ("CANCELED", 0)}
     assert store.db["jobs"].get(job_id)["state"] == "CANCELED"
@@ -550,7 +550,7 @@ def test_a_cancel_during_a_notice_keeps_tracking_the_device_it_reached_and_sends
 def test_the_upgrade_to_renotifying_does_not_send_every_pending_notice_again(tmp_path, monkeypatch):
     """Notices sent before migration 0008 count from the device's connection at the upgrade (found in review:
     each device that had not answered was sent its notice again at the first pass)."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     import fleet.store as store_module
     from agent.wire import DeviceState
@@ -572,14 +572,14 @@ def test_the_upgrade_to_renotifying_does_not_send_every_pending_notice_again(tmp
     FleetStore(tmp_path / "fleet.db").close()  # the upgrade
     sent = []
     driver = RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: sent.append(t) or True, "http://unused")
-    driver._pass(sqlite_utils.Database(tmp_path / "fleet.db"))
+    driver._pass(open_database(tmp_path / "fleet.db"))
     assert sent == []
 
 
 def test_a_pass_reads_job_devices_through_indexes_not_the_whole_table(tmp_path):
     """Found in review: the driver's pass (every 0.5 s) scanned every device of every rollout ever run, 23 ms
     at 100,000 rows and growing. Every query of a pass that touches job_devices must search an index."""
-    import sqlite_utils
+    from fleet.db import open_database
 
     from fleet.store import FleetStore
     from fleet.updates import RolloutDriver, create_job
@@ -590,7 +590,7 @@ def test_a_pass_reads_job_devices_through_indexes_not_the_whole_table(tmp_path):
     job_id = create_job(store.db, "m@v", ["a", "b"], 1, 0.0, device_timeout_s=1000.0)
     store.db.execute("update job_devices set notified = 1, notified_at = ? where job_id = ?", [time.time(), job_id])
     store.db.conn.commit()
-    db = sqlite_utils.Database(tmp_path / "fleet.db")
+    db = open_database(tmp_path / "fleet.db")
     statements = []
     db.conn.set_trace_callback(statements.append)
     RolloutDriver(tmp_path / "fleet.db", lambda t, p, e: True, "http://unused")._pass(db)

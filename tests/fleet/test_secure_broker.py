@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from fleet_support import REPO, wait_until
-from fleet.store import connect
+from fleet.db import open_database
 from simdevice import SimDevice
 from tls_files import write_tls_files
 
@@ -46,9 +46,9 @@ def test_serve_over_tls_with_the_shipped_acl(secure_broker, serve_processes, fle
     try:
         device.wait_connected()
         device.emit(5)
-        wait_until(lambda: connect(fleet_db).execute("select count(*) from requests").fetchone()[0] == 5,
+        wait_until(lambda: open_database(fleet_db).execute("select count(*) from requests").fetchone()[0] == 5,
                    message="telemetry through TLS, the ACL and the shared subscription")
-        assert connect(fleet_db)["devices"].get("dev-a")["status"] == "online"
+        assert open_database(fleet_db)["devices"].get("dev-a")["status"] == "online"
     finally:
         device.client.disconnect()
         device.client.loop_stop()

@@ -5,11 +5,11 @@ import random
 import threading
 
 import pytest
-import sqlite_utils
 
 from agent.wire import DeviceState, RequestFigures
 from fleet.migrations import MIGRATIONS, REQUEST_FIGURES_COLUMNS, REQUEST_FIGURES_COLUMNS_0002
-from fleet.store import FleetStore, Ingest, is_newer_state
+from fleet.db import open_database
+from fleet.store import FleetStore, Ingest, StoreError, is_newer_state
 from simdevice import event_record, request_record, sample_record
 
 RNG = random.Random(1)
@@ -42,22 +42,46 @@ def state(connection: int, status: str = "online", boot: str = "b1", ts: float =
                        version="v1", precision="int4")
 
 
-def test_migrations_run_once_in_order(tmp_path):
-    store = FleetStore(tmp_path / "f.db")
+def test_migrations_run_once_in_order(fleet_target):
+    store = FleetStore(fleet_target)
     assert store.applied_migrations() == [name for name, _ in MIGRATIONS]
-    assert store.db.journal_mode == "wal"
+    if store.db.dialect.name == "sqlite":
+        assert store.db.utils.journal_mode == "wal"
     store.close()
-    again = FleetStore(tmp_path / "f.db")
+    again = FleetStore(fleet_target)
     assert again.migrate() == []
+    again.close()
+
+
+def test_a_database_migrated_by_a_newer_fleet_is_refused_and_left_as_it_was(fleet_target):
+    store = FleetStore(fleet_target)
+    store.db["_migrations"].insert({"name": "9999_from_the_future", "applied_at": 0.0})
+    store.close()
+    with pytest.raises(StoreError, match="migrated by a newer edge-fleet \\(9999_from_the_future\\)"):
+        FleetStore(fleet_target)
+    with open_database(fleet_target) as db:
+        assert db["_migrations"].count == len(MIGRATIONS) + 1
+
+
+def test_replicas_starting_together_migrate_once(fleet_target):
+    """Each migration runs under the migration lock: four stores opened at once on a new database all
+    come up, and every migration is recorded once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        stores = list(pool.map(lambda _: FleetStore(fleet_target), range(4)))
+    assert sorted(stores[0].applied_migrations()) == sorted(name for name, _ in MIGRATIONS)
+    for store in stores:
+        store.close()
 
 
 def test_every_request_figure_has_a_column():
     assert set(REQUEST_FIGURES_COLUMNS) == set(RequestFigures.model_fields)
 
 
-def test_a_database_from_before_the_constraint_columns_gains_them_and_keeps_its_rows(tmp_path):
-    old = sqlite_utils.Database(tmp_path / "f.db")  # as a fleet before 0010 left it, with one request stored
-    old["_migrations"].create({"name": str, "applied_at": float}, pk="name")
+def test_a_database_from_before_the_constraint_columns_gains_them_and_keeps_its_rows(fleet_target):
+    old = open_database(fleet_target)  # as a fleet before 0010 left it, with one request stored
+    old.create_table("_migrations", {"name": str, "applied_at": float}, "name")
     for name, step in MIGRATIONS[:9]:
         step(old)
         old["_migrations"].insert({"name": name, "applied_at": 0.0})
@@ -65,7 +89,7 @@ def test_a_database_from_before_the_constraint_columns_gains_them_and_keeps_its_
     old["requests"].insert({"device_id": "d1", "boot_id": "b", "seq": 1, "ts": 1000.0, "model": "m", "version": "v",
                             **{c: figures[c] for c in REQUEST_FIGURES_COLUMNS_0002}})
     old.close()
-    store = FleetStore(tmp_path / "f.db")
+    store = FleetStore(fleet_target)
     assert store.applied_migrations()[-1] == "0010_request_constraint"
     record = request_record("b", 2, 1001.0, RNG)
     figures = record.request.figures.model_copy(update={"constrained": True, "constraint_ms": 12.5})
@@ -263,14 +287,14 @@ def test_samples_are_kept_for_less_time_than_requests_and_events(tmp_path):
 def test_the_consumer_prunes_old_telemetry_when_it_starts(broker, consumers, fleet_db):
     import time
 
-    from fleet.store import connect
+    from fleet.db import open_database
     from fleet_support import wait_until
 
     store = FleetStore(fleet_db)
     store.commit(ingest_of("d1", records("old", range(1, 10), ts=time.time() - 100 * 86400), time.time()))
     store.commit(ingest_of("d1", records("new", range(1, 10), ts=time.time() - 86400), time.time()))
     consumers(store=store, keep_s=dict.fromkeys(("requests", "samples", "events"), 90 * 86400.0))
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     wait_until(lambda: sum(db[t].count for t in ("requests", "samples", "events")) == 9,
                message="the 100-day-old rows pruned")
     db.close()
@@ -283,7 +307,7 @@ def test_ingest_goes_on_while_a_long_prune_runs(broker, consumers, fleet_db, dev
     import time
 
     import fleet.store as store_module
-    from fleet.store import connect
+    from fleet.db import open_database
     from fleet_support import wait_until
 
     monkeypatch.setattr(store_module, "PRUNE_BATCH_ROWS", 2)
@@ -300,7 +324,7 @@ def test_ingest_goes_on_while_a_long_prune_runs(broker, consumers, fleet_db, dev
     consumers(store=store, keep_s={"requests": 90 * 86400.0})
     wait_until(lambda: len(steps) >= 2, message="the prune under way")
     devices("dev-new").emit(5)
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     wait_until(lambda: db["requests"].count_where("device_id = 'dev-new'") > 0, message="new records stored")
     assert len(steps) < 31, "the new records waited for the whole prune"  # 60 rows, 2 a batch, then a 0
     wait_until(lambda: steps[-1:] == [0], 20, message="the prune finished")
@@ -329,13 +353,13 @@ def test_records_older_than_their_table_keeps_are_counted_not_stored(tmp_path):
 def test_the_consumer_refuses_a_backlog_older_than_it_keeps(broker, consumers, fleet_db, devices):
     import time
 
-    from fleet.store import connect
+    from fleet.db import open_database
     from fleet_support import wait_until
 
     consumers(keep_s={"requests": 14 * 86400.0})
     device = devices("dev-away")
     device.send(device.make_records(3, ts=time.time() - 20 * 86400) + device.make_records(2))
-    db = connect(fleet_db)
+    db = open_database(fleet_db)
     wait_until(lambda: db["rejected"].count, message="the old records counted")
     assert db["requests"].count == 2
     [(reason, count)] = [(r["reason"], r["count"]) for r in db["rejected"].rows]
