@@ -242,8 +242,11 @@ class FleetStore:
         and rejected counts."""
         with self._transaction():
             inserted = self._insert_records(ingest.records)
-            states_applied = sum(self._apply_state(s, live) for s, live in ingest.states)
+            # the registry's rows locked in device order first (every device with a state was seen), then
+            # each device's states in arrival order: two replicas' commits queue on a row, never deadlock
             self._mark_seen(ingest.seen)
+            states = sorted(ingest.states, key=lambda s: s[0].device_id)  # stable: arrival order per device
+            states_applied = sum(self._apply_state(s, live) for s, live in states)
             self._count_rejected(ingest.rejected)
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
                          rejected=sum(ingest.rejected.values()), states_applied=states_applied)

@@ -31,6 +31,7 @@ from agent.engine.bundle import open_bundle
 from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
                         JobStatusUpdate, Manifest, device_of, is_device_id, topic)
 from fleet.db import Database, database_errors, open_database, unavailable_errors
+from fleet.leader import RETRY_S, Leadership
 from fleet.mqtt import UNCONFIRMED_HOLD_S
 from fleet.rollout import DeviceJob, decide, plan_waves
 from fleet.signing import load_private_key, sign_job, sign_manifest
@@ -170,7 +171,8 @@ def wait_for_job(target: Path | str, job_id: str, timeout_s: float) -> str:
 
 # ---- the driver (inside edge-fleet serve) -----------------------------------------------------------------
 class RolloutDriver:
-    """Publishes job documents as waves open and records device reports. One per fleet database."""
+    """Publishes job documents as waves open and records device reports. One per replica: every replica
+    records the reports it receives (recording is idempotent), and only the leader (fleet.leader) runs passes."""
 
     def __init__(self, target: Path | str, publish_mqtt: Callable[[str, bytes, float], bool | str],
                  artifacts_base_url: str, interval_s: float = 0.5, job_key: Ed25519PrivateKey | None = None):
@@ -196,6 +198,8 @@ class RolloutDriver:
         # the link waits on that copy (for UNCONFIRMED_HOLD_S) rather than adding one signed anew each pass
         self._unconfirmed: dict[tuple[str, str], tuple[bytes, float]] = {}
         self._wake = threading.Event()
+        self.leadership = Leadership(target, BUSY_TIMEOUT_S)  # only the leader's driver runs passes
+        self._next_try = -math.inf  # a follower's next try for the lead
 
     def start(self) -> "RolloutDriver":
         self._thread.start()
@@ -227,6 +231,8 @@ class RolloutDriver:
     def apply_reports(self) -> int:
         """Record the queued reports, in arrival order; returns how many are still waiting (a database
         error leaves the rest queued for the next try)."""
+        if not self._reports:
+            return 0
         with self._lock, self._open() as db:
             while self._reports:
                 u, ack = self._reports.popleft()
@@ -260,19 +266,35 @@ class RolloutDriver:
             self._wake.clear()
             try:
                 self.apply_reports()  # first: a device that reported must not be timed out meanwhile
-                if time.monotonic() - last_pass >= self.interval_s:
+                if time.monotonic() - last_pass >= self.interval_s and self._lead():
                     last_pass = time.monotonic()
-                    with self._lock, self._open() as db, db.transaction():
+                    # each statement commits alone: a notice is marked sent as soon as it went, so a leader
+                    # killed mid-pass leaves its successor the fewest notices to send again
+                    with self._lock, self.leadership.database() as db:
                         self._pass(db)
             except unavailable_errors() as e:  # locked or full: the reports wait, the pass runs again
                 log.warning("rollouts: the database is unavailable (%s); trying again", e)
             except Exception:  # a bad database state must not stop the driver
                 log.exception("rollout pass failed")
+        self.leadership.release()
         try:  # what arrived during the last pass, taken off the broker already
             if left := self.apply_reports():
                 log.warning("rollouts: %d device reports not recorded at stop (the database is busy)", left)
         except Exception as e:
             log.warning("rollouts: %d device reports not recorded at stop: %s", len(self._reports), e)
+
+    def _lead(self) -> bool:
+        """Whether this replica drives rollouts now (fleet.leader). A follower asks every RETRY_S; one that
+        takes over starts from what the database says, not from what it remembered of an earlier lead."""
+        if not self.leadership.leading and time.monotonic() < self._next_try:
+            return False
+        was = self.leadership.leading
+        if self.leadership.acquire():
+            if not was:
+                self._notified, self._unconfirmed = {}, {}
+            return True
+        self._next_try = time.monotonic() + RETRY_S
+        return False
 
     def _pass(self, db: Database) -> None:
         """Time out silent devices, notify again those that came back, then advance every job in progress."""
