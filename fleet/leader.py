@@ -34,6 +34,7 @@ class Leadership:
     def __init__(self, target: Path | str, busy_timeout_s: float = 10.0):
         self.target, self.busy_timeout_s = target, busy_timeout_s
         self._conn: Database | None = None  # PostgreSQL: the lock's connection, while we lead
+        self._backend = 0  # its server process: the lock is that session's
         self._lock_file: int | None = None  # SQLite: the flocked file, while we lead
 
     @property
@@ -67,11 +68,13 @@ class Leadership:
 
     def _hold_postgres(self) -> bool:
         if self._conn is not None:
-            self._conn.execute("select 1")  # raises if the connection, and so the lock, is gone
-            return True
+            # raises if the connection is gone; another backend is a connection made anew, without the lock
+            if self._conn.execute("select pg_backend_pid()").fetchone()[0] == self._backend:
+                return True
+            raise OSError("the lock's connection was made anew")
         conn = open_database(self.target)
         if conn.execute("select pg_try_advisory_lock(?)", [ROLLOUT_LOCK_KEY]).fetchone()[0]:
-            self._conn = conn
+            self._conn, self._backend = conn, conn.execute("select pg_backend_pid()").fetchone()[0]
             return True
         conn.close()
         return False

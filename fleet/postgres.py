@@ -33,15 +33,30 @@ class PostgresDatabase(Database):
     dialect = POSTGRESQL
 
     def __init__(self, url: str, readonly: bool = False):
-        self.target = describe(url)
+        self.url, self.target, self.readonly = url, describe(url), readonly
         try:
-            self.conn = psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                                        application_name="edge-fleet")
+            self._conn = self._connect()
         except psycopg.Error as e:
             raise StoreError(f"fleet database {self.target}: {str(e).strip()}") from None
-        if readonly:
-            self.conn.execute("set default_transaction_read_only = on")
         self._pks: dict[str, tuple[str, ...]] = {}
+
+    def _connect(self) -> psycopg.Connection:
+        # keepalives: a server gone without a FIN (a host lost, a failover) is noticed in ~30 s, not hours
+        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+                               application_name="edge-fleet", keepalives_idle=10, keepalives_interval=5,
+                               keepalives_count=3)
+        if self.readonly:
+            conn.execute("set default_transaction_read_only = on")
+        return conn
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        """The connection, made anew if the last one broke (a restart, a failover: with a multi-host URL and
+        target_session_attrs=read-write, libpq finds the new primary). Never inside a transaction: a broken
+        one fails as a whole, and its caller retries it."""
+        if self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
 
     def execute(self, sql: str, params: Sequence = ()) -> psycopg.Cursor:
         return self.conn.execute(_pg_sql(sql), tuple(params))  # () too: '%%' is unescaped only with params
@@ -62,7 +77,7 @@ class PostgresDatabase(Database):
             yield
 
     def close(self) -> None:
-        self.conn.close()
+        self._conn.close()
 
     def table_names(self) -> list[str]:
         return [r[0] for r in self.conn.execute(
