@@ -26,7 +26,7 @@ from agent.mqtt_link import LinkError
 from agent.wire import is_device_id
 from fleet import queries
 from fleet.commands import CommandError
-from fleet.db import database_errors, is_url
+from fleet.db import database_errors, has_password, is_url
 from fleet.queries import QueryError
 
 USER_ERRORS = (QueryError, CommandError, LinkError, OSError, ValueError)  # BundleError, StoreError: ValueErrors
@@ -47,8 +47,16 @@ def user_errors(command):
 def db_option(command):
     # a str: click's Path would fold a URL's '//'
     return click.option("--db", "db_path", default=DEFAULT_DB, show_default=True, envvar="EDGE_FLEET_DB",
-                        show_envvar=True, help="Fleet database: a SQLite file, or postgresql://USER@HOST[:PORT]/DB "
+                        show_envvar=True, callback=_no_password_in_argv,
+                        help="Fleet database: a SQLite file, or postgresql://USER@HOST[:PORT]/DB "
                         "(the password from ~/.pgpass or PGPASSFILE, never the command line).")(command)
+
+
+def _no_password_in_argv(ctx, param, value):
+    if has_password(value) and ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE:
+        raise click.ClickException("--db: a password in the URL is visible to every user of this machine (ps): "
+                                   "put it in ~/.pgpass, a file named by PGPASSFILE, or passfile=PATH in the URL")
+    return value
 
 
 def json_option(command):

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
+from urllib.parse import urlsplit
 
 import sqlite_utils
 
@@ -32,6 +33,10 @@ class StoreError(ValueError):
 
 def is_url(target: str | Path) -> bool:
     return str(target).startswith(URL_SCHEMES)
+
+
+def has_password(target: str | Path) -> bool:
+    return is_url(target) and urlsplit(str(target)).password is not None
 
 
 def describe(target: str | Path) -> str:

@@ -24,9 +24,10 @@ from simdevice import event_record, request_record
 
 
 @pytest.fixture
-def filled_db(tmp_path):
-    """Four devices over the last 6 hours: two ran both smollm2 versions, one ran one, one is offline."""
-    path = tmp_path / "fleet.db"
+def filled_db(fleet_target):
+    """Four devices over the last 6 hours: two ran both smollm2 versions, one ran one, one is offline. On each
+    backend."""
+    path = fleet_target
     store = FleetStore(path)
     rng, now = random.Random(7), time.time()
     ingest = Ingest()
@@ -92,6 +93,8 @@ def test_tps_compare_events_rejected(filled_db):
     (["jobs", "--db", "typo.db"], "no fleet database at typo.db"),
     (["rollback", "dev-404"], "unknown device 'dev-404'"),
     (["deploy", "smollm2@int4-a1", "--to", "dev-404"], "unknown device 'dev-404'"),
+    (["devices", "--db", "postgresql://fleet:secret@127.0.0.1:1/fleet"], "a password in the URL is visible"),
+    (["devices", "--db", "postgresql://fleet@127.0.0.1:1/fleet"], "fleet database postgresql://fleet@127.0.0.1:1/fleet"),
 ])
 def test_user_errors_are_one_line(filled_db, args, message):
     if "--db" not in args and args[0] != "serve":
