@@ -127,7 +127,7 @@ def add_message(ingest: Ingest, msg: Inbound, topic_device: str, received_at: fl
         state = parse_state(msg, topic_device)
         live = not msg.retain and state.status != "offline"
         # not live: the device's own clock, which may run ahead; contact is never later than now
-        ingest.add_state(state, received_at if live else min(state.ts, received_at), live)
+        ingest.add_state(state, received_at if live else min(state.ts, received_at), live, msg.broker)
     elif kind == ["tele"]:
         ingest.add_records(topic_device, parse_telemetry(msg, topic_device).records, received_at)
     elif len(kind) == 2 and kind[0] == "evt":
