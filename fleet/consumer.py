@@ -9,9 +9,10 @@ Data flow (one owner per step):
 A message is acknowledged to the broker only after the transaction holding it has committed (manual
 acks), so a crash or a lost connection before then means the broker sends it again; the store drops the
 copy. Bad messages are counted per device and reason in `rejected`, logged, acknowledged (so the broker
-does not resend them forever) and never stop ingestion.
+does not resend them forever) and never stop ingestion. Devices spread over several brokers (fleet.shards): one
+Link per broker, all feeding the one queue, and each message acked on the link that delivered it.
 
-Run: edge-fleet serve --mqtt mqtt://HOST:PORT --db fleet.db [--client-id ID] [--shared-group G]
+Run: edge-fleet serve --mqtt mqtt://HOST:PORT[,mqtt://HOST2:PORT...] --db fleet.db [--client-id ID] [--shared-group G]
 """
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ from fleet.mqtt import Link
 
 log = logging.getLogger(__name__)
 
+LOOKUP_CHUNK = 500  # device ids per registry query: `cmd --all` over a large fleet stays under the bound-parameter
+# limits (SQLite's 32,766, PostgreSQL's 65,535)
+
 
 def parse_brokers(values: Iterable[str]) -> tuple[str, ...]:
     """--mqtt values, each one broker URL or several joined by commas -> the URLs, each checked (LinkError, a
@@ -63,11 +66,13 @@ class Routes:
     def _registry(self, device_ids: Sequence[str]) -> dict[str, str | None]:
         if self.target is None or not device_ids:
             return {}
+        ids = list(device_ids)
         try:
             db = self._db()
-            marks = ", ".join("?" * len(device_ids))
-            return {r["id"]: r["broker"] for r in db.query(f"select id, broker from devices where id in ({marks})",
-                                                            list(device_ids))}
+            return {r["id"]: r["broker"] for start in range(0, len(ids), LOOKUP_CHUNK)
+                    for chunk in [ids[start:start + LOOKUP_CHUNK]]
+                    for r in db.query(f"select id, broker from devices where id in ({', '.join('?' * len(chunk))})",
+                                      chunk)}
         except database_errors() as e:  # the hash is right for every device that never moved: use it
             log.warning("cannot read the devices' brokers from %s (%s): routing by the hash of their ids",
                         self.target, e)

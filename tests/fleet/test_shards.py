@@ -114,6 +114,23 @@ def test_the_registry_keeps_the_broker_of_the_newest_state(fleet_target):
     store.close()
 
 
+def test_the_registry_is_read_in_chunks(tmp_path, monkeypatch):
+    """`cmd --all` over a fleet larger than a query's bound-parameter limit."""
+    import fleet.shards
+    from fleet.store import FleetStore, Ingest
+
+    monkeypatch.setattr(fleet.shards, "LOOKUP_CHUNK", 2)
+    store = FleetStore(tmp_path / "fleet.db")
+    ingest = Ingest()
+    for i in range(5):
+        ingest.add_state(DeviceState(device_id=f"d{i}", status="online", connection=1, boot_id="b", ts=1000.0),
+                         1000.0, broker=SHARDS[i % 3])
+    store.commit(ingest)
+    ids = [f"d{i}" for i in range(5)]
+    assert fleet.shards.Routes(SHARDS, tmp_path / "fleet.db").brokers_of(ids) == {d: SHARDS[i % 3]
+                                                                                 for i, d in enumerate(ids)}
+
+
 def stored_keys(db) -> set[tuple]:
     return {tuple(r) for t in ("requests", "samples", "events")
             for r in db.execute(f"select device_id, boot_id, seq from {t}").fetchall()}
