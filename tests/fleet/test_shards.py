@@ -184,7 +184,7 @@ def test_three_shards_two_replicas_store_everything_once_and_reach_every_shard(t
         pinned_url = next(u for u in urls if u != shard_of("pinned", urls))
         pinned = sharded_devices("pinned", url=pinned_url)
         for device in fleet + [pinned]:
-            device.wait_connected()
+            device.wait_connected(30)  # 300 connects at once on a loaded test machine
         for _ in range(3):
             for device in fleet:
                 device.emit(4)
