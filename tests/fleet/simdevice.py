@@ -66,6 +66,7 @@ class SimDevice:
         self.answer_commands = answer_commands
         self.take_jobs = take_jobs  # subscribe to jobs/notify and keep the notices, as received
         self.notices: list[bytes] = []
+        self.on_notice = None  # called with each notice's payload too (paho's thread), when set
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"dev-{device_id}",
                                   protocol=paho.MQTTv5)
         self.client.on_connect = self._on_connect
@@ -185,6 +186,8 @@ class SimDevice:
     def _on_message(self, client, userdata, message) -> None:
         if message.topic == topic(self.device_id, "jobs", "notify"):
             self.notices.append(bytes(message.payload))
+            if self.on_notice is not None:
+                self.on_notice(bytes(message.payload))
             return
         if not self.answer_commands:
             return

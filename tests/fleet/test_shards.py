@@ -73,6 +73,16 @@ def test_a_bad_shard_list_is_refused(kwargs, message):
     assert message in str(e.value)
 
 
+def test_the_agents_mqtt_flag_replaces_the_shard_list(tmp_path):
+    from agent.service.serve import load_agent_config
+
+    toml = tmp_path / "agent.toml"
+    toml.write_text(f"[telemetry.mqtt]\nshards = {SHARDS!r}\nkeepalive_s = 30\n".replace("'", '"'))
+    assert load_agent_config(toml).telemetry.mqtt.shards == SHARDS
+    flagged = load_agent_config(toml, mqtt="mqtt://one:1883").telemetry.mqtt
+    assert (flagged.url, flagged.shards, flagged.keepalive_s) == ("mqtt://one:1883", None, 30)
+
+
 def test_the_cli_takes_brokers_repeated_or_joined_with_commas():
     from fleet.shards import parse_brokers
 
@@ -165,6 +175,43 @@ def sharded_devices(shards):
         device.client.loop_stop()
 
 
+class DevicePool:
+    """tests/fleet/devicepool.py in a subprocess: the devices of one shard, their records and their notices."""
+
+    def __init__(self, port: int, device_ids: list[str], records: int):
+        import os
+        import subprocess
+        import sys
+        import threading
+
+        from fleet_support import REPO
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fleet" / "devicepool.py"), str(port),
+                                      str(records), *device_ids], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self.produced: set[tuple] | None = None  # once the broker has acknowledged every batch, or given up
+        self.unacked = 0  # batches never acknowledged
+        self.notices: dict[str, list[str]] = {}  # device -> job ids, as received
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        import json
+
+        for line in self.proc.stdout:
+            said = json.loads(line)
+            if "produced" in said:
+                self.unacked = said["unacked"]
+                self.produced = {tuple(k) for k in said["produced"]}
+            else:
+                job_id = JobDocument.model_validate_json(said["payload"]).job_id
+                self.notices.setdefault(said["notice"], []).append(job_id)
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
 def test_three_shards_two_replicas_store_everything_once_and_reach_every_shard(tmp_path, shards, sharded_devices):
     from agent.mqtt_link import Credentials
     from fleet.commands import run_command
@@ -175,24 +222,23 @@ def test_three_shards_two_replicas_store_everything_once_and_reach_every_shard(t
     from fleet.updates import create_job
 
     db_path, urls = tmp_path / "fleet.db", list(shards)
+    ids = [f"dev-{i:03d}" for i in range(300)]
+    wanted = {d: shard_of(d, urls) for d in ids}
     replicas = [Consumer(FleetStore(db_path), urls, client_id=f"fleet-{k}", shared_group="fleet").start()
                 for k in range(2)]
+    pools = []
     try:
         assert all(r.wait_ready(10) for r in replicas)
-        fleet = [sharded_devices(f"dev-{i:03d}", seed=i, take_jobs=True) for i in range(300)]
+        pools = [DevicePool(shards[u].port, [d for d in ids if wanted[d] == u], records=12) for u in urls]
         # configured with one broker that is not its shard: the registry, not the hash, says where it is
-        pinned_url = next(u for u in urls if u != shard_of("pinned", urls))
-        pinned = sharded_devices("pinned", url=pinned_url)
-        for device in fleet + [pinned]:
-            device.wait_connected(30)  # 300 connects at once on a loaded test machine
-        for _ in range(3):
-            for device in fleet:
-                device.emit(4)
-        wait_until(lambda: all(d.unacked == 0 for d in fleet), 30, message="every batch acknowledged")
-        expected = {(d.device_id, r.boot_id, r.seq) for d in fleet for r in d.produced}
+        wanted["pinned"] = next(u for u in urls if u != shard_of("pinned", urls))
+        pinned = sharded_devices("pinned", url=wanted["pinned"])
+        pinned.wait_connected()
+        wait_until(lambda: all(p.produced is not None for p in pools), 60, message="every device's records sent")
+        assert [p.unacked for p in pools] == [0, 0, 0]
+        expected = set().union(*(p.produced for p in pools))
         db = open_database(db_path)
         wait_until(lambda: stored_keys(db) == expected, 30, message="every record stored")
-        wanted = {d.device_id: shard_of(d.device_id, urls) for d in fleet} | {"pinned": pinned_url}
         wait_until(lambda: {r["id"]: r["broker"] for r in db.query("select id, broker from devices")} == wanted, 20,
                    message="the registry's broker of every device")
     finally:
@@ -204,24 +250,25 @@ def test_three_shards_two_replicas_store_everything_once_and_reach_every_shard(t
     on_shard = Counter(wanted.values())
     assert all(on_shard[u] >= 60 for u in urls), on_shard  # every shard carried its share
 
-    # a command to one device on each shard, and to the pinned one
-    targets = [next(d.device_id for d in fleet if wanted[d.device_id] == u) for u in urls] + ["pinned"]
-    outcomes = run_command(Routes(urls, db_path), targets, "ping", {}, timeout_s=10)
-    assert [o.ok for o in outcomes] == [True] * 4, outcomes
-
-    # a rollout notice to one device on each shard, through serve's own rollout wiring
-    job_id = create_job(FleetStore(db_path).db, None, targets[:3], 3, 0.0, operation="rollback")
-    driver, links, server = _start_rollouts(db_path, urls, "fleet-0", Credentials(),
-                                            Artifacts("127.0.0.1", 0, tmp_path / "artifacts"))
     try:
-        by_id = {d.device_id: d for d in fleet}
-        wait_until(lambda: all(by_id[t].notices for t in targets[:3]), 20, message="a notice on every shard")
+        # a command to one device on each shard, and to the pinned one
+        targets = [next(d for d in ids if wanted[d] == u) for u in urls] + ["pinned"]
+        outcomes = run_command(Routes(urls, db_path), targets, "ping", {}, timeout_s=10)
+        assert [o.ok for o in outcomes] == [True] * 4, outcomes
+
+        # a rollout notice to one device on each shard, through serve's own rollout wiring
+        job_id = create_job(FleetStore(db_path).db, None, targets[:3], 3, 0.0, operation="rollback")
+        driver, links, server = _start_rollouts(db_path, urls, "fleet-0", Credentials(),
+                                                Artifacts("127.0.0.1", 0, tmp_path / "artifacts"))
+        try:
+            wait_until(lambda: sum(len(p.notices) for p in pools) >= 3, 20, message="a notice on every shard")
+        finally:
+            for part in (links, driver, server):
+                part.stop()
+        assert [p.notices for p in pools] == [{t: [job_id]} for t in targets[:3]]  # those three, once each
     finally:
-        for part in (links, driver, server):
-            part.stop()
-    for t in targets[:3]:
-        assert [JobDocument.model_validate_json(n).job_id for n in by_id[t].notices] == [job_id]
-    assert not any(d.notices for d in fleet if d.device_id not in targets[:3])
+        for p in pools:
+            p.stop()
 
 
 def test_an_agent_given_the_shards_connects_to_its_own(tmp_path, shards):
