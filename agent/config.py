@@ -14,7 +14,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from agent.mqtt_link import KEEPALIVE_S, parse_url
-from agent.wire import DEVICE_ID_PATTERN
+from agent.wire import DEVICE_ID_PATTERN, shard_of
 
 MAX_THREADS = 256  # ONNX Runtime thread pools: 100,000 threads took 17 GB in seconds
 
@@ -158,8 +158,11 @@ class MqttConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: Annotated[str, AfterValidator(_check_mqtt_url)] = Field(
-        description="mqtt://HOST[:PORT] (1883) or mqtts://HOST[:PORT] (8883, TLS)")
+    url: Annotated[str, AfterValidator(_check_mqtt_url)] | None = Field(
+        None, description="mqtt://HOST[:PORT] (1883) or mqtts://HOST[:PORT] (8883, TLS); or give shards")
+    shards: list[Annotated[str, AfterValidator(_check_mqtt_url)]] | None = Field(
+        None, min_length=1, description="brokers the fleet's devices are spread over, by the same URLs the fleet "
+        "lists (edge-fleet serve --mqtt): this device connects to agent.wire.shard_of(device id, shards)")
     username: str | None = Field(None, description="broker user; the ACL expects the device id")
     password: SecretStr | None = Field(None, description="broker password (never printed)")
     ca_file: Path | None = Field(None, description="mqtts: CA bundle; None: the system's trust store")
@@ -177,6 +180,17 @@ class MqttConfig(BaseModel):
     response_expiry_s: int = Field(60, ge=1, description="MessageExpiryInterval of command responses")
 
     @model_validator(mode="after")
+    def _check_brokers(self):
+        if (self.url is None) == (self.shards is None):
+            raise ValueError("give exactly one of url (one broker) and shards (a list of broker URLs)")
+        if self.shards is not None and len(set(self.shards)) != len(self.shards):
+            raise ValueError("shards lists a broker URL twice")
+        # one TLS setting (ca_file, cert_file) for every shard: a list that mixes mqtt:// and mqtts:// is a mistake
+        if self.shards is not None and len({parse_url(u).tls for u in self.shards}) > 1:
+            raise ValueError("shards must all be mqtt:// or all mqtts://")
+        return self
+
+    @model_validator(mode="after")
     def _check(self):
         if self.backoff_max_s < self.backoff_min_s:
             raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_min_s ({self.backoff_min_s})")
@@ -188,15 +202,11 @@ class MqttConfig(BaseModel):
 
     @property
     def uses_tls(self) -> bool:
-        return parse_url(self.url).tls
+        return parse_url(self.url or self.shards[0]).tls
 
-    @property
-    def host(self) -> str:
-        return parse_url(self.url).host
-
-    @property
-    def port(self) -> int:
-        return parse_url(self.url).port
+    def broker_url(self, device_id: str) -> str:
+        """The broker this device connects to: url, or its shard of shards."""
+        return self.url or shard_of(device_id, self.shards)
 
 
 def default_state_dir() -> Path:

@@ -10,8 +10,10 @@ drift between writer and reader.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 from urllib.parse import urlsplit
@@ -287,6 +289,17 @@ def device_of(mqtt_topic: str) -> str | None:
     """The device id a topic belongs to, or None if it is not under TOPIC_ROOT."""
     parts = mqtt_topic.split("/")
     return parts[2] if len(parts) > 3 and "/".join(parts[:2]) == TOPIC_ROOT else None
+
+
+def shard_of(device_id: str, urls: Sequence[str]) -> str:
+    """The broker of `urls` a device connects to when the fleet's devices are spread over several (rendezvous,
+    or highest-random-weight, hashing: each URL scores sha256(url, device id) and the highest wins). The agent
+    connects by it and the fleet routes a device it has not yet heard from by it, so both must list the brokers
+    by the same URLs; the list's order never matters, and adding an nth broker moves only the ~1/n of the
+    devices that now score highest on it."""
+    if not urls:
+        raise ValueError("shard_of needs at least one broker URL")
+    return max(urls, key=lambda url: (hashlib.sha256(f"{url}\n{device_id}".encode()).digest(), url))
 
 
 DEVICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # no MQTT wildcards or separators

@@ -66,8 +66,9 @@ def json_option(command):
 def broker_options(command):
     """--mqtt and the credentials for it (the shipped broker config wants TLS, a user and a password)."""
     options = [
-        click.option("--mqtt", "url", required=True, envvar="EDGE_FLEET_MQTT", show_envvar=True,
-                     help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]."),
+        click.option("--mqtt", "url", required=True, multiple=True, envvar="EDGE_FLEET_MQTT",
+                     show_envvar=True, help="Broker URL: mqtt://HOST[:PORT] or mqtts://HOST[:PORT]; devices spread "
+                     "over several brokers (docs/scaling.md): repeat it, or join the URLs with commas."),
         click.option("--username", default=None, envvar="EDGE_FLEET_USERNAME", show_envvar=True,
                      help="Broker user (default: none, anonymous; with use_username_as_clientid it is also the "
                           "client id: one user per concurrent connection)."),
@@ -189,10 +190,10 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
     from fleet.artifacts import WILDCARD_HOSTS
     from fleet.consumer import Artifacts
     from fleet.consumer import serve as run
-    from agent.mqtt_link import parse_url
+    from fleet.shards import parse_brokers
     from fleet.signing import load_private_key
 
-    parse_url(url)
+    url = parse_brokers(url)
     keep_s = retention(keep, keep_samples)
     auth = credentials(username, password_file, ca_file)
     for label, value in (("client id", client_id), ("shared group", shared_group)):
@@ -338,6 +339,7 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
     Example: edge-fleet cmd dev-0042 set-config 'sampling={"temperature": 0.7}' --mqtt mqtt://127.0.0.1:1883
     """
     from fleet.commands import Outcome, command_name, parse_assignments, run_command, select_targets
+    from fleet.shards import cli_routes
 
     fan_out = to_all or group is not None
     if len(words) < (1 if fan_out else 2):
@@ -351,7 +353,7 @@ def cmd(words, url, username, password_file, ca_file, to_all, group, timeout_s, 
             raise click.ClickException(f"{targets[0]!r} is not a device id (letters, digits, '_', '.', '-')")
     name, args = command_name(words[0]), parse_assignments(list(words[1:]))
     auth = credentials(username, password_file, ca_file)
-    outcomes = run_command(url, targets, name, args, timeout_s, auth) if targets else []
+    outcomes = run_command(cli_routes(url, db_path), targets, name, args, timeout_s, auth) if targets else []
     rows = [o.row() for o in outcomes] + [Outcome(d, False, error="offline (not sent)").row() for d in skipped]
     _print_outcomes(rows, fan_out, as_json)
     # a script can tell "a device said no" (1) from "it never got there, or never answered" (3), after which
@@ -445,7 +447,7 @@ def wait_options(command):
 @click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800,
               help="Seconds a notified device may take before it counts as TIMED_OUT.")
 @wait_options
-@click.option("--mqtt", "url", default=None,
+@click.option("--mqtt", "url", default=None, multiple=True,
               help="Accepted for symmetry (default: none); the serving fleet process publishes.")
 @db_option
 @user_errors

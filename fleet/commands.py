@@ -6,6 +6,7 @@ Message Expiry Interval equal to the timeout means a device that was offline doe
 nobody is waiting for any more.
 
     outcomes = run_command("mqtt://broker:1883", ["dev-1", "dev-2"], "ping", {}, timeout_s=5)
+    outcomes = run_command(Routes(("mqtt://b1:1883", "mqtt://b2:1883"), "fleet.db"), ["dev-1"], "ping", {}, 5)
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from agent.mqtt_link import Credentials
 from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, device_of, topic
 from fleet.mqtt import Inbound, Link, Session
+from fleet.shards import Links, Routes
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -123,38 +125,50 @@ class _Waiter:
 NO_SUCH_SESSION = "no device session subscribes to it (a mistyped device id, or a device whose session expired)"
 
 
-def run_command(url: str, devices: list[str], name: str, args: dict, timeout_s: float,
+def run_command(routes: str | Routes, devices: list[str], name: str, args: dict, timeout_s: float,
                 credentials: Credentials = Credentials()) -> list[Outcome]:
-    """Send `name` to every device at once and wait up to timeout_s for all answers. Answers come back on
+    """Send `name` to every device at once, each on its broker (routes: a broker URL, or fleet.shards.Routes
+    when devices are spread over several), and wait up to timeout_s for all answers. Answers come back on
     cmd/res/{this run's id}, so concurrent runs never see each other's."""
+    routes = Routes((routes,)) if isinstance(routes, str) else routes
     run_id = f"edge-fleet-cmd-{uuid.uuid4().hex[:12]}"
     request = CommandRequest(args=args).model_dump_json().encode()
     if len(request) > MAX_PAYLOAD_BYTES:  # over it, the broker drops the request or cuts the connection
         raise CommandError(f"the request is {len(request)} bytes; the limit is {MAX_PAYLOAD_BYTES}")
     waiter = _Waiter(time.monotonic())
-    link = Link(url, Session(run_id, persistent=False, manual_ack=False),
-                [(topic(d, "cmd", "res", run_id), 1) for d in devices], waiter.on_message, credentials).start()
+    broker_of = routes.brokers_of(devices)
+    links = Links({url: Link(url, Session(run_id, persistent=False, manual_ack=False),
+                             [(topic(d, "cmd", "res", run_id), 1) for d in devices if broker_of[d] == url],
+                             waiter.on_message, credentials)
+                   for url in dict.fromkeys(broker_of.values())}).start()
     try:
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while not link.wait_ready(0.05):  # a refusal or an unreachable broker ends it at once (as mosquitto_pub
-            if link.refusal or link.connect_error or time.monotonic() > deadline:  # does), not at the deadline
-                raise CommandError(link.refusal or f"cannot reach the MQTT broker at {url}"
-                                   + (f": {link.connect_error}" if link.connect_error else ""))
+        _wait_connected(links)
         waiter.sent_at = time.monotonic()
         for device_id in devices:
             correlation = uuid.uuid4().bytes
             waiter.pending[correlation] = device_id
-            sent = link.publish_confirmed(topic(device_id, "cmd", "req", name), request, CONNECT_TIMEOUT_S,
-                                          response_topic=topic(device_id, "cmd", "res", run_id),
-                                          correlation_data=correlation, expiry_s=math.ceil(timeout_s),
-                                          unmatched=NO_SUCH_SESSION)
+            sent = links[broker_of[device_id]].publish_confirmed(
+                topic(device_id, "cmd", "req", name), request, CONNECT_TIMEOUT_S,
+                response_topic=topic(device_id, "cmd", "res", run_id), correlation_data=correlation,
+                expiry_s=math.ceil(timeout_s), unmatched=NO_SUCH_SESSION)
             if sent is not True:  # refused by the ACL: said as such, not as a device that never answered
                 waiter.fail(device_id, f"request not sent: {sent or 'the connection to the broker was lost'}")
         waiter.wait(len(devices), waiter.sent_at + timeout_s)
     finally:
-        link.stop()
+        links.stop()
     # A device that got the request before the deadline may still be carrying it out; one that gets it later
     # drops it (the request expires with the timeout), so a retry cannot run it twice after this
     return [waiter.outcomes.get(d) or Outcome(d, False, error=f"no response within {timeout_s:g} s (a device that "
                                                               f"received it may still be carrying it out)")
             for d in devices]
+
+
+def _wait_connected(links: Links) -> None:
+    """Every link connected and subscribed; a refusal or an unreachable broker ends it at once (as mosquitto_pub
+    does), not at the deadline."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    for url, link in links.items():
+        while not link.wait_ready(0.05):
+            if link.refusal or link.connect_error or time.monotonic() > deadline:
+                raise CommandError(link.refusal or f"cannot reach the MQTT broker at {url}"
+                                   + (f": {link.connect_error}" if link.connect_error else ""))

@@ -9,9 +9,10 @@ Data flow (one owner per step):
 A message is acknowledged to the broker only after the transaction holding it has committed (manual
 acks), so a crash or a lost connection before then means the broker sends it again; the store drops the
 copy. Bad messages are counted per device and reason in `rejected`, logged, acknowledged (so the broker
-does not resend them forever) and never stop ingestion.
+does not resend them forever) and never stop ingestion. Devices spread over several brokers (fleet.shards): one
+Link per broker, all feeding the one queue, and each message acked on the link that delivered it.
 
-Run: edge-fleet serve --mqtt mqtt://HOST:PORT --db fleet.db [--client-id ID] [--shared-group G]
+Run: edge-fleet serve --mqtt mqtt://HOST:PORT[,mqtt://HOST2:PORT...] --db fleet.db [--client-id ID] [--shared-group G]
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from agent.mqtt_link import Credentials
 from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, TelemetryRecord, device_of, topic
 from fleet.mqtt import Inbound, Link, Session
 from fleet.db import database_errors
+from fleet.shards import Links, Routes
 from fleet.store import EXPIRED, TELEMETRY_TABLES, Committed, FleetStore, Ingest
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ def add_message(ingest: Ingest, msg: Inbound, topic_device: str, received_at: fl
         state = parse_state(msg, topic_device)
         live = not msg.retain and state.status != "offline"
         # not live: the device's own clock, which may run ahead; contact is never later than now
-        ingest.add_state(state, received_at if live else min(state.ts, received_at), live)
+        ingest.add_state(state, received_at if live else min(state.ts, received_at), live, msg.broker)
     elif kind == ["tele"]:
         ingest.add_records(topic_device, parse_telemetry(msg, topic_device).records, received_at)
     elif len(kind) == 2 and kind[0] == "evt":
@@ -171,10 +173,12 @@ class _Prune:
 
 
 class Consumer:
-    def __init__(self, store: FleetStore, url: str, client_id: str = "edge-fleet", shared_group: str | None = None,
-                 window_s: float = WINDOW_S, credentials: Credentials = Credentials(),
+    def __init__(self, store: FleetStore, url: str | Sequence[str], client_id: str = "edge-fleet",
+                 shared_group: str | None = None, window_s: float = WINDOW_S, credentials: Credentials = Credentials(),
                  keep_s: dict[str, float] | None = None):
-        """keep_s: table -> seconds; the table's older rows are deleted, hourly (a table not named is kept)."""
+        """url: a broker, or the brokers devices are spread over (fleet.shards), each subscribed to alike, all
+        feeding one writer. keep_s: table -> seconds; the table's older rows are deleted, hourly (a table not
+        named is kept)."""
         self.store = store
         self.window_s, self.keep_s = window_s, keep_s or {}
         self.stats = Stats()
@@ -182,23 +186,25 @@ class Consumer:
         self._stopping = threading.Event()
         self._rejection_logged: set[tuple[str, str]] = set()  # (device, reason) logged in this period
         self._rejection_period = (-REJECTION_LOG_EVERY_S, 0)  # (its start, rejections not logged in it)
-        self.link = Link(url, Session(client_id), subscriptions(shared_group), self._inbox.put, credentials)
+        # the same client id on every broker: they are separate servers, each keeping this consumer's session
+        self.links = Links({u: Link(u, Session(client_id), subscriptions(shared_group), self._inbox.put, credentials)
+                            for u in ((url,) if isinstance(url, str) else url)})
         self._writer = threading.Thread(target=self._write_loop, name="fleet-writer", daemon=True)
 
     def start(self) -> "Consumer":
         self._writer.start()
-        self.link.start()
+        self.links.start()
         return self
 
     def wait_ready(self, timeout_s: float) -> bool:
-        return self.link.wait_ready(timeout_s)
+        return self.links.wait_ready(timeout_s)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Commit and acknowledge what has arrived, then disconnect (the session stays with the broker).
         The wait covers a commit queued behind another replica's lock (store.BUSY_TIMEOUT_S)."""
         self._stopping.set()
         self._writer.join(timeout_s)
-        self.link.stop()
+        self.links.stop()
 
     # ---- writer thread -------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -272,7 +278,7 @@ class Consumer:
         committed = self._commit(ingest)
         if committed is None:
             return  # stopping while the database is failing: nothing acked, the broker resends it all
-        deferred = sum(not self.link.ack(msg) for msg in batch)
+        deferred = sum(not self.links[msg.broker].ack(msg) for msg in batch)  # on the link it came from
         self.stats.add(len(batch), committed, deferred)
 
     def _add(self, ingest: Ingest, msg: Inbound, received_at: float) -> None:
@@ -357,8 +363,18 @@ def jobs_link(url: str, client_id: str, credentials: Credentials,
     return link
 
 
-def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Credentials, artifacts: Artifacts):
-    """The artifact HTTP server, an MQTT link for job documents and statuses, and the rollout driver."""
+def jobs_links(url: str | Sequence[str], db_path: Path, client_id: str, credentials: Credentials,
+               on_status: Callable[[str, bytes, Callable[[], object]], None]) -> tuple[Links, Routes]:
+    """A jobs link on each broker, and the routes that pick the one reaching a device."""
+    brokers = (url,) if isinstance(url, str) else tuple(url)
+    links = Links({u: jobs_link(u, client_id, credentials, on_status) for u in brokers})
+    return links, Routes(brokers, db_path)
+
+
+def _start_rollouts(db_path: Path, url: str | Sequence[str], client_id: str, credentials: Credentials,
+                    artifacts: Artifacts):
+    """The artifact HTTP server, an MQTT link per broker for job documents and statuses, and the rollout driver
+    (its notices routed to each device's broker: fleet.shards.Routes)."""
     from fleet.artifacts import ArtifactServer
     from fleet.updates import NO_JOB_SUBSCRIBER, RolloutDriver
 
@@ -366,18 +382,19 @@ def _start_rollouts(db_path: Path, url: str, client_id: str, credentials: Creden
     server = ArtifactServer(artifacts.directory, artifacts.host, artifacts.port,
                             public_url=artifacts.public_url).start()
     holder: dict = {}
-    link = jobs_link(url, client_id, credentials, lambda *a: holder["driver"].on_status(*a))
+    links, routes = jobs_links(url, db_path, client_id, credentials, lambda *a: holder["driver"].on_status(*a))
     holder["driver"] = driver = RolloutDriver(
-        db_path, lambda t, p, e: link.publish_confirmed(t, p, PUBACK_WAIT_S, expiry_s=e, unmatched=NO_JOB_SUBSCRIBER),
+        db_path, lambda t, p, e: links[routes.broker_of(device_of(t))].publish_confirmed(
+            t, p, PUBACK_WAIT_S, expiry_s=e, unmatched=NO_JOB_SUBSCRIBER),
         server.base_url,
         job_key=artifacts.job_key)
-    link.start()
+    links.start()
     driver.start()
     log.info("artifacts on %s; rollouts running", server.base_url)
-    return driver, link, server
+    return driver, links, server
 
 
-def serve(db_path: Path, url: str, client_id: str, shared_group: str | None, stop: threading.Event,
+def serve(db_path: Path, url: str | Sequence[str], client_id: str, shared_group: str | None, stop: threading.Event,
           credentials: Credentials = Credentials(), artifacts: Artifacts | None = None,
           keep_s: dict[str, float] | None = None) -> Stats:
     """Run a consumer until `stop` is set; returns its totals. With artifacts it also serves published

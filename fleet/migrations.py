@@ -104,6 +104,12 @@ def add_request_constraint(db: Database) -> None:
         db.add_column("requests", column, kind, not_null_default=0)
 
 
+def add_device_broker(db: Database) -> None:
+    """broker: the URL of the broker the device's newest state came through (devices spread over several
+    brokers: commands and rollout notices go there); NULL until its next state arrives."""
+    db.add_column("devices", "broker", str)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -115,4 +121,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0008_job_device_notified_connection", add_notified_connection),
     ("0009_job_device_state_index", index_job_device_state),
     ("0010_request_constraint", add_request_constraint),
+    ("0011_device_broker", add_device_broker),
 )

@@ -66,6 +66,7 @@ class Inbound:
     generation: int
     response_topic: str | None = None
     correlation_data: bytes | None = None
+    broker: str | None = None  # the URL of the link that received it: its ack goes back there
 
 
 OnMessage = Callable[[Inbound], None]
@@ -81,7 +82,7 @@ class Link(LinkStateMachine):
     def __init__(self, url: str, session: Session, subscriptions: list[tuple[str, int]], on_message: OnMessage,
                  credentials: Credentials = Credentials(), seed: int | None = None):
         super().__init__()
-        self.endpoint = parse_url(url)
+        self.url, self.endpoint = url, parse_url(url)
         if credentials.ca_file is not None and not self.endpoint.tls:
             raise LinkError("a CA file needs an mqtts:// broker URL")
         self.session = session
@@ -303,7 +304,7 @@ class Link(LinkStateMachine):
         msg = Inbound(topic=message.topic, payload=bytes(message.payload), qos=message.qos, mid=message.mid,
                       retain=bool(message.retain), generation=self._generation,
                       response_topic=getattr(props, "ResponseTopic", None),
-                      correlation_data=getattr(props, "CorrelationData", None))
+                      correlation_data=getattr(props, "CorrelationData", None), broker=self.url)
         try:
             self._on_message(msg)
         except Exception:  # a bug in the handler must not kill the network thread

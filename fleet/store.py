@@ -45,7 +45,8 @@ class Ingest:
     """Everything gathered from up to ~50 ms of messages, written by one `FleetStore.commit`."""
 
     records: list[tuple[str, TelemetryRecord]] = field(default_factory=list)  # (device_id, record)
-    states: list[tuple[DeviceState, bool]] = field(default_factory=list)  # (state, live: sent by the device just now)
+    # (state, live: sent by the device just now, broker: the URL it came through, None when not known)
+    states: list[tuple[DeviceState, bool, str | None]] = field(default_factory=list)
     seen: dict[str, float] = field(default_factory=dict)  # device -> latest contact, s since the epoch
     rejected: Counter = field(default_factory=Counter)  # (device_id, reason) -> messages
     kept_s: dict[str, float] = field(default_factory=dict)  # table -> retention (the consumer's --keep)
@@ -66,9 +67,9 @@ class Ingest:
             self.records.append((device_id, r))
         self.mark_seen(device_id, seen_at)
 
-    def add_state(self, state: DeviceState, seen_at: float, live: bool = False) -> None:
+    def add_state(self, state: DeviceState, seen_at: float, live: bool = False, broker: str | None = None) -> None:
         """live: the device itself sent it just now (not a retained copy, not a Will the broker sent for it)."""
-        self.states.append((state, live))
+        self.states.append((state, live, broker))
         self.mark_seen(state.device_id, seen_at)
 
     def mark_seen(self, device_id: str, seen_at: float) -> None:
@@ -246,7 +247,7 @@ class FleetStore:
             # each device's states in arrival order: two replicas' commits queue on a row, never deadlock
             self._mark_seen(ingest.seen)
             states = sorted(ingest.states, key=lambda s: s[0].device_id)  # stable: arrival order per device
-            states_applied = sum(self._apply_state(s, live) for s, live in states)
+            states_applied = sum(self._apply_state(*state) for state in states)
             self._count_rejected(ingest.rejected)
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
                          rejected=sum(ingest.rejected.values()), states_applied=states_applied)
@@ -260,13 +261,15 @@ class FleetStore:
         return sum(self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
                    for kind, kind_rows in rows.items() if kind_rows)
 
-    def _apply_state(self, state: DeviceState, live: bool) -> bool:
+    def _apply_state(self, state: DeviceState, live: bool, broker: str | None) -> bool:
         # the row locked until the commit (PostgreSQL): another replica's newer state waits, then compares
         current = next(self.db.query("select status, connection, boot_id, state_ts from devices where id = ?"
                                      + self.db.dialect.lock_row, [state.device_id]), None)
         if not is_newer_state(current, state, live):
             return False
-        self.db["devices"].upsert(state_row(state), pk="id")
+        # the broker comes with the newest state: a retained state left on a broker the device has moved from
+        # is an older connection's, and never takes it back there
+        self.db["devices"].upsert(state_row(state) | ({"broker": broker} if broker else {}), pk="id")
         return True
 
     def _mark_seen(self, seen: dict[str, float]) -> None:

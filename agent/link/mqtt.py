@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from agent.config import MqttConfig
 from agent.logs import Repeats, by_format
-from agent.mqtt_link import Backoff, Credentials, LinkState, LinkStateMachine
+from agent.mqtt_link import Backoff, Credentials, LinkState, LinkStateMachine, parse_url
 from agent.link.outbox import Outbox
 from agent.link.store import TelemetryStore
 from agent.wire import COMMANDS, MAX_PAYLOAD_BYTES, CommandRequest, CommandResponse, DeviceState, topic
@@ -104,6 +104,8 @@ class MqttLink(LinkStateMachine):
                  on_job: Callable[[bytes, int | None], None] | None = None):
         super().__init__()
         self.config, self.device_id, self.store = config, device_id, store
+        self.url = config.broker_url(device_id)
+        self.endpoint = parse_url(self.url)
         self.describe, self.clock = describe, clock
         self.rng = rng or random.Random()
         self._stop = threading.Event()
@@ -197,15 +199,15 @@ class MqttLink(LinkStateMachine):
         props.MaximumPacketSize = MAX_PACKET_BYTES  # MQTT v5 §3.1.2.11.4
         props.ReceiveMaximum = RECEIVE_MAXIMUM  # MQTT v5 §3.1.2.11.3
         try:  # MQTT v5 §3.1.2.4: Clean Start 0 resumes the session (our cmd/req subscription, queued commands)
-            conn.client.connect(self.config.host, self.config.port, self.config.keepalive_s, clean_start=False,
+            conn.client.connect(self.endpoint.host, self.endpoint.port, self.config.keepalive_s, clean_start=False,
                                 properties=props)
         except (OSError, ValueError) as e:  # refused, unreachable, DNS, TLS handshake
-            log.warning("mqtt: cannot connect to %s: %s", self.config.url, e)
+            log.warning("mqtt: cannot connect to %s: %s", self.url, e)
             return None
         _no_delay(conn.client)
         conn.client.loop_start()
         if not conn.connack.wait(self.config.connect_timeout_s) or conn.reason.is_failure:
-            log.warning("mqtt: %s refused the connection: %s", self.config.url,
+            log.warning("mqtt: %s refused the connection: %s", self.url,
                         conn.reason if conn.reason is not None else "no CONNACK in time")
             conn.client.disconnect()
             conn.client.loop_stop()
@@ -228,7 +230,7 @@ class MqttLink(LinkStateMachine):
             return False  # stop() began meanwhile; it says goodbye on this connection
         if self._state_changes != changes:  # a change told while not yet CONNECTED: the birth may predate it
             self.publish_state()
-        log.info("mqtt: connected to %s (connection %d)", self.config.url, conn.number)
+        log.info("mqtt: connected to %s (connection %d)", self.url, conn.number)
         self.outbox.attach(conn)
         with self._job_lock:
             for payload in self._job_status.values():  # statuses reported while the broker was away

@@ -56,7 +56,8 @@ def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
         raise ServeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     tele = {k: flags.pop(k) for k in ("state_dir", "device_id") if flags.get(k) is not None}
     if flags.get("mqtt") is not None:
-        tele["mqtt"] = {**_table(_table(data, "telemetry"), "mqtt", "telemetry."), "url": flags.pop("mqtt")}
+        mqtt = _table(_table(data, "telemetry"), "mqtt", "telemetry.")  # the flag's one broker replaces shards
+        tele["mqtt"] = {**{k: v for k, v in mqtt.items() if k != "shards"}, "url": flags.pop("mqtt")}
     flags.pop("mqtt", None)
     if tele:
         data["telemetry"] = {**_table(data, "telemetry"), **tele}

@@ -47,7 +47,7 @@ def event_record(boot_id: str, seq: int, ts: float, kind: str = "model_change", 
 class SimDevice:
     def __init__(self, port: int, device_id: str, model: str = "smollm2", version: str = "int4-a1",
                  connection: int = 1, seed: int = 0, host: str = "127.0.0.1", answer_commands: bool = True,
-                 password: str | None = None, ca_file=None):
+                 password: str | None = None, ca_file=None, take_jobs: bool = False):
         self.device_id = device_id
         self.model, self.version = model, version
         self.boot_id = uuid.uuid4().hex[:12]
@@ -64,6 +64,9 @@ class SimDevice:
         self._next_batch = 0
         self.connects = 0
         self.answer_commands = answer_commands
+        self.take_jobs = take_jobs  # subscribe to jobs/notify and keep the notices, as received
+        self.notices: list[bytes] = []
+        self.on_notice = None  # called with each notice's payload too (paho's thread), when set
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"dev-{device_id}",
                                   protocol=paho.MQTTv5)
         self.client.on_connect = self._on_connect
@@ -170,6 +173,8 @@ class SimDevice:
         self.connects += 1
         self._publish_other(topic(self.device_id, "state"), self.state("online").model_dump_json(), retain=True)
         client.subscribe(topic(self.device_id, "cmd", "req", "+"), qos=1)  # answered only if answer_commands
+        if self.take_jobs:
+            client.subscribe(topic(self.device_id, "jobs", "notify"), qos=1)
         with self._lock:
             pending = sorted(self._outbox)
             self._in_flight.clear()
@@ -179,6 +184,11 @@ class SimDevice:
 
     # ---- commands ------------------------------------------------------------------------------------------
     def _on_message(self, client, userdata, message) -> None:
+        if message.topic == topic(self.device_id, "jobs", "notify"):
+            self.notices.append(bytes(message.payload))
+            if self.on_notice is not None:
+                self.on_notice(bytes(message.payload))
+            return
         if not self.answer_commands:
             return
         name = message.topic.rsplit("/", 1)[-1]

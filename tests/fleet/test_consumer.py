@@ -121,7 +121,7 @@ def test_a_message_is_acked_only_after_its_commit(broker, consumers, devices, fl
     device = devices("dev-a")
     device.emit(4)
     assert blocked.entered.wait(10)
-    stuck.link.stop()  # the connection goes away before the commit: no PUBACK was sent
+    stuck.links.stop()  # the connection goes away before the commit: no PUBACK was sent
     survivor = consumers(client_id="fleet-1")  # same session: the broker resends what was never acked
     wait_until(lambda: stored_keys(fleet_db) == produced_keys(device), message="redelivery after reconnect")
     blocked.release.set()  # the old commit finishes; its ack belongs to a dead connection and is not sent

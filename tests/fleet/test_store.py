@@ -90,7 +90,7 @@ def test_a_database_from_before_the_constraint_columns_gains_them_and_keeps_its_
                             **{c: figures[c] for c in REQUEST_FIGURES_COLUMNS_0002}})
     old.close()
     store = FleetStore(fleet_target)
-    assert store.applied_migrations()[-1] == "0010_request_constraint"
+    assert "0010_request_constraint" in store.applied_migrations()
     record = request_record("b", 2, 1001.0, RNG)
     figures = record.request.figures.model_copy(update={"constrained": True, "constraint_ms": 12.5})
     record = record.model_copy(update={"request": record.request.model_copy(update={"figures": figures})})
