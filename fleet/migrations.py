@@ -26,6 +26,11 @@ REQUEST_FIGURES_COLUMNS_0002 = {
 REQUEST_CONSTRAINT_COLUMNS = {"constrained": int, "constraint_ms": float}  # 0010
 # RequestFigures fields stored as request columns (tests check that every field of the wire model is here)
 REQUEST_FIGURES_COLUMNS = {**REQUEST_FIGURES_COLUMNS_0002, **REQUEST_CONSTRAINT_COLUMNS}
+# 0012: per (period, device, model, version). width_s: 3600 or 86400; start_ts: the period's start, s since
+# the epoch; *_hist: fleet.rollups' histogram texts. The key leads with (width_s, start_ts): a window is one range.
+REQUEST_ROLLUP_COLUMNS = {"width_s": int, "start_ts": int, "device_id": str, "model": str, "version": str,
+                          "requests": int, "errors": int, "tokens_served": int, "ttft_hist": str, "decode_hist": str}
+REQUEST_ROLLUP_KEY = ("width_s", "start_ts", "device_id", "model", "version")
 SAMPLE_COLUMNS = {
     "interval_s": float, "rss_mb": float, "cpu_percent": float, "kv_utilization": float, "queue_depth": int,
     "running": int, "tokens_per_s": float,
@@ -104,6 +109,15 @@ def add_request_constraint(db: Database) -> None:
         db.add_column("requests", column, kind, not_null_default=0)
 
 
+def add_request_rollups(db: Database) -> None:
+    """Hourly and daily request rollups (fleet.rollups), built from the requests already stored: an upgraded
+    fleet's long-window queries read them at once (about 10 s a million requests, once)."""
+    from fleet import rollups  # here, not at the top: fleet.rollups imports this module's columns
+
+    db.create_table("request_rollups", REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_KEY)
+    rollups.backfill(db)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -115,4 +129,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0008_job_device_notified_connection", add_notified_connection),
     ("0009_job_device_state_index", index_job_device_state),
     ("0010_request_constraint", add_request_constraint),
+    ("0012_request_rollups", add_request_rollups),
 )
