@@ -254,7 +254,7 @@ def timeseries(db: Database, since_s: float, buckets: int = 60, now: float | Non
     """Median decode speed and TTFT per (model@version, device, time bucket), for charts; t is the bucket's
     start in seconds since the epoch. Buckets of an hour or more are whole hours, answered from rollups."""
     now = time.time() if now is None else now
-    if since_s / buckets > rollups.HOUR_S:
+    if since_s > ROLLUP_AFTER_S and since_s / buckets > rollups.HOUR_S:
         return _rollup_timeseries(db, since_s, math.ceil(since_s / buckets / rollups.HOUR_S) * rollups.HOUR_S, now)
     bucket_s = max(60, math.ceil(since_s / buckets / 60) * 60)
     groups: dict[tuple, Figures] = defaultdict(Figures)

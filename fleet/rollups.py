@@ -19,9 +19,9 @@ HISTOGRAM_GROWTH (1%) wide, and the value of a rank is placed inside its bin, so
 from __future__ import annotations
 
 import base64
+import functools
 import math
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Callable, Hashable, Iterable, Sequence
 
@@ -48,7 +48,6 @@ FIGURES = ("ts", "device_id", "model", "version", "ttft_ms", "decode_tokens_per_
            "finish_reason")
 _figures_of = itemgetter(*(REQUEST_COLUMNS.index(c) for c in FIGURES))
 _key_of = itemgetter(*(REQUEST_COLUMNS.index(c) for c in ("device_id", "boot_id", "seq")))
-MAX_ROWS_PER_INSERT = 512  # 512 x 25 parameters, under PostgreSQL's 65,535; chunks are powers of two (few statements)
 MAX_KEYS_PER_SELECT = 1000
 
 
@@ -65,11 +64,9 @@ def bin_values(bins: np.ndarray, fraction: np.ndarray) -> np.ndarray:
     return np.where(bins == 0, 0.0, HISTOGRAM_MIN * HISTOGRAM_GROWTH ** (bins - 1 + fraction))
 
 
-def encode(counts: dict[int, int]) -> str:
-    entries = np.array(sorted(counts.items()), dtype=np.int64).reshape(-1, 2)
-    packed = np.empty(len(entries), ENTRY)
-    packed["bin"], packed["count"] = entries[:, 0], entries[:, 1]
-    return base64.b64encode(packed.tobytes()).decode("ascii")
+def encode(entries: np.ndarray) -> str:
+    """ENTRY records (sorted by bin, each bin once) -> the stored text."""
+    return base64.b64encode(entries.tobytes()).decode("ascii")
 
 
 def decode(text: str) -> np.ndarray:
@@ -77,10 +74,23 @@ def decode(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), ENTRY)
 
 
-def merge(text: str, counts: Counter) -> str:
-    total = Counter(dict(zip(*(decode(text)[f].tolist() for f in ("bin", "count")))))
-    total.update(counts)
-    return encode(total)
+def merge(*texts: str) -> str:
+    """The element-wise sum of histograms."""
+    entries = decode("".join(texts))
+    bins, inverse = np.unique(entries["bin"], return_inverse=True)
+    merged = np.empty(len(bins), ENTRY)
+    merged["bin"], merged["count"] = bins, np.bincount(inverse, weights=entries["count"])
+    return encode(merged)
+
+
+def histogram_texts(groups: np.ndarray, bins: np.ndarray, num_groups: int) -> list[str]:
+    """One value per (group, bin) pair given -> each group's histogram text."""
+    codes, counts = np.unique(groups * NUM_BINS + bins, return_counts=True)
+    entries = np.empty(len(codes), ENTRY)
+    entries["bin"], entries["count"] = codes % NUM_BINS, counts
+    packed = entries.tobytes()
+    bounds = np.searchsorted(codes // NUM_BINS, np.arange(num_groups + 1)) * ENTRY.itemsize
+    return [base64.b64encode(packed[bounds[g]:bounds[g + 1]]).decode("ascii") for g in range(num_groups)]
 
 
 def percentiles(groups: np.ndarray, bins: np.ndarray, counts: np.ndarray, num_groups: int,
@@ -115,16 +125,10 @@ def insert_requests(db: Database, insert_sql: str, rows: list[tuple]) -> list[tu
     """Insert request rows (fleet.store.request_row's, in key order) with ON CONFLICT DO NOTHING; returns those
     new to the database, so that a replay is never counted twice. SQLite: one statement per row and its
     rowcount (the IMMEDIATE transaction is the only writer; rows added earlier in the batch count as there).
-    PostgreSQL: multi-row inserts RETURNING the keys inserted (a concurrent replica's rows are not returned)."""
+    PostgreSQL: one insert of the rows as arrays, RETURNING the keys inserted (not a concurrent replica's)."""
     if db.dialect.name == "sqlite":
         return [row for row in rows if db.execute(insert_sql, row).rowcount]
-    inserted: set[tuple] = set()
-    at = 0
-    while at < len(rows):
-        n = min(MAX_ROWS_PER_INSERT, 1 << (len(rows) - at).bit_length() - 1)
-        chunk = rows[at:at + n]
-        inserted.update(db.execute(_returning_sql(insert_sql, n), [v for row in chunk for v in row]))
-        at += n
+    inserted = set(db.execute(_unnest_sql(), [list(column) for column in zip(*rows)]))
     new = []
     for row in rows:  # the first of repeated keys within the batch is the one stored
         if (key := _key_of(row)) in inserted:
@@ -133,63 +137,54 @@ def insert_requests(db: Database, insert_sql: str, rows: list[tuple]) -> list[tu
     return new
 
 
-def _returning_sql(insert_sql: str, n: int) -> str:
-    """'insert into t (...) values (?, ...) on conflict do nothing' -> n rows of values, returning their keys."""
-    head, rest = insert_sql.split(" values ", 1)
-    values, tail = rest.split(" on conflict", 1)
-    return f"{head} values {', '.join([values] * n)} on conflict{tail} returning device_id, boot_id, seq"
+@functools.cache
+def _unnest_sql() -> str:
+    """PostgreSQL: the request rows as one array a column, one statement whatever their number."""
+    array_types = {str: "text[]", int: "bigint[]", float: "double precision[]"}
+    columns = {**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS}
+    return (f"insert into requests ({', '.join(columns)}) select * from unnest("
+            + ", ".join(f"?::{array_types[t]}" for t in columns.values())
+            + ") on conflict do nothing returning device_id, boot_id, seq")
 
 
-@dataclass
-class Delta:
-    """What some requests add to one rollup row."""
-
-    requests: int = 0
-    errors: int = 0
-    tokens_served: int = 0
-    ttft: Counter = field(default_factory=Counter)  # bin -> requests
-    decode: Counter = field(default_factory=Counter)
-
-
-def deltas(figures: Iterable[tuple]) -> dict[tuple, Delta]:
-    """Rows of FIGURES -> rollup key (ROLLUP_KEY) -> Delta, at every level."""
-    rows = list(figures)
-    if not rows:
-        return {}
-    ttft_bins = bins_of(np.array([r[4] for r in rows], np.float64)).tolist()
-    decode_bins = bins_of(np.array([r[5] for r in rows], np.float64)).tolist()
-    out: dict[tuple, Delta] = defaultdict(Delta)
-    for (ts, device_id, model, version, _, _, completion, finish), t_bin, d_bin in zip(rows, ttft_bins, decode_bins):
-        for width_s in LEVELS_S:
-            d = out[(width_s, int(ts // width_s) * width_s, device_id, model, version)]
-            d.requests += 1
-            d.errors += finish == "error"
-            d.tokens_served += completion
-            if has_ttft(completion):
-                d.ttft[t_bin] += 1
-            if has_decode_speed(completion):
-                d.decode[d_bin] += 1
+def rolled_up(figures: list[tuple]) -> dict[tuple, tuple]:
+    """Rows of FIGURES -> rollup key (ROLLUP_KEY) -> (requests, errors, tokens_served, ttft_hist, decode_hist),
+    at every level."""
+    ts, devices, models, versions, ttft, speed, completion, finish = zip(*figures)
+    ts, completion = np.array(ts, np.float64), np.array(completion, np.int64)
+    failed = np.array([f == "error" for f in finish], np.int64)
+    names, who = np.unique(np.array([f"{d}\x1f{m}\x1f{v}" for d, m, v in zip(devices, models, versions)]),
+                           return_inverse=True)
+    ttft_bins, speed_bins = bins_of(np.array(ttft, np.float64)), bins_of(np.array(speed, np.float64))
+    with_ttft, with_speed = has_ttft(completion), has_decode_speed(completion)
+    out = {}
+    for width_s in LEVELS_S:
+        starts, when = np.unique((ts // width_s).astype(np.int64) * width_s, return_inverse=True)
+        keys, group = np.unique(who * len(starts) + when, return_inverse=True)
+        requests = np.bincount(group, minlength=len(keys))
+        errors, tokens = (np.bincount(group, weights=w, minlength=len(keys)) for w in (failed, completion))
+        ttft_texts = histogram_texts(group[with_ttft], ttft_bins[with_ttft], len(keys))
+        speed_texts = histogram_texts(group[with_speed], speed_bins[with_speed], len(keys))
+        for g, key in enumerate(keys.tolist()):
+            device_id, model, version = str(names[key // len(starts)]).split("\x1f")
+            out[(width_s, int(starts[key % len(starts)]), device_id, model, version)] = (
+                int(requests[g]), int(errors[g]), int(tokens[g]), ttft_texts[g], speed_texts[g])
     return out
 
 
 def add(db: Database, request_rows: list[tuple]) -> None:
-    """Add request rows (fleet.store.request_row's, new to the database) to their rollups."""
-    add_deltas(db, deltas(_figures_of(r) for r in request_rows))
-
-
-def add_deltas(db: Database, by_key: dict[tuple, Delta]) -> None:
-    """Merge into the rollup rows, creating those missing. Rows are created, then locked and updated in key
-    order: two PostgreSQL replicas adding to the same row queue on its lock (never both reading it before
-    either writes), and take their locks in one order."""
+    """Add request rows (fleet.store.request_row's, new to the database) to their rollups. The rollup rows are
+    created, then locked and updated in key order: two PostgreSQL replicas adding to the same row queue on
+    its lock (never both reading it before either writes), and take their locks in one order."""
+    by_key = rolled_up([_figures_of(r) for r in request_rows])
     keys = sorted(by_key)
     db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values (?, ?, ?, ?, ?, 0, 0, 0, '', '') "
                    "on conflict do nothing", keys)
     updates = []
     for current in _locked_rows(db, keys):
-        d = by_key[tuple(current[:5])]
-        requests, errors, tokens_served, ttft_hist, decode_hist = current[5:]
-        updates.append((requests + d.requests, errors + d.errors, tokens_served + d.tokens_served,
-                        merge(ttft_hist, d.ttft), merge(decode_hist, d.decode), *current[:5]))
+        requests, errors, tokens_served, ttft_hist, decode_hist = by_key[tuple(current[:5])]
+        updates.append((current[5] + requests, current[6] + errors, current[7] + tokens_served,
+                        merge(current[8], ttft_hist), merge(current[9], decode_hist), *current[:5]))
     assert len(updates) == len(keys), "a rollup row created above is missing"
     db.executemany(f"update {TABLE} set requests = ?, errors = ?, tokens_served = ?, ttft_hist = ?, decode_hist = ? "
                    f"where {' and '.join(f'{c} = ?' for c in ROLLUP_KEY)}", updates)
@@ -212,14 +207,15 @@ def _locked_rows(db: Database, keys: list[tuple]) -> Iterable[tuple]:
 
 def prune(db: Database, before_ts: float) -> int:
     """Delete the rollups whose whole period is before `before_ts` (the requests table's retention)."""
-    return sum(db.execute(f"delete from {TABLE} where width_s = ? and start_ts < ?",
-                          [width_s, math.floor(before_ts / width_s) * width_s - width_s]).rowcount
-               for width_s in LEVELS_S)
+    return db.execute(f"delete from {TABLE} where " + " or ".join(["(width_s = ? and start_ts < ?)"] * len(LEVELS_S)),
+                      [v for width_s in LEVELS_S for v in (width_s, math.floor(before_ts / width_s) * width_s - width_s)]
+                      ).rowcount
 
 
 # ---- the migration ----------------------------------------------------------------------------------------
 def backfill(db: Database) -> int:
-    """Roll up the request rows already stored, a day at a time (bounded memory); returns the rows read."""
+    """Roll up the request rows already stored into the empty rollup table, a day at a time (bounded memory);
+    returns the rows read."""
     first, last = db.execute("select min(ts), max(ts) from requests").fetchone()
     if first is None:
         return 0
@@ -227,7 +223,9 @@ def backfill(db: Database) -> int:
     for day in range(math.floor(first / DAY_S) * DAY_S, math.floor(last / DAY_S) * DAY_S + 1, DAY_S):
         rows = db.execute(f"select {', '.join(FIGURES)} from requests where ts >= ? and ts < ?",
                           [day, day + DAY_S]).fetchall()
-        add_deltas(db, deltas(rows))
+        if rows:
+            db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values ({', '.join('?' * len(COLUMNS))})",
+                           [(*key, *value) for key, value in sorted(rolled_up(rows).items())])
         read += len(rows)
     return read
 

@@ -42,12 +42,23 @@ def test_histogram_percentiles_are_within_the_bound(groups, q):
     assert np.isnan(got[len(groups), 0])  # a group without values
 
 
-@given(st.dictionaries(st.integers(0, rollups.NUM_BINS - 1), st.integers(1, 2**32 - 1), max_size=50))
-def test_histogram_texts_round_trip_and_concatenate(counts):
-    text = rollups.encode(counts)
-    assert len(text) == rollups.ENTRY_CHARS * len(counts)
-    entries = rollups.decode(text + text)
-    assert dict(zip(entries["bin"][:len(counts)].tolist(), entries["count"][:len(counts)].tolist())) == counts
+@given(st.lists(st.dictionaries(st.integers(0, rollups.NUM_BINS - 1), st.integers(1, 2**20), max_size=50),
+                max_size=4))
+def test_histogram_texts_concatenate_and_merge_by_summing(histograms):
+    def text(counts):
+        entries = np.array(sorted(counts.items()), np.int64).reshape(-1, 2)
+        packed = np.empty(len(entries), rollups.ENTRY)
+        packed["bin"], packed["count"] = entries[:, 0], entries[:, 1]
+        return rollups.encode(packed)
+
+    texts = [text(h) for h in histograms]
+    assert [len(t) for t in texts] == [rollups.ENTRY_CHARS * len(h) for h in histograms]
+    total = {}
+    for h in histograms:
+        for b, c in h.items():
+            total[b] = total.get(b, 0) + c
+    merged = rollups.decode(rollups.merge(*texts))
+    assert dict(zip(merged["bin"].tolist(), merged["count"].tolist())) == total
 
 
 def test_values_below_the_scale_count_as_zero_and_above_it_as_its_top():
