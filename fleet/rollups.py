@@ -259,60 +259,63 @@ GroupKey = Callable[[float, str, str, str], Hashable]  # (ts or period start, de
 
 
 class Accumulator:
-    """Groups' counts and histogram entries, gathered from rollup rows and raw rows, merged at the end."""
+    """Groups' counts and histogram entries, gathered a span's rows at a time (rollup rows or raw rows) as
+    arrays, merged at the end: per row only its group is looked up in Python."""
 
     def __init__(self):
         self.index: dict[Hashable, int] = {}
-        self.counts: list[list[int]] = []  # group -> [requests, errors, tokens_served]
-        self.texts: tuple[list[str], list[str]] = ([], [])  # ttft, decode histogram texts
-        self.text_groups: tuple[list[int], list[int]] = ([], [])  # the group of each text's entries, per entry
-        self.raw: tuple[list[float], list[float]] = ([], [])  # raw ttft / decode values
-        self.raw_groups: tuple[list[int], list[int]] = ([], [])
+        self.count_parts: list[tuple[np.ndarray, ...]] = []  # (groups, requests, errors, tokens_served)
+        self.texts: tuple[list[str], list[str]] = ([], [])  # ttft, decode: histogram texts
+        self.text_groups: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # the group of each text's entries
+        self.raw: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])  # ttft, decode: raw values
+        self.raw_groups: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
 
-    def group(self, key: Hashable) -> int:
-        if (g := self.index.get(key)) is None:
-            g = self.index[key] = len(self.counts)
-            self.counts.append([0, 0, 0])
-        return g
+    def groups(self, keys: Iterable[Hashable]) -> np.ndarray:
+        index = self.index
+        return np.array([index.setdefault(k, len(index)) for k in keys], np.int64)
 
-    def add_rollup(self, key: Hashable, requests: int, errors: int, tokens_served: int, ttft_hist: str,
-                   decode_hist: str) -> None:
-        g = self.group(key)
-        c = self.counts[g]
-        c[0], c[1], c[2] = c[0] + requests, c[1] + errors, c[2] + tokens_served
-        for i, text in enumerate((ttft_hist, decode_hist)):
-            if text:
-                self.texts[i].append(text)
-                self.text_groups[i].extend([g] * (len(text) // ENTRY_CHARS))
+    def add_rollups(self, key: GroupKey, rows: list[tuple]) -> None:
+        """rows: (start_ts, device_id, model, version, requests, errors, tokens_served, ttft_hist, decode_hist)."""
+        if not rows:
+            return
+        starts, devices, models, versions, requests, errors, tokens, *texts = zip(*rows)
+        groups = self.groups(map(key, starts, devices, models, versions))
+        self.count_parts.append((groups, np.array(requests), np.array(errors), np.array(tokens)))
+        for i, column in enumerate(texts):
+            self.texts[i].extend(column)
+            self.text_groups[i].append(np.repeat(groups, [len(t) // ENTRY_CHARS for t in column]))
 
-    def add_raw(self, key: Hashable, ttft_ms: float, decode_tokens_per_s: float, completion_tokens: int,
-                failed: int) -> None:
-        g = self.group(key)
-        c = self.counts[g]
-        c[0], c[1], c[2] = c[0] + 1, c[1] + failed, c[2] + completion_tokens
-        for i, (value, counted) in enumerate(((ttft_ms, has_ttft(completion_tokens)),
-                                              (decode_tokens_per_s, has_decode_speed(completion_tokens)))):
-            if counted:
-                self.raw[i].append(value)
-                self.raw_groups[i].append(g)
+    def add_raw(self, key: GroupKey, rows: list[tuple]) -> None:
+        """rows: (ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, failed)."""
+        if not rows:
+            return
+        ts, devices, models, versions, ttft, speed, completion, failed = zip(*rows)
+        groups, completion = self.groups(map(key, ts, devices, models, versions)), np.array(completion, np.int64)
+        self.count_parts.append((groups, np.ones(len(rows), np.int64), np.array(failed, np.int64), completion))
+        for i, (values, counted) in enumerate(((ttft, has_ttft(completion)), (speed, has_decode_speed(completion)))):
+            self.raw[i].append(np.array(values, np.float64)[counted])
+            self.raw_groups[i].append(groups[counted])
 
     def summaries(self) -> dict[Hashable, dict]:
         """group -> requests, errors, tokens_served, ttft_p50_ms, ttft_p95_ms, decode_tps_p50, decode_tps_p95."""
+        n = len(self.index)
+        groups = np.concatenate([p[0] for p in self.count_parts] or [np.zeros(0, np.int64)])
+        requests, errors, tokens = (np.bincount(groups, np.concatenate([p[c] for p in self.count_parts]),
+                                                minlength=n).astype(np.int64).tolist() if n else [] for c in (1, 2, 3))
         ttft, speed = (self._percentiles(i) for i in (0, 1))
-        out = {}
-        for key, g in self.index.items():
-            requests, errors, tokens_served = self.counts[g]
-            out[key] = {"requests": requests, "errors": errors, "tokens_served": tokens_served,
-                        "ttft_p50_ms": _number(ttft[g, 0]), "ttft_p95_ms": _number(ttft[g, 1]),
-                        "decode_tps_p50": _number(speed[g, 0]), "decode_tps_p95": _number(speed[g, 1])}
-        return out
+        return {key: {"requests": requests[g], "errors": errors[g], "tokens_served": tokens[g],
+                      "ttft_p50_ms": _number(ttft[g, 0]), "ttft_p95_ms": _number(ttft[g, 1]),
+                      "decode_tps_p50": _number(speed[g, 0]), "decode_tps_p95": _number(speed[g, 1])}
+                for key, g in self.index.items()}
 
     def _percentiles(self, i: int) -> np.ndarray:
         entries = decode("".join(self.texts[i]))
-        groups = np.concatenate([np.array(self.text_groups[i], np.int64), np.array(self.raw_groups[i], np.int64)])
-        bins = np.concatenate([entries["bin"].astype(np.int64), bins_of(np.array(self.raw[i], np.float64))])
-        counts = np.concatenate([entries["count"].astype(np.int64), np.ones(len(self.raw[i]), np.int64)])
-        return percentiles(groups, bins, counts, len(self.counts), (50, 95))
+        empty_i, empty_f = np.zeros(0, np.int64), np.zeros(0, np.float64)
+        raw = np.concatenate(self.raw[i] or [empty_f])
+        groups = np.concatenate([*self.text_groups[i], *self.raw_groups[i], empty_i])
+        bins = np.concatenate([entries["bin"].astype(np.int64), bins_of(raw)])
+        counts = np.concatenate([entries["count"].astype(np.int64), np.ones(len(raw), np.int64)])
+        return percentiles(groups, bins, counts, len(self.index), (50, 95))
 
 
 def _number(x: float) -> float | None:
@@ -335,13 +338,10 @@ def summaries(db: Database, since_ts: float, now: float, key: GroupKey, coarsest
 def _read_rollups(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple) -> None:
     sql = (f"select start_ts, device_id, model, version, requests, errors, tokens_served, ttft_hist, decode_hist "
            f"from {TABLE} where width_s = ? and start_ts >= ? and start_ts < ? {where}")
-    for start_ts, device_id, model, version, *figures in db.execute(
-            sql, (span.width_s, int(span.start_ts), int(span.end_ts), *params)):
-        acc.add_rollup(key(start_ts, device_id, model, version), *figures)
+    acc.add_rollups(key, db.execute(sql, (span.width_s, int(span.start_ts), int(span.end_ts), *params)).fetchall())
 
 
 def _read_raw(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple) -> None:
     sql = ("select ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, "
            f"finish_reason = 'error' from requests where ts >= ? and ts < ? {where}")
-    for ts, device_id, model, version, *figures in db.execute(sql, (span.start_ts, span.end_ts, *params)):
-        acc.add_raw(key(ts, device_id, model, version), *figures)
+    acc.add_raw(key, db.execute(sql, (span.start_ts, span.end_ts, *params)).fetchall())
