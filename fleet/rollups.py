@@ -206,9 +206,10 @@ def _locked_rows(db: Database, keys: list[tuple]) -> Iterable[tuple]:
 
 
 def prune(db: Database, before_ts: float) -> int:
-    """Delete the rollups whose whole period is before `before_ts` (the requests table's retention)."""
+    """Delete the rollups of the periods that ended by `before_ts` (the requests table's retention): the raw
+    rows of those periods are all older than it."""
     return db.execute(f"delete from {TABLE} where " + " or ".join(["(width_s = ? and start_ts < ?)"] * len(LEVELS_S)),
-                      [v for width_s in LEVELS_S for v in (width_s, math.floor(before_ts / width_s) * width_s - width_s)]
+                      [v for width_s in LEVELS_S for v in (width_s, math.floor(before_ts / width_s) * width_s)]
                       ).rowcount
 
 
