@@ -111,8 +111,8 @@ def add_request_constraint(db: Database) -> None:
 
 def add_request_rollups(db: Database) -> None:
     """Hourly and daily request rollups (fleet.rollups), built from the requests already stored: an upgraded
-    fleet's long-window queries read them at once (12 s for 1 M requests on SQLite,
-    2 min for 10 M on PostgreSQL: once, in this transaction)."""
+    fleet's long-window queries read them at once (12-16 s for 1 M requests on
+    SQLite, 1-2 min for 10 M on PostgreSQL: once, in this transaction)."""
     from fleet import rollups  # here, not at the top: fleet.rollups imports this module's columns
 
     db.create_table("request_rollups", REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_KEY)
