@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.wire import DeviceState, TelemetryRecord
+from fleet import rollups
 from fleet.db import BUSY_TIMEOUT_S, Database, SqliteDatabase, StoreError, database_errors, describe, open_database
 from fleet.migrations import KEY, MIGRATIONS, REQUEST_FIGURES_COLUMNS, SAMPLE_COLUMNS
 
@@ -239,10 +240,10 @@ class FleetStore:
         return [r["name"] for r in self.db.query("select name from _migrations order by name")]
 
     def commit(self, ingest: Ingest) -> Committed:
-        """Write one batch in one transaction: telemetry (replays dropped), device states, last-seen times
-        and rejected counts."""
+        """Write one batch in one transaction: telemetry (replays dropped) and its request rollups, device
+        states, last-seen times and rejected counts."""
         with self._transaction():
-            inserted = self._insert_records(ingest.records)
+            inserted = self._insert_records(ingest.records, ingest.kept_s)
             # the registry's rows locked in device order first (every device with a state was seen), then
             # each device's states in arrival order: two replicas' commits queue on a row, never deadlock
             self._mark_seen(ingest.seen)
@@ -252,14 +253,26 @@ class FleetStore:
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
                          rejected=sum(ingest.rejected.values()), states_applied=states_applied)
 
-    def _insert_records(self, records: list[tuple[str, TelemetryRecord]]) -> int:
+    def _insert_records(self, records: list[tuple[str, TelemetryRecord]], kept_s: dict[str, float]) -> int:
         """Rows new to the database. In key order: two replicas inserting the same replayed keys take their
         locks in one order."""
         rows: dict[str, list[tuple]] = {kind: [] for kind in ROW_WRITERS}
         for device_id, record in records:
             rows[record.kind].append(ROW_WRITERS[record.kind][1](device_id, record))
-        return sum(self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
-                   for kind, kind_rows in rows.items() if kind_rows)
+        requests = sorted(rows.pop("request"), key=lambda r: r[:3])
+        return self._insert_requests(requests, kept_s) + sum(
+            self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
+            for kind, kind_rows in rows.items() if kind_rows)
+
+    def _insert_requests(self, rows: list[tuple], kept_s: dict[str, float]) -> int:
+        """Request rows, and the new ones added to their rollups (fleet.rollups); rollups older than the
+        requests' retention go."""
+        new = rollups.insert_requests(self.db, ROW_WRITERS["request"][0], rows) if rows else []
+        if new:
+            rollups.add(self.db, new)
+        if "requests" in kept_s:
+            rollups.prune(self.db, time.time() - kept_s["requests"])
+        return len(new)
 
     def _apply_state(self, state: DeviceState, live: bool, broker: str | None) -> bool:
         # the row locked until the commit (PostgreSQL): another replica's newer state waits, then compares

@@ -240,3 +240,16 @@ def test_a_device_clock_far_ahead_or_never_set_is_stamped_with_arrival(tmp_path)
     assert sorted(ts for (ts,) in store.db.execute("select ts from requests where device_id = 'dev-ok'")) == [
         NOW - 10, NOW + 60]  # a minute ahead is within the slack: kept as sent
     store.close()
+
+
+def test_windows_past_a_day_are_answered_from_rollups_with_the_same_counts(db):
+    """tps over 7 days reads the 2-day-old request from the rollups, the last 10 minutes from raw rows; the
+    percentiles are within the rollups' 1% (fleet.rollups), the counts exact; the report's buckets are whole hours."""
+    assert queries.ROLLUP_AFTER_S < 7 * 86400
+    rows = {r["version"]: r for r in queries.tps(db, 7 * 86400, "version", now=NOW)}
+    assert (rows["m@v1"]["requests"], rows["m@v2"]["requests"]) == (15, 11)
+    v1_speeds = [1] + [10 + i for i in range(10)] + [30] * 4
+    assert rows["m@v1"]["decode_tps_p50"] == pytest.approx(np.percentile(v1_speeds, 50), rel=0.01, abs=0.05)
+    assert rows["m@v2"]["decode_tps_p50"] == pytest.approx(24.5, rel=0.01)
+    points = queries.timeseries(db, 7 * 86400, now=NOW)
+    assert sum(p["requests"] for p in points) == 26 and all(p["t"] % (3 * 3600) == 0 for p in points)

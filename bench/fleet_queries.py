@@ -1,0 +1,243 @@
+"""Fleet query latency over a large telemetry history, from raw rows (before rollups) and from rollups.
+
+Fills a fresh fleet database with N synthetic request rows spread over DAYS days and DEVICES devices (two
+models, a new version every 30 days, 3% of requests failed): raw rows bulk-inserted by SQL (PostgreSQL: COPY),
+then fleet.rollups.backfill, which is what migration 0012 runs on an upgraded fleet. Then times
+`tps --by version --since 7d`, `tps --by device --since 90d`, `devices` and the report's `timeseries` over 7d,
+each answered from raw rows (queries.ROLLUP_AFTER_S set past every window, as before rollups) and from
+rollups, and the largest percentile difference between the two. Last, the cost of maintaining rollups on
+ingest: FleetStore.commit of 100-record batches with and without it.
+PostgreSQL runs on a throwaway server (tests/postgres.py), as the tests' does.
+
+Run: .venv/bin/python bench/fleet_queries.py [--sqlite-rows 1000000] [--postgresql-rows 10000000]
+     [--devices 500] [--days 90] [--backends sqlite,postgresql] [--write-docs]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "fleet"), str(REPO / "bench")]
+
+from fleet import queries, rollups  # noqa: E402
+from fleet.migrations import KEY, REQUEST_FIGURES_COLUMNS  # noqa: E402
+from fleet.store import ROW_WRITERS, FleetStore, Ingest  # noqa: E402
+
+NOW = 1_760_000_000.0  # 2025-10-09T08:53:20Z: not on an hour, so every window has raw edges
+CHUNK_ROWS = 500_000
+COLUMNS = (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)
+PERCENTILES = ("ttft_p50_ms", "ttft_p95_ms", "decode_tps_p50", "decode_tps_p95")
+
+
+def synthetic_chunk(rng: np.random.Generator, n: int, first_seq: int, devices: int, days: int) -> list[tuple]:
+    """n request rows: per device a base decode speed and TTFT, per request lognormal spread around them."""
+    device = rng.integers(0, devices, n)
+    ts = NOW - rng.uniform(0, days * 86400, n)
+    day = (NOW - ts) // 86400
+    completion = np.where(rng.random(n) < 0.03, 0, rng.integers(1, 400, n))
+    decode = np.where(completion >= 2, np.exp(rng.normal(np.log(20 + device % 17), 0.08)), 0.0)
+    ttft = np.exp(rng.normal(np.log(150 + 7 * (device % 23)), 0.5))
+    models = np.where(device % 3 == 0, "qwen2.5-0.5b", "smollm2-135m")
+    versions = np.char.add("int4-r", (3 - np.minimum(day // 30, 2)).astype(int).astype(str))
+    rows = []
+    for i, (d, t, c, dec, tt, m, v) in enumerate(zip(device.tolist(), ts.tolist(), completion.tolist(),
+                                                     decode.tolist(), ttft.tolist(), models.tolist(), versions.tolist())):
+        rows.append((f"dev-{d:04d}", "boot", first_seq + i, t, m, v, 100, c, 0, 2.0, tt, 800.0, dec, 40.0, 60.0,
+                     tt + c * 40.0, 1 << 20, "error" if c == 0 else "stop", 0, 0, 0, 0, 0.0))
+    return rows
+
+
+def fill(store: FleetStore, rows: int, devices: int, days: int) -> tuple[float, float]:
+    """Raw rows, then their rollups; (insert s, backfill s)."""
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    for at in range(0, rows, CHUNK_ROWS):
+        chunk = synthetic_chunk(rng, min(CHUNK_ROWS, rows - at), at, devices, days)
+        if store.db.dialect.name == "postgresql":
+            with store.db.conn.cursor().copy(f"copy requests ({', '.join(COLUMNS)}) from stdin") as copy:
+                for row in chunk:
+                    copy.write_row(row)
+        else:
+            with store.db.transaction():
+                store.db.executemany(f"insert into requests ({', '.join(COLUMNS)}) values "
+                                     f"({', '.join('?' * len(COLUMNS))})", chunk)
+        print(f"  {at + len(chunk):,} rows", file=sys.stderr, flush=True)
+    store.db.executemany("insert into devices (id, status, connection, state_ts, first_seen, last_seen, boot_id, "
+                         "model, version, precision) values (?, 'online', 1, ?, ?, ?, 'boot', ?, 'int4-r3', 'int4')",
+                         [(f"dev-{d:04d}", NOW, NOW - days * 86400, NOW,
+                           "qwen2.5-0.5b" if d % 3 == 0 else "smollm2-135m") for d in range(devices)])
+    if store.db.dialect.name == "postgresql":
+        store.db.execute("analyze requests")  # what autovacuum does after a bulk load
+    inserted = time.perf_counter()
+    with store.db.transaction():
+        rollups.backfill(store.db)
+    if store.db.dialect.name == "postgresql":
+        store.db.execute(f"analyze {rollups.TABLE}")
+    return inserted - start, time.perf_counter() - inserted
+
+
+QUESTIONS: dict[str, Callable] = {
+    "tps --by version --since 7d": lambda db: queries.tps(db, 7 * 86400, "version", now=NOW),
+    "tps --by device --since 90d": lambda db: queries.tps(db, 90 * 86400, "device", now=NOW),
+    "devices": lambda db: queries.devices(db, now=NOW),
+    "report timeseries --since 7d": lambda db: queries.timeseries(db, 7 * 86400, now=NOW),
+}
+
+
+def timed(fn: Callable, db, runs: int) -> tuple[float, list[dict]]:
+    best, rows = math.inf, []
+    for _ in range(runs):
+        start = time.perf_counter()
+        rows = fn(db)
+        best = min(best, time.perf_counter() - start)
+    return best, rows
+
+
+def worst_difference(raw: list[dict], rolled: list[dict]) -> float | None:
+    """The largest relative difference of a percentile between the two answers (rows matched by position
+    where both have the same groups; the timeseries' buckets differ in width, so it is not compared)."""
+    if len(raw) != len(rolled) or not raw or "t" in raw[0]:
+        return None
+    worst = 0.0
+    for a, b in zip(raw, rolled):
+        for column in PERCENTILES:
+            if a.get(column) and b.get(column) is not None:
+                worst = max(worst, abs(b[column] - a[column]) / a[column])
+    return worst
+
+
+def measure_queries(target, runs: int) -> list[tuple]:
+    db = queries.open_readonly(target)
+    results = []
+    try:
+        for name, fn in QUESTIONS.items():
+            saved = queries.ROLLUP_AFTER_S
+            queries.ROLLUP_AFTER_S = math.inf  # every window from raw rows, as before rollups
+            try:
+                raw_s, raw_rows = timed(fn, db, 1)
+            finally:
+                queries.ROLLUP_AFTER_S = saved
+            rolled_s, rolled_rows = timed(fn, db, runs)
+            results.append((name, raw_s, rolled_s, len(rolled_rows), worst_difference(raw_rows, rolled_rows)))
+    finally:
+        db.close()
+    return results
+
+
+def ingest_cost(fresh_target: Callable[[], str | Path], batches: int = 200, per_batch: int = 100,
+                devices: int = 20) -> tuple[float, float]:
+    """ms per 100-record commit on a fresh store: without rollup maintenance (the commit before rollups), with."""
+    from simdevice import request_record
+
+    rng = random.Random(0)
+    records = [[request_record("boot", b * per_batch + i, NOW - 3600 + b, rng) for i in range(per_batch)]
+               for b in range(batches)]
+    costs = []
+    for maintain in (False, True):
+        saved = FleetStore._insert_requests
+        if not maintain:
+            FleetStore._insert_requests = _insert_without_rollups
+        store = FleetStore(fresh_target())
+        try:
+            start = time.perf_counter()
+            for b, batch in enumerate(records):
+                ingest = Ingest()
+                ingest.add_records(f"dev-{b % devices:04d}", batch, NOW)
+                store.commit(ingest)
+            costs.append((time.perf_counter() - start) / batches * 1000)
+        finally:
+            FleetStore._insert_requests = saved
+            store.close()
+    return costs[0], costs[1]
+
+
+def _insert_without_rollups(store: FleetStore, rows: list[tuple], kept_s: dict) -> int:
+    return store.db.executemany(ROW_WRITERS["request"][0], rows) if rows else 0
+
+
+def run_backend(backend: str, rows: int, args, workdir: Path) -> dict:
+    server = None
+    if backend == "postgresql":
+        from postgres import Postgres
+
+        server = Postgres().start()
+        fresh_target: Callable = server.fresh_database
+    else:
+        names = iter(range(1_000_000))
+        fresh_target = lambda: workdir / f"fleet-{next(names)}.db"  # noqa: E731
+    try:
+        target = fresh_target()
+        store = FleetStore(target)
+        insert_s, backfill_s = fill(store, rows, args.devices, args.days)
+        rollup_rows = store.db[rollups.TABLE].count
+        store.close()
+        return {"backend": backend, "rows": rows, "insert_s": insert_s, "backfill_s": backfill_s,
+                "rollup_rows": rollup_rows, "queries": measure_queries(target, args.runs),
+                "ingest_ms": ingest_cost(fresh_target)}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def table(results: list[dict], args) -> str:
+    lines = [f"{args.devices} devices, {args.days} days of requests; best of {args.runs} runs from rollups, one "
+             "from raw rows; max diff: the largest relative difference of a p50/p95 between the two answers.\n",
+             "| backend | rows | question | raw rows (s) | rollups (s) | groups | max diff |",
+             "|---|--:|---|--:|--:|--:|--:|"]
+    for r in results:
+        for name, raw_s, rolled_s, groups, diff in r["queries"]:
+            lines.append(f"| {r['backend']} | {r['rows']:,} | `{name}` | {raw_s:.2f} | {rolled_s:.3f} | {groups} | "
+                         + ("" if diff is None else f"{diff:.2%}") + " |")
+    lines += ["", "| backend | rows | bulk insert (s) | rollup backfill (s) | rollup rows | commit of 100 requests, "
+              "before / with rollups (ms) |", "|---|--:|--:|--:|--:|--:|"]
+    for r in results:
+        before_ms, after_ms = r["ingest_ms"]
+        lines.append(f"| {r['backend']} | {r['rows']:,} | {r['insert_s']:.0f} | {r['backfill_s']:.0f} | "
+                     f"{r['rollup_rows']:,} | {before_ms:.1f} / {after_ms:.1f} |")
+    return "\n".join(lines)
+
+
+NOTES = ("`devices` is the last hour, answered from raw rows both times (as every window of a day or less); "
+         "the report's 7-day timeseries has 168-minute buckets from raw rows and 3-hour ones from rollups, so "
+         "its figures are not compared (tests/fleet/test_rollups.py compares them per bucket). The commit "
+         "column is one 100-request batch from one device into a fresh store, the rollups' added cost of "
+         "ingest (the unique-key check, the hour and day rows merged in the same transaction). A 2-core box "
+         "shared with other work: timings vary by up to 2x between runs.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sqlite-rows", type=int, default=1_000_000)
+    parser.add_argument("--postgresql-rows", type=int, default=10_000_000)
+    parser.add_argument("--devices", type=int, default=500)
+    parser.add_argument("--days", type=int, default=90)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument("--write-docs", action="store_true", help="replace docs/benchmarks.md's section")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fleet-queries-") as tmp:
+        for backend in args.backends.split(","):
+            rows = args.sqlite_rows if backend == "sqlite" else args.postgresql_rows
+            results.append(run_backend(backend, rows, args, Path(tmp)))
+            print(table(results[-1:], args), flush=True)
+    text = table(results, args)
+    print("\n" + text)
+    if args.write_docs:
+        from benchdocs import replace_section
+
+        title = "## Fleet queries (bench/fleet_queries.py)"
+        replace_section(title, f"{title}\n\n`.venv/bin/python bench/fleet_queries.py --write-docs`: {text}\n\n{NOTES}\n")
+
+
+if __name__ == "__main__":
+    main()

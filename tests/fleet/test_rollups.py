@@ -1,0 +1,250 @@
+"""Request rollups (fleet/rollups.py): histogram percentiles within 1% of numpy's, windows tiled without gap or
+overlap, and on both backends rollup-answered queries that agree with raw-row percentiles across hour and day
+edges, with replays, after a backfill and after retention."""
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.wire import percentile
+from fleet import queries, rollups
+from fleet.store import FleetStore, Ingest
+from test_queries import request
+
+NOW = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+BOUND = 0.01  # relative: fleet.rollups' documented accuracy
+ROUNDING = 0.05  # queries round percentiles to 0.1
+
+
+def close(got: float | None, want: float | None) -> bool:
+    if want is None or got is None:
+        return got is None and want is None
+    return abs(got - want) <= BOUND * abs(want) + ROUNDING
+
+
+# ---- pure -------------------------------------------------------------------------------------------------
+values_in_range = st.lists(st.floats(rollups.HISTOGRAM_MIN, 1e6), min_size=1, max_size=300)
+
+
+@given(st.lists(values_in_range, min_size=1, max_size=4), st.sampled_from([0, 1, 37.5, 50, 95, 99, 100]))
+def test_histogram_percentiles_are_within_the_bound(groups, q):
+    gids = np.concatenate([np.full(len(v), g) for g, v in enumerate(groups)])
+    values = np.concatenate([np.array(v) for v in groups])
+    got = rollups.percentiles(gids, rollups.bins_of(values), np.ones(len(values), np.int64), len(groups) + 1, [q])
+    for g, v in enumerate(groups):
+        want = np.percentile(v, q)
+        assert abs(got[g, 0] - want) <= BOUND * want * (1 + 1e-9), (v, q)
+    assert np.isnan(got[len(groups), 0])  # a group without values
+
+
+@given(st.lists(st.dictionaries(st.integers(0, rollups.NUM_BINS - 1), st.integers(1, 2**20), max_size=50),
+                max_size=4))
+def test_histogram_texts_concatenate_and_merge_by_summing(histograms):
+    def text(counts):
+        entries = np.array(sorted(counts.items()), np.int64).reshape(-1, 2)
+        packed = np.empty(len(entries), rollups.ENTRY)
+        packed["bin"], packed["count"] = entries[:, 0], entries[:, 1]
+        return rollups.encode(packed)
+
+    texts = [text(h) for h in histograms]
+    assert [len(t) for t in texts] == [rollups.ENTRY_CHARS * len(h) for h in histograms]
+    total = {}
+    for h in histograms:
+        for b, c in h.items():
+            total[b] = total.get(b, 0) + c
+    merged = rollups.decode(rollups.merge(*texts))
+    assert dict(zip(merged["bin"].tolist(), merged["count"].tolist())) == total
+
+
+def test_values_below_the_scale_count_as_zero_and_above_it_as_its_top():
+    bins = rollups.bins_of(np.array([0.0, 0.005, 0.01, 1e9]))
+    assert bins.tolist() == [0, 0, 1, rollups.NUM_BINS - 1]
+
+
+@settings(max_examples=300)
+@given(st.floats(1.6e9, 1.8e9), st.floats(0, 200 * 86400), st.sampled_from([rollups.HOUR_S, rollups.DAY_S]))
+def test_a_window_is_tiled_by_its_spans(now, since_s, coarsest_s):
+    spans = sorted(rollups.plan(now - since_s, now, coarsest_s), key=lambda s: s.start_ts)
+    assert spans[0].start_ts == now - since_s and spans[-1].end_ts == math.inf
+    assert all(a.end_ts == b.start_ts for a, b in zip(spans, spans[1:]))  # no gap, no overlap
+    for s in spans:
+        assert s.width_s in (0, rollups.HOUR_S, coarsest_s)
+        if s.width_s:
+            assert s.start_ts % s.width_s == 0 and s.end_ts % s.width_s == 0 and s.end_ts <= now
+    raw_s = sum(min(s.end_ts, now) - s.start_ts for s in spans if not s.width_s)
+    assert raw_s <= 2 * rollups.HOUR_S  # raw rows: the partial hours at the edges only
+
+
+# ---- on each backend --------------------------------------------------------------------------------------
+def history(seed: int = 0, days: int = 10, devices: int = 4) -> list[tuple[str, list]]:
+    """Requests every ~20 min over `days` up to NOW on each device, on two versions, some shed or 1-token."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in range(devices):
+        n = days * 72
+        ts = np.sort(rng.uniform(NOW - days * 86400, NOW, n))
+        records = []
+        for i, t in enumerate(ts):
+            version = "v1" if t < NOW - days * 43200 + d * 3600 else "v2"
+            completion = int(rng.choice([0, 1, 50, 50, 50, 200]))
+            records.append(request(i, float(t), "m", version, float(rng.lognormal(3 + d * 0.1, 0.2)),
+                                   float(rng.lognormal(5, 0.6)), completion=completion))
+        out.append((f"dev-{d}", records))
+    return out
+
+
+def ingest_all(store: FleetStore, batches: list[tuple[str, list]], size: int = 50) -> None:
+    for device_id, records in batches:
+        for at in range(0, len(records), size):
+            ingest = Ingest()
+            ingest.add_records(device_id, records[at:at + size], NOW)
+            store.commit(ingest)
+
+
+def exact_summaries(db, since_s: float, key) -> dict:
+    """Raw rows -> wire.percentile's figures per group, as the pre-rollup queries computed them."""
+    groups: dict = {}
+    for ts, device_id, model, version, ttft, speed, completion, finish in db.execute(
+            "select ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, finish_reason "
+            "from requests where ts >= ?", [NOW - since_s]):
+        g = groups.setdefault(key(ts, device_id, model, version), {"n": 0, "e": 0, "tok": 0, "ttft": [], "spd": []})
+        g["n"], g["e"], g["tok"] = g["n"] + 1, g["e"] + (finish == "error"), g["tok"] + completion
+        if completion >= 1:
+            g["ttft"].append(ttft)
+        if completion >= 2:
+            g["spd"].append(speed)
+    return {k: {"requests": g["n"], "errors": g["e"], "tokens_served": g["tok"],
+                "ttft_p50_ms": percentile(g["ttft"], 50), "ttft_p95_ms": percentile(g["ttft"], 95),
+                "decode_tps_p50": percentile(g["spd"], 50), "decode_tps_p95": percentile(g["spd"], 95)}
+            for k, g in groups.items()}
+
+
+def assert_agree(rows: list[dict], exact: dict, by: str) -> None:
+    assert [r[by] for r in rows] == sorted(exact)
+    for r in rows:
+        want = exact[r[by]]
+        assert (r["requests"], r["errors"], r["tokens_served"]) == (want["requests"], want["errors"],
+                                                                   want["tokens_served"])
+        for column in ("ttft_p50_ms", "ttft_p95_ms", "decode_tps_p50", "decode_tps_p95"):
+            assert close(r[column], want[column]), (by, r[by], column, r[column], want[column])
+
+
+@pytest.fixture
+def filled(fleet_target):
+    """Ten days of four devices' requests, every batch delivered twice and a tenth of them a third time."""
+    store = FleetStore(fleet_target)
+    batches = history()
+    ingest_all(store, batches)
+    ingest_all(store, batches, size=37)  # replays, cut differently: no batch repeats a commit exactly
+    ingest_all(store, [(d, records[::10]) for d, records in batches])
+    yield store
+    store.close()
+
+
+def rollup_rows(db) -> list[tuple]:
+    return [tuple(r) for r in db.execute(f"select * from {rollups.TABLE} order by {', '.join(rollups.ROLLUP_KEY)}")]
+
+
+def test_replays_are_rolled_up_once(filled):
+    """What ingest maintained is what a backfill of the stored rows builds."""
+    db = filled.db
+    assert db["requests"].count == 4 * 720
+    maintained = rollup_rows(db)
+    assert sum(r[5] for r in maintained if r[0] == rollups.DAY_S) == 4 * 720
+    db.execute(f"delete from {rollups.TABLE}")
+    assert rollups.backfill(db) == 4 * 720
+    assert rollup_rows(db) == maintained
+
+
+@pytest.mark.parametrize("since_s", [1.5 * 86400, 7 * 86400 + 1234.5, 30 * 86400])
+@pytest.mark.parametrize("by", queries.GROUPINGS)
+def test_tps_from_rollups_agrees_with_raw_rows(filled, since_s, by):
+    db = filled.db
+    assert_agree(queries.tps(db, since_s, by, now=NOW), exact_summaries(db, since_s, queries._GROUP_KEY[by]), by)
+
+
+def test_compare_and_timeseries_from_rollups_agree_with_raw_rows(filled):
+    db = filled.db
+    since_s = 7 * 86400
+    exact = {m: exact_summaries(db, since_s, lambda t, d, model, version, m=m: d if f"{model}@{version}" == m else None)
+             for m in ("m@v1", "m@v2")}
+    for row in queries.compare(db, ["m@v1", "m@v2"], since_s, now=NOW):
+        for m in ("m@v1", "m@v2"):
+            assert row[f"{m} requests"] == exact[m][row["device"]]["requests"]
+            assert close(row[f"{m} decode_tps_p50"], exact[m][row["device"]]["decode_tps_p50"])
+    bucket_s = 3 * 3600  # 7 days in 60 buckets: 2.8 h, aligned to whole hours
+    exact = exact_summaries(db, since_s, lambda t, d, model, version: (f"{model}@{version}", d,
+                                                                        int(t // bucket_s) * bucket_s))
+    points = queries.timeseries(db, since_s, now=NOW)
+    assert [(p["model"], p["device"], p["t"]) for p in points] == sorted(exact)
+    for p in points:
+        want = exact[(p["model"], p["device"], p["t"])]
+        assert p["requests"] == want["requests"]
+        assert close(p["decode_tps_p50"], want["decode_tps_p50"]) and close(p["ttft_p50_ms"], want["ttft_p50_ms"])
+
+
+def test_a_fleet_upgraded_with_history_gets_its_rollups(fleet_target):
+    """Migration 0012 rolls up the requests stored before it: long windows are not empty after an upgrade."""
+    store = FleetStore(fleet_target)
+    ingest_all(store, history(seed=1, days=3))
+    maintained = rollup_rows(store.db)
+    # the database as a fleet before 0012 left it: the same raw rows, no rollups
+    store.db.execute(f"drop table {rollups.TABLE}")
+    store.db.execute("delete from _migrations where name = '0012_request_rollups'")
+    store.close()
+    store = FleetStore(fleet_target)
+    assert store.applied_migrations()[-1] == "0012_request_rollups"
+    assert rollup_rows(store.db) == maintained
+    assert_agree(queries.tps(store.db, 2 * 86400, "device", now=NOW),
+                 exact_summaries(store.db, 2 * 86400, queries._GROUP_KEY["device"]), "device")
+    store.close()
+
+
+def test_rollups_follow_the_requests_retention(fleet_target):
+    store = FleetStore(fleet_target)
+    ingest_all(store, history(seed=2, days=5, devices=1))
+    ingest = Ingest(kept_s={"requests": 2 * 86400})
+    ingest.add_records("dev-0", [request(10_000, NOW, "m", "v2", 10, 10)], NOW)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("fleet.store.time.time", lambda: NOW)
+        store.commit(ingest)
+    starts = {(w, s) for w, s in store.db.execute(f"select width_s, start_ts from {rollups.TABLE}")}
+    cutoff = NOW - 2 * 86400
+    # the first period kept is the one still holding raw rows at or after the cutoff
+    assert min(s for w, s in starts if w == rollups.HOUR_S) == math.floor(cutoff / 3600) * 3600
+    assert min(s for w, s in starts if w == rollups.DAY_S) == math.floor(cutoff / 86400) * 86400
+    store.close()
+
+
+def test_replicas_replaying_the_same_batches_concurrently_count_each_row_once(fleet_target):
+    """Two writers (PostgreSQL: two replicas' connections; SQLite: two connections to one file) commit the same
+    batches at once: every rollup row is created by one, then locked and added to by each in turn."""
+    batches = history(seed=3, days=2, devices=3)
+    FleetStore(fleet_target).close()
+    stores = [FleetStore(fleet_target) for _ in range(2)]
+    errors = []
+
+    def run(store):
+        try:
+            ingest_all(store, batches, size=20)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    db = stores[0].db
+    maintained = rollup_rows(db)
+    db.execute(f"delete from {rollups.TABLE}")
+    rollups.backfill(db)
+    assert rollup_rows(db) == maintained
+    for s in stores:
+        s.close()
