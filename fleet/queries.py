@@ -191,6 +191,7 @@ def devices(db: Database, now: float | None = None) -> list[dict]:
             "last_seen": iso(d["last_seen"]),
             "model": f"{d['model']}@{d['version']}" if d["model"] else None, "precision": d["precision"],
             "decode_tps_p50_1h": _round(percentile(speeds, 50)), "requests_1h": last_hour.get(d["id"], Figures()).requests,
+            "broker": d["broker"],  # the broker its newest state came through (several: docs/scaling.md)
         })
     return rows
 

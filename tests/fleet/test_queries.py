@@ -41,7 +41,8 @@ def db(fleet_target):
     ingest.add_records("dev-2", [request(i, NOW - 600 + i, "m", "v1", 30, 40) for i in range(4)], NOW - 5)
     for device_id, status in (("dev-1", "online"), ("dev-2", "online"), ("dev-3", "offline")):
         ingest.add_state(DeviceState(device_id=device_id, status=status, connection=1, boot_id="b", ts=NOW - 900,
-                                     model="m", version="v2", precision="int4"), NOW - 900)
+                                     model="m", version="v2", precision="int4"), NOW - 900,
+                         broker="mqtt://shard-b:1883" if device_id == "dev-2" else None)
     ingest.reject("dev-9", "schema")
     store.commit(ingest)
     store.close()
@@ -118,6 +119,7 @@ def test_devices(db):
     assert rows["dev-2"]["requests_1h"] == 4 and rows["dev-2"]["decode_tps_p50_1h"] is None  # all on m@v1
     assert rows["dev-2"]["last_seen"] == queries.iso(NOW - 5)
     assert rows["dev-3"]["decode_tps_p50_1h"] is None
+    assert (rows["dev-1"]["broker"], rows["dev-2"]["broker"]) == (None, "mqtt://shard-b:1883")
 
 
 def test_tps_by_version(db):
