@@ -10,9 +10,10 @@ real Mosquitto and real `edge-fleet serve` processes (2 replicas: one --shared-g
              (staggered across devices) for DURATION s. A step sustains its rate when the backlog (records
              published and not yet committed, sampled every SAMPLE_EVERY_S) never exceeds one second's worth and
              the last record is committed within a second of the last publish. Without --rate, RATE starts at
-             half the drain rate (in a later --rounds, a step under the best so far) and steps up by --step
-             until a step fails (down while the first ones fail); the figure is the highest offered rate
-             sustained, the best over the rounds, which run the configurations interleaved.
+             0.8 x the drain rate and steps up by --step until a step fails (down while the first ones fail),
+             then tries the bracket's geometric middle; a later round (--rounds, the configurations
+             interleaved) starts at the best so far, in steps of sqrt(--step). The figure is the highest
+             offered rate sustained in any round.
 Nothing may be lost: every record offered is counted in the database (through fleet.db, whichever it is) exactly
 once, or the run stops with an error.
 
@@ -284,11 +285,13 @@ class BenchDevice(SimDevice):
         self._publish(number)
 
 
-def start_devices(port: int, n: int) -> list[BenchDevice]:
-    pool = record_pool()
-    devices = [BenchDevice(port, f"sim-{i:04d}", pool).start() for i in range(n)]
-    for device in devices:
-        device.wait_connected(30)
+def start_devices(port: int, n: int, chunk: int = 50) -> list[BenchDevice]:
+    """In chunks: 200 connects at once on a loaded 2-core host left one without a CONNACK for 30 s."""
+    pool, devices = record_pool(), []
+    for first in range(0, n, chunk):
+        devices += [BenchDevice(port, f"sim-{i:04d}", pool).start() for i in range(first, min(n, first + chunk))]
+        for device in devices[first:]:
+            device.wait_connected(60)
     return devices
 
 
@@ -388,22 +391,39 @@ def measure_drain(replicas: Replicas, devices: list[BenchDevice], backlog: int, 
     return Drain(backlog=total, stored_per_s=total / elapsed_s, split=split)
 
 
-def step_rates(devices: list[BenchDevice], db: str, first_rate: float, args, label: str) -> list[Sustained]:
-    """Sustained steps from first_rate (records/s per device), up by args.step while they sustain, down while they
-    do not, until one of each; at most args.max_steps."""
+def step_rates(devices: list[BenchDevice], db: str, first_rate: float, factor: float, refine: int, args,
+               label: str) -> list[Sustained]:
+    """Sustained steps from first_rate (records/s per device), up by `factor` while they sustain, down while they
+    do not, until a sustained rate and the next one up that is not bracket the limit; then `refine` more steps,
+    each at the geometric middle of the bracket. At most args.max_steps."""
     steps: list[Sustained] = []
-    rate = first_rate
+    passed, failed, rate = None, None, first_rate  # the bracket: highest sustained, lowest not sustained
     while len(steps) < args.max_steps:
-        s = measure_sustained(devices, db, rate, args.duration)
+        s = step(devices, db, rate, args, label)
         steps.append(s)
-        print(f"  {label}: {s.offered_per_s:,.0f} records/s offered, backlog <= {s.max_backlog}, tail "
-              f"{s.tail_s:.2f} s: {'sustained' if s.is_sustained else 'NOT sustained'}", file=sys.stderr)
-        if s.stored != s.produced:
-            raise RuntimeError(f"{label}: lost {s.produced - s.stored} of {s.produced} records")
-        if args.rate or (any(x.is_sustained for x in steps) and any(not x.is_sustained for x in steps)):
+        if s.is_sustained:
+            passed = max(passed or 0.0, rate)
+        else:
+            failed = min(failed or float("inf"), rate)
+        if args.rate:
             break
-        rate = max(1.0, round(rate * args.step if s.is_sustained else rate / args.step))
+        if passed is None or failed is None:
+            rate = max(1.0, round(rate * factor if s.is_sustained else rate / factor))
+            continue
+        middle = round((passed * failed) ** 0.5)
+        if refine <= 0 or middle in (passed, failed):
+            break
+        refine, rate = refine - 1, middle
     return steps
+
+
+def step(devices: list[BenchDevice], db: str, rate: float, args, label: str) -> Sustained:
+    s = measure_sustained(devices, db, rate, args.duration)
+    print(f"  {label}: {s.offered_per_s:,.0f} records/s offered, backlog <= {s.max_backlog}, tail "
+          f"{s.tail_s:.2f} s: {'sustained' if s.is_sustained else 'NOT sustained'}", file=sys.stderr)
+    if s.stored != s.produced:
+        raise RuntimeError(f"{label}: lost {s.produced - s.stored} of {s.produced} records")
+    return s
 
 
 def run_configuration(kind: str, n_replicas: int, databases: Databases, work: Path, args,
@@ -426,7 +446,10 @@ def run_configuration(kind: str, n_replicas: int, databases: Databases, work: Pa
             print(f"  {label}: drained {drain.stored_per_s:,.0f} records/s (replicas: "
                   f"{' + '.join(map(str, drain.split))})", file=sys.stderr)
         replicas.start()
-        steps = step_rates(devices, db, first_rate(args, drain, earlier), args, label)
+        if any(r.best for r in earlier):  # a later round: from the best so far, in the last round's fine steps
+            steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step ** 0.5, 0, args, label)
+        else:
+            steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step, args.refine, args, label)
         summaries += replicas.stop()
         check_exactly_once(db, offered(devices), label)
     finally:
@@ -440,7 +463,7 @@ def first_rate(args, drain: Drain | None, earlier: list[Result]) -> float:
     best = max((r.best.offered_per_s for r in earlier if r.best), default=None)
     if args.rate or not (best or drain):
         return args.rate or 10.0
-    return round((best / args.step if best else args.start * drain.stored_per_s) / args.devices)
+    return round((best if best else args.start * drain.stored_per_s) / args.devices)
 
 
 def warm_up(devices: list[BenchDevice], db: str) -> None:
@@ -518,8 +541,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=200)
     parser.add_argument("--rate", type=float, default=None, help="records/s per device: one step at this rate "
                                                                  "(default: step to the highest sustained)")
-    parser.add_argument("--start", type=float, default=0.5, help="first step's offered rate / the drain rate")
-    parser.add_argument("--step", type=float, default=1.15, help="rate factor between steps")
+    parser.add_argument("--start", type=float, default=0.8, help="first step's offered rate / the drain rate")
+    parser.add_argument("--step", type=float, default=1.3, help="rate factor between steps")
+    parser.add_argument("--refine", type=int, default=1, help="steps halving the bracket once found (first round)")
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per step")
     parser.add_argument("--backlog", type=int, default=60_000, help="records for the drain test (0: skip)")
