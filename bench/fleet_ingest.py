@@ -63,6 +63,7 @@ SAMPLE_EVERY_S = 0.5
 SETTLE_S = 60.0  # after the last publish, records still missing after this are lost
 DRAIN_TIMEOUT_S = 300.0
 CONNECT_WAIT_S = 20.0
+MAX_LEFT_OUT = 5  # devices without a CONNACK a run may go on without
 RECORD_POOL = 1000  # distinct record bodies the devices cycle through (seq % 10 == 0: a sample, else a request)
 SHARED_GROUP = "bench"
 # tests/postgres.py's server with durability back on: the SQLite file's commits are fsynced, so these are too
@@ -286,20 +287,29 @@ class BenchDevice(SimDevice):
 
 
 def start_devices(port: int, n: int, chunk: int = 50, broker_log: Path | None = None) -> list[BenchDevice]:
-    """In chunks, and a device still without a CONNACK after CONNECT_WAIT_S reconnects once: on the loaded
-    2-core host one device in 200 twice went 30-60 s without one (broker_log: its tail goes in the error)."""
-    pool, devices = record_pool(), []
+    """In chunks; a device without a CONNACK after CONNECT_WAIT_S reconnects once, and one that still has none is
+    left out (up to MAX_LEFT_OUT of them; the rates are measured, not assumed): on the shared host one device in
+    200 went a minute without one three times, while the broker logged a stream of connections closed before
+    their CONNECT (not our devices': none in a clean run), as from another session's client reconnecting to a
+    port it had used before."""
+    pool, devices, left_out = record_pool(), [], []
     for first in range(0, n, chunk):
-        devices += [BenchDevice(port, f"sim-{i:04d}", pool).start() for i in range(first, min(n, first + chunk))]
-        for device in devices[first:]:
-            if wait_connected(device):
-                continue
-            device.client.disconnect()
-            device.client.loop_stop()
-            if not wait_connected(device.start()):
-                tail = broker_log.read_text()[-3000:] if broker_log and broker_log.exists() else ""
-                raise RuntimeError(f"{device.device_id} did not connect (reconnected once); broker log:\n{tail}")
-            print(f"  {device.device_id} connected only when it reconnected", file=sys.stderr)
+        batch = [BenchDevice(port, f"sim-{i:04d}", pool).start() for i in range(first, min(n, first + chunk))]
+        for device in batch:
+            if not wait_connected(device):
+                device.client.disconnect()
+                device.client.loop_stop()
+                if not wait_connected(device.start()):
+                    stop_devices([device])
+                    left_out.append(device.device_id)
+                    continue
+            devices.append(device)
+    if left_out:
+        tail = broker_log.read_text()[-1500:] if broker_log and broker_log.exists() else ""
+        print(f"  left out {len(left_out)} devices without a CONNACK: {', '.join(left_out)}; broker log:\n{tail}",
+              file=sys.stderr)
+    if len(left_out) > MAX_LEFT_OUT:
+        raise RuntimeError(f"{len(left_out)} of {n} devices did not connect")
     return devices
 
 
