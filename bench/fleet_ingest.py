@@ -1,8 +1,9 @@
 """Fleet ingest throughput: simulated devices -> Mosquitto -> `edge-fleet serve` (1 or 2 replicas) -> SQLite or
 PostgreSQL; with --table, issue #38's comparison: SQLite x1, PostgreSQL x1 and x2, each as a ratio to SQLite x1.
 
-One configuration (a database, a number of replicas) runs on its own broker, devices and fresh database, against a
-real Mosquitto and real `edge-fleet serve` processes (2 replicas: one --shared-group, each its own --client-id):
+One configuration (a database, a number of replicas) runs on a fresh database with replicas of its own, against a
+real Mosquitto and real `edge-fleet serve` processes (2 replicas: one --shared-group, each its own --client-id);
+the broker and the devices serve the whole run:
   drain:     capacity: the replicas stop, the devices publish a BACKLOG of records that the broker queues in the
              replicas' persistent sessions, the replicas start and we time how fast the queue empties into the
              database, from the first replica's CONNACK to the last commit.
@@ -47,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "fleet")]
 
+import paho.mqtt.client as paho
 from broker import Broker
 from simdevice import SimDevice, request_record, sample_record
 
@@ -65,7 +67,6 @@ DRAIN_TIMEOUT_S = 300.0
 CONNECT_WAIT_S = 20.0
 MAX_LEFT_OUT = 5  # devices without a CONNACK a run may go on without
 RECORD_POOL = 1000  # distinct record bodies the devices cycle through (seq % 10 == 0: a sample, else a request)
-SHARED_GROUP = "bench"
 # tests/postgres.py's server with durability back on: the SQLite file's commits are fsynced, so these are too
 BENCH_PG_OPTIONS = ("fsync=on", "synchronous_commit=on", "full_page_writes=on", "listen_addresses=127.0.0.1")
 TABLE = (("sqlite", 1), ("postgresql", 1), ("postgresql", 2))  # --table's rows; the first is the ratios' base
@@ -221,17 +222,20 @@ class Serve:
 
 
 class Replicas:
-    """n `edge-fleet serve` processes on one database; two or more share the telemetry (--shared-group)."""
+    """n `edge-fleet serve` processes on one database; two or more share the telemetry (--shared-group `name`).
+    Client ids `name`-0, `name`-1...: each configuration its own, so that none takes over another's session."""
 
-    def __init__(self, url: str, db: str, n: int, logs: Path):
-        self.url, self.db, self.n, self.logs = url, db, n, logs
+    def __init__(self, url: str, db: str, n: int, logs: Path, name: str):
+        self.url, self.db, self.n, self.logs, self.name = url, db, n, logs, name
+        self.client_ids = [f"{name}-{i}" for i in range(n)]
         self.running: list[Serve] = []
 
     def start(self) -> float:
         """Start them all at once; returns (monotonic) when the first had connected, once all have."""
-        group = SHARED_GROUP if self.n > 1 else None
-        self.running = [Serve(self.url, self.db, self.logs / f"serve-{i}.log", f"fleet-bench-{i}", group, wait=False)
-                        for i in range(self.n)]
+        group = self.name if self.n > 1 else None
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.running = [Serve(self.url, self.db, self.logs / f"{client_id}.log", client_id, group, wait=False)
+                        for client_id in self.client_ids]
         first, waiting = None, list(self.running)
         deadline = time.monotonic() + 60
         while waiting:
@@ -249,6 +253,29 @@ class Replicas:
         summaries = [serve.proc.communicate(timeout=90)[0].strip() for serve in self.running]
         self.running = []
         return summaries
+
+    def kill(self) -> None:
+        """After a failure: none outlives the run (a leftover reconnects to its broker's port for ever)."""
+        for serve in self.running:
+            serve.proc.kill()
+            serve.proc.wait()
+        self.running = []
+
+
+def end_session(port: int, client_id: str) -> None:
+    """Discard a finished configuration's session, or the broker queues every later message for it: a CONNECT
+    with Clean Start and no Session Expiry Interval (0) ends it at the DISCONNECT (MQTT v5 3.1.2.4, 3.1.2.11.2)."""
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+    connected = threading.Event()
+    client.on_connect = lambda *_: connected.set()
+    client.connect("127.0.0.1", port, clean_start=True)
+    client.loop_start()
+    try:
+        if not connected.wait(30):
+            raise RuntimeError(f"could not connect as {client_id} to end its session")
+    finally:
+        client.disconnect()
+        client.loop_stop()
 
 
 # ---- devices ------------------------------------------------------------------------------------------------
@@ -451,20 +478,18 @@ def step(devices: list[BenchDevice], db: str, rate: float, args, label: str) -> 
     return s
 
 
-def run_configuration(kind: str, n_replicas: int, databases: Databases, work: Path, args,
-                      earlier: list[Result]) -> Result:
-    """One row of the table in one round: its own broker, devices and fresh database; the drain first, then the
-    sustained steps, from half the drain rate or just under the best of an earlier round (`earlier`)."""
+def run_configuration(kind: str, n_replicas: int, name: str, databases: Databases, broker: Broker,
+                      devices: list[BenchDevice], work: Path, args, earlier: list[Result]) -> Result:
+    """One row of the table in one round, on a fresh database and replicas of its own (`name`: their client ids
+    and group): the drain first, then the sustained steps, from 0.8 x the drain rate or from the best of an
+    earlier round (`earlier`)."""
     label = label_of(kind, n_replicas)
-    work = work / label.replace(" ", "-")
-    broker = Broker(work / "broker", extra_config=BROKER_CONFIG).start()
-    devices: list[BenchDevice] = []
+    base = offered(devices)
+    db = databases.fresh(kind)
+    replicas = Replicas(broker.url, db, n_replicas, work / name, name)
     try:
-        db = databases.fresh(kind)
-        replicas = Replicas(broker.url, db, n_replicas, work)
         replicas.start()  # creates the database and the replicas' sessions
-        devices = start_devices(broker.port, args.devices, broker_log=broker.workdir / "mosquitto.log")
-        warm_up(devices, db)
+        warm_up(devices, db, base)
         summaries = replicas.stop()
         drain = measure_drain(replicas, devices, args.backlog) if args.backlog else None
         if drain:
@@ -476,10 +501,11 @@ def run_configuration(kind: str, n_replicas: int, databases: Databases, work: Pa
         else:
             steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step, args.refine, args, label)
         summaries += replicas.stop()
-        check_exactly_once(db, offered(devices), label)
+        check_exactly_once(db, offered(devices) - base, label)
     finally:
-        stop_devices(devices)
-        broker.stop()
+        replicas.kill()
+        for client_id in replicas.client_ids:
+            end_session(broker.port, client_id)
     return Result(label, drain, steps, summaries)
 
 
@@ -491,13 +517,14 @@ def first_rate(args, drain: Drain | None, earlier: list[Result]) -> float:
     return round((best if best else args.start * drain.stored_per_s) / args.devices)
 
 
-def warm_up(devices: list[BenchDevice], db: str) -> None:
-    """One record per device, all stored: every replica is subscribed before the drain queues for it."""
+def warm_up(devices: list[BenchDevice], db: str, base: int) -> None:
+    """One record per device, all stored (the database is fresh; `base` records were offered before it): every
+    replica is subscribed before the drain queues for it."""
     count = StoredCount(db)
     try:
         for device in devices:
             device.emit(1)
-        if wait_stored(count, offered(devices), 30) < offered(devices):
+        if wait_stored(count, offered(devices) - base, 30) < offered(devices) - base:
             raise RuntimeError("warm-up records were not stored within 30 s")
     finally:
         count.close()
@@ -587,13 +614,20 @@ def main() -> None:
     started = time.monotonic()
     by_label: dict[str, list[Result]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        databases = Databases(Path(tmp), args.db if is_url(args.db) else None)
-        try:
+        tmp = Path(tmp)
+        databases = Databases(tmp, args.db if is_url(args.db) else None)
+        broker = Broker(tmp / "broker", extra_config=BROKER_CONFIG).start()
+        devices: list[BenchDevice] = []
+        try:  # one broker and one set of devices for the whole run: a fresh database and replicas per configuration
+            devices = start_devices(broker.port, args.devices, broker_log=broker.workdir / "mosquitto.log")
             for i in range(args.rounds):
-                for kind, n in configurations(args):
+                for j, (kind, n) in enumerate(configurations(args)):
                     rounds = by_label.setdefault(label_of(kind, n), [])
-                    rounds.append(run_configuration(kind, n, databases, Path(tmp) / f"round-{i}", args, rounds))
+                    rounds.append(run_configuration(kind, n, f"fleet-bench-{i}{j}", databases, broker, devices,
+                                                    tmp, args, rounds))
         finally:
+            stop_devices(devices)
+            broker.stop()
             databases.close()
     pg = describe(args.db) if is_url(args.db) else "a throwaway PostgreSQL 15 (fsync on)"
     print(f"{args.devices} devices, one QoS 1 batch each per second, {args.duration:g} s per step, {args.rounds} "
