@@ -1,7 +1,9 @@
 """The fleet database on PostgreSQL (psycopg 3): fleet.db's interface for a `postgresql://` URL.
 
 The only module that imports psycopg. Statements arrive with fleet.db's `?` placeholders and are sent with
-server-side binding; executemany runs in libpq's pipeline mode (one round trip per batch, not per row).
+server-side binding; executemany runs in libpq's pipeline mode (one round trip per batch, not per row), except
+the telemetry inserts (`insert into T (...) values (...) on conflict do nothing` with COPY_MIN_ROWS rows or more),
+which are staged by COPY in a temporary table and moved by one INSERT ... SELECT.
 Autocommit outside transaction(), as fleet.db says. Types: str -> text, int -> bigint, float -> double
 precision (epoch seconds keep their microseconds).
 """
@@ -9,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
-from contextlib import contextmanager
+import zlib
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterable, Iterator, Sequence
 
 import psycopg
@@ -21,6 +24,12 @@ CONNECT_TIMEOUT_S = 10
 MIGRATION_LOCK_KEY = 0x666C656574  # pg_advisory_lock key of the migrations ("fleet")
 _TYPES = {str: "text", int: "bigint", float: "double precision"}
 _PLACEHOLDER = re.compile(r"%|\?")
+# The store's telemetry insert (fleet.store._insert_sql): table, columns. A rewrite of it must keep this form.
+_INSERT_IGNORING = re.compile(r"insert into (\w+) \(([\w, ]+)\) values \([?, ]+\) on conflict do nothing")
+# From this many rows on, COPY + INSERT ... SELECT beats the pipeline's INSERT per row: at 500 rows (a 50 ms
+# commit at 10,000 records/s) ~30% less CPU in this process and ~25% less in the server, which on a host
+# shared by consumers, server and broker is ingest rate. Even at ~32 rows; below that the pipeline is cheaper.
+COPY_MIN_ROWS = 48
 
 
 @functools.lru_cache(maxsize=512)
@@ -39,6 +48,7 @@ class PostgresDatabase(Database):
         except psycopg.Error as e:
             raise StoreError(f"fleet database {self.target}: {str(e).strip()}") from None
         self._pks: dict[str, tuple[str, ...]] = {}
+        self._staging: dict[tuple[str, str], str] = {}  # (table, columns) -> its temporary staging table
 
     def _connect(self) -> psycopg.Connection:
         # keepalives: a server gone without a FIN (a host lost, a failover) is noticed in ~30 s, not hours
@@ -62,9 +72,40 @@ class PostgresDatabase(Database):
         return self.conn.execute(_pg_sql(sql), tuple(params))  # () too: '%%' is unescaped only with params
 
     def executemany(self, sql: str, rows: Iterable[Sequence]) -> int:
+        rows = rows if isinstance(rows, list) else list(rows)
+        insert = _INSERT_IGNORING.fullmatch(sql) if len(rows) >= COPY_MIN_ROWS else None
+        if insert:
+            return self._insert_staged(insert.group(1), insert.group(2), rows)
         with self.conn.cursor() as cursor:
             cursor.executemany(_pg_sql(sql), rows)
             return cursor.rowcount  # psycopg >= 3.1: the sum over every row's statement
+
+    def _insert_staged(self, table: str, columns: str, rows: list[Sequence]) -> int:
+        """COPY the rows into a temporary table, then one INSERT ... SELECT ... ON CONFLICT DO NOTHING, in
+        primary-key order (replicas inserting the same replayed keys lock them in one order, as the store's
+        sorted rows did); its rowcount is the rows new to `table`. The staging table is emptied by the same
+        statement (a second call in one transaction sees only its own rows) and truncated at commit (temporary
+        tables are never autovacuumed: deleted rows would pile up)."""
+        staging = self._staging_table(table, columns)
+        named = {c.strip() for c in columns.split(",")}
+        order = ", ".join(c for c in self.primary_key(table) if c in named) or "1"
+        in_transaction = self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+        with (nullcontext() if in_transaction else self.conn.transaction()), self.conn.cursor() as cursor:
+            with cursor.copy(f"copy {staging} ({columns}) from stdin") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            cursor.execute(f"with staged as (delete from {staging} returning {columns}) insert into {table} "
+                           f"({columns}) select {columns} from staged order by {order} on conflict do nothing")
+            return cursor.rowcount
+
+    def _staging_table(self, table: str, columns: str) -> str:
+        key = (table, columns)
+        if key not in self._staging:
+            name = f"_staged_{table}_{zlib.crc32(columns.encode()):08x}"  # the same after a rollback's clear()
+            self.conn.execute(f"create temporary table if not exists {name} on commit delete rows as "
+                              f"select {columns} from {table} with no data")
+            self._staging[key] = name
+        return self._staging[key]
 
     def query(self, sql: str, params: Sequence = ()) -> Iterator[dict]:
         with self.conn.cursor(row_factory=dict_row) as cursor:
@@ -73,8 +114,12 @@ class PostgresDatabase(Database):
 
     @contextmanager
     def transaction(self, immediate: bool = False) -> Iterator[None]:
-        with self.conn.transaction():
-            yield
+        try:
+            with self.conn.transaction():
+                yield
+        except BaseException:
+            self._staging.clear()  # a staging table made in this transaction went with it (made again if missing)
+            raise
 
     def close(self) -> None:
         self._conn.close()
