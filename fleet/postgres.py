@@ -66,6 +66,7 @@ class PostgresDatabase(Database):
         one fails as a whole, and its caller retries it."""
         if self._conn.closed:
             self._conn = self._connect()
+            self._staging.clear()  # temporary tables are the old session's
         return self._conn
 
     def execute(self, sql: str, params: Sequence = ()) -> psycopg.Cursor:

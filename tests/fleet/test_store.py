@@ -8,7 +8,7 @@ import pytest
 
 from agent.wire import DeviceState, RequestFigures
 from fleet.migrations import MIGRATIONS, REQUEST_FIGURES_COLUMNS, REQUEST_FIGURES_COLUMNS_0002
-from fleet.db import open_database
+from fleet.db import database_errors, open_database
 from fleet.store import FleetStore, Ingest, StoreError, is_newer_state
 from simdevice import event_record, request_record, sample_record
 
@@ -99,8 +99,8 @@ def test_a_database_from_before_the_constraint_columns_gains_them_and_keeps_its_
     assert rows == [(1, 0, 0.0), (2, 1, 12.5)]
 
 
-def test_batch_is_stored_once_and_replays_are_dropped(tmp_path):
-    store = FleetStore(tmp_path / "f.db")
+def test_batch_is_stored_once_and_replays_are_dropped(fleet_target):
+    store = FleetStore(fleet_target)
     recs = records("boot-a", range(1, 101))
     first = store.commit(ingest_of("d1", recs))
     assert (first.inserted, first.duplicates) == (100, 0)
@@ -113,6 +113,31 @@ def test_batch_is_stored_once_and_replays_are_dropped(tmp_path):
                            "where device_id = 'd1' and seq = 1").fetchone()
     assert row == (recs[0].request.figures.ttft_ms, "smollm2", recs[0].request.figures.finish_reason)
     assert store.db["devices"].get("d1")["last_seen"] == 2000.0
+
+
+def test_large_batches_with_repeats_within_and_across_commits_are_stored_once(fleet_target):
+    """Past fleet.postgres.COPY_MIN_ROWS rows of a table, PostgreSQL stages them by COPY and moves them with one
+    INSERT ... SELECT: the same counts as row by row."""
+    store = FleetStore(fleet_target)
+    recs = records("boot-a", range(1, 1001))
+    first = store.commit(ingest_of("d1", recs + recs[:300]))  # a batch holding its own repeats
+    assert (first.inserted, first.duplicates) == (1000, 300)
+    again = store.commit(ingest_of("d1", recs[500:] + records("boot-a", range(1001, 1201))))
+    assert (again.inserted, again.duplicates) == (200, 500)
+    assert total_rows(store) == 1200
+
+
+def test_a_store_whose_connection_was_cut_commits_on_a_new_one(postgres_url):
+    store = FleetStore(postgres_url)
+    store.commit(ingest_of("d1", records("b", range(1, 501))))  # its staging tables made in this session
+    backend = store.db.execute("select pg_backend_pid()").fetchone()[0]
+    with open_database(postgres_url) as admin:
+        admin.execute("select pg_terminate_backend(?)", [backend])
+    later = records("b", range(501, 1001))
+    with pytest.raises(database_errors()):
+        store.commit(ingest_of("d1", later))
+    assert store.commit(ingest_of("d1", later)).inserted == 500
+    assert total_rows(store) == 1000
 
 
 def test_a_failing_commit_writes_nothing(tmp_path):
