@@ -47,3 +47,14 @@ class ServeProcess:
         out, _ = self.proc.communicate(timeout=30)
         assert self.proc.returncode == 0, self.log.read_text()
         return out.strip()
+
+
+def stop_all(devices, replicas: list[ServeProcess]) -> None:
+    """A test's simulated devices disconnected and its `edge-fleet serve` processes killed, whatever state
+    the test left them in."""
+    for d in devices:
+        d.client.disconnect()  # wakes paho's loop, so loop_stop() does not wait out a select timeout
+        d.client.loop_stop()
+    for r in replicas:
+        if r.proc.poll() is None:
+            r.proc.kill()

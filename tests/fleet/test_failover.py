@@ -8,7 +8,7 @@ import time
 import pytest
 
 from fleet.db import open_database
-from fleet_support import ServeProcess, wait_until
+from fleet_support import ServeProcess, stop_all, wait_until
 from simdevice import SimDevice
 
 
@@ -59,9 +59,4 @@ def test_a_promoted_standby_takes_over_and_every_record_is_there_once(primary_an
         assert all(r.proc.poll() is None for r in replicas), "a replica gave up"
         assert any("failed" in r.log.read_text() for r in replicas)  # the outage was seen, and ridden out
     finally:
-        for d in fleet:
-            d.client.disconnect()
-            d.client.loop_stop()
-        for r in replicas:
-            if r.proc.poll() is None:
-                r.proc.kill()
+        stop_all(fleet, replicas)

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from agent.wire import DeviceState, JobDocument, shard_of
+from agent.wire import DeviceState, shard_of
+from devicepool import DevicePool
 from fleet_support import wait_until
 
 SHARDS = ["mqtt://shard-a:1883", "mqtt://shard-b:1883", "mqtt://shard-c:1883"]
@@ -173,43 +174,6 @@ def sharded_devices(shards):
     for device in made:
         device.client.disconnect()
         device.client.loop_stop()
-
-
-class DevicePool:
-    """tests/fleet/devicepool.py in a subprocess: the devices of one shard, their records and their notices."""
-
-    def __init__(self, port: int, device_ids: list[str], records: int):
-        import os
-        import subprocess
-        import sys
-        import threading
-
-        from fleet_support import REPO
-
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fleet" / "devicepool.py"), str(port),
-                                      str(records), *device_ids], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
-        self.produced: set[tuple] | None = None  # once the broker has acknowledged every batch, or given up
-        self.unacked = 0  # batches never acknowledged
-        self.notices: dict[str, list[str]] = {}  # device -> job ids, as received
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        import json
-
-        for line in self.proc.stdout:
-            said = json.loads(line)
-            if "produced" in said:
-                self.unacked = said["unacked"]
-                self.produced = {tuple(k) for k in said["produced"]}
-            else:
-                job_id = JobDocument.model_validate_json(said["payload"]).job_id
-                self.notices.setdefault(said["notice"], []).append(job_id)
-
-    def stop(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 def test_three_shards_two_replicas_store_everything_once_and_reach_every_shard(tmp_path, shards, sharded_devices):
