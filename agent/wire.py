@@ -52,6 +52,7 @@ GRAPH = "model.onnx"
 GRAPH_DATA = "model.onnx.data"
 GRAPH_INT8_KV = "model.int8kv.onnx"  # the same graph (and GRAPH_DATA) with an int8 KV cache; optional
 TOKENIZER = "tokenizer.json"
+DRAFT_DIR = "draft"  # a bundle's draft model for speculative decoding: a whole bundle in this folder
 MANIFEST_SCHEMA_VERSION = 1
 SMOKE_PROMPT = "The capital of France is"  # the golden continuation's prompt, as plain text (no template)
 
@@ -115,6 +116,17 @@ def canonical_json(model: BaseModel, exclude: frozenset[str] = frozenset()) -> b
                       separators=(",", ":")).encode()
 
 
+OPTIONAL_MANIFEST_FIELDS = ("draft",)  # Manifest fields left out of its JSON while None
+
+
+class DraftRef(_Frozen):
+    """The draft model a bundle carries in DRAFT_DIR (edge-quantize build --draft): its own manifest's name and
+    version. Its files are the bundle's files too, so the one signature and the one download cover both."""
+
+    name: str
+    version: str
+
+
 class Manifest(_Frozen):
     schema_version: int = MANIFEST_SCHEMA_VERSION
     name: str  # model name, e.g. "smollm2-135m-instruct"
@@ -127,6 +139,17 @@ class Manifest(_Frozen):
     files: dict[str, FileEntry]  # relative path -> hash and size, every file but the manifest itself
     quality: Quality | None = None
     golden: Golden
+    draft: DraftRef | None = None
+
+    @model_serializer(mode="wrap")
+    def _optional_fields_only_when_set(self, handler):
+        # fields added after the first agents are left out while unset: a bundle without them keeps its bytes
+        # (and so its signature), and agents from before them, whose schema forbids unknown keys, still read it
+        data = handler(self)
+        for key in OPTIONAL_MANIFEST_FIELDS:
+            if isinstance(data, dict) and data.get(key, ...) is None:
+                del data[key]
+        return data
 
     def canonical_bytes(self) -> bytes:
         """The bytes a signature covers: sorted keys, no whitespace, UTF-8."""

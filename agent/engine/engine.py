@@ -55,8 +55,8 @@ class Engine:
         return_free_heap()  # what loading freed (the model's proto, initializers copied by prepacking): ~90 MB for Gemma 3
         self.draft = DraftModel(draft, bundle, config.threads, config.prefill_chunk_tokens) if draft else None
         if config.speculative == "draft" and self.draft is None:  # refused: it would quietly run prompt lookup
-            raise ValueError("speculative = 'draft' needs a draft model (generate --draft-model); without one use "
-                             "'ngram' or 'off'")
+            raise ValueError(f"speculative = 'draft' needs a draft model: {bundle.label} carries none (edge-quantize "
+                             "build --draft) and none was given (generate --draft-model); without one use 'ngram' or 'off'")
         self.spec = Speculation(config, self.draft)
         self.max_context = config.sequence_limit(c.context_length)
         self.kv = self._plan_kv()
