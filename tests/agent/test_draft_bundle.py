@@ -105,3 +105,12 @@ def test_the_cli_builds_a_pair_and_refuses_a_missing_draft_in_one_line(tiny_gguf
     r = build("--out", tmp_path / "none", "--draft", tmp_path / "missing")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--draft" in r.stderr, r.stderr
     assert not (tmp_path / "none").exists()
+
+
+def test_a_pair_over_the_budget_is_refused_naming_both_models(pair):
+    from agent.engine.memory import MemoryBudgetError
+
+    with pytest.raises(MemoryBudgetError, match=r"too small for tiny@\S+ with its draft tiny-draft@\S+ \(\d+ MB of it "
+                                                r"loaded\): it needs at least \d+ MB"):
+        lifecycle.load_engine(pair.path, EngineConfig(threads=2, memory_budget_mb=64, min_context=64,
+                                                      speculative="draft"))
