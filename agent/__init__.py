@@ -8,10 +8,10 @@ def quiet_interrupt_while_loading() -> None:
     os._exit, not sys.exit: SystemExit raised while onnxruntime's native module initializes became
     "ImportError: initialization failed" with a traceback, or a segfault (up to 14 and 3 of 200 Ctrl-Cs at random
     moments); nothing is written yet that an exit without cleanup would lose."""
+    import _signal  # the builtin under `signal`: importing signal builds its enums, a window of its own
     import os
-    import signal
 
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    _signal.signal(_signal.SIGINT, lambda *_: os._exit(130))
 
 
 def main() -> None:
