@@ -90,10 +90,10 @@ def cli() -> None:
 @click.option("--head-vocab", type=click.IntRange(min=256), default=None,
               help="Draft models only: the lm_head over the first N token ids (byte-level BPE numbers tokens in "
                    "merge order, frequent ones first): a cheaper draft for speculative decoding; such a bundle "
-                   "cannot serve requests itself.")
+                   "cannot serve requests itself [default: the whole vocabulary].")
 @click.option("--draft", type=click.Path(path_type=Path), default=None,
               help="A bundle of the same tokenizer for the new one to carry as its draft model (speculative "
-                   "decoding: the agent drafts with it when its speculative setting is \"draft\").")
+                   "decoding: the agent drafts with it when its speculative setting is \"draft\") [default: none].")
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
