@@ -293,3 +293,20 @@ def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
     # (fresh processes, 9 interleaved rounds; docs/benchmarks.md, what we tried).
     opts.enable_mem_pattern = False
     return opts
+
+
+def write_adapter(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write named tensors (an adapter's LoRA inputs, agent.wire.lora_a / lora_b) in ONNX Runtime's adapter
+    format (.onnx_adapter, a FlatBuffers file it memory-maps)."""
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(wire.ADAPTER_SCHEMA_VERSION)
+    adapter.set_model_version(wire.ADAPTER_SCHEMA_VERSION)
+    adapter.set_parameters({k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()})
+    adapter.export_adapter(str(path))
+
+
+def read_adapter(path: Path) -> dict[str, ort.OrtValue]:
+    """An adapter file's tensors by name, as views of the mapped file. Bind them as graph inputs: an adapter
+    made active through RunOptions (add_active_adapter) has no effect on run_with_iobinding, which every step
+    here uses (ONNX Runtime says so, and warns)."""
+    return ort.AdapterFormat.read_adapter(str(path)).get_parameters()
