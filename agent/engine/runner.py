@@ -284,6 +284,9 @@ def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
     """
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # errors only: an adapter-ready graph's LoRA inputs have initializer defaults on purpose (quantize.lora), and
+    # ONNX Runtime warns about each at every load (240 lines for SmolLM2 on seven projections)
+    opts.log_severity_level = 3
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
@@ -301,7 +304,10 @@ def write_adapter(path: Path, tensors: dict[str, np.ndarray]) -> None:
     adapter = ort.AdapterFormat()
     adapter.set_adapter_version(wire.ADAPTER_SCHEMA_VERSION)
     adapter.set_model_version(wire.ADAPTER_SCHEMA_VERSION)
-    adapter.set_parameters({k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()})
+    # an OrtValue made from numpy borrows the array's memory without holding it: the contiguous copies must
+    # outlive the export (a temporary one was freed first, and the file held whatever reused its memory)
+    arrays = {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
+    adapter.set_parameters({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()})
     adapter.export_adapter(str(path))
 
 
