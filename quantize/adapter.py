@@ -99,10 +99,10 @@ class AdapterRunner(ModelRunner):
     """A runner whose every step runs with one adapter: its tensors are bound in place of the graph's rank-0 LoRA
     inputs on each binding the runner makes (inputs it does not name keep their zero defaults)."""
 
-    def __init__(self, bundle: Bundle, adapter_file: Path, threads: int | None = None):
+    def __init__(self, bundle: Bundle, adapter_file: Path, threads: int | None = None, spin_wait: bool = False):
         self.adapter = read_adapter(adapter_file)
         c = bundle.config
-        super().__init__(bundle.graph(), c.num_layers, c.num_kv_heads, c.head_dim, threads)
+        super().__init__(bundle.graph(), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
 
     def _bind_cache(self, binding, cache):
         for name, value in self.adapter.items():
