@@ -204,6 +204,10 @@ class AdapterManifest(_Frozen):
     golden: Golden
     quality: Quality | None = None
 
+    @property
+    def targets(self) -> list[LoraTarget]:
+        return list(self.ranks)
+
     def canonical_bytes(self) -> bytes:
         return canonical_json(self)
 

@@ -268,7 +268,8 @@ def inspect(bundle, as_json):
     info = {"name": b.manifest.name, "version": b.manifest.version, "precision": b.manifest.precision,
             "quant": b.manifest.quant, "geometry": b.config.model_dump(exclude={"chat_template", "quant"}),
             "files": {k: v.size_bytes for k, v in b.manifest.files.items()},
-            "quality": b.manifest.quality.model_dump() if b.manifest.quality else None}
+            "quality": b.manifest.quality.model_dump() if b.manifest.quality else None,
+            "lora": b.manifest.lora.model_dump() if b.manifest.lora else None}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -279,6 +280,8 @@ def inspect(bundle, as_json):
         click.echo(f"file       {k} {v / 1e6:.1f} MB")
     if info["quality"]:
         click.echo("quality    " + ", ".join(f"{k}={v}" for k, v in info["quality"].items() if k != "text_sha256"))
+    if info["lora"]:
+        click.echo(f"lora       {','.join(info['lora']['targets'])} up to rank {info['lora']['max_rank']}")
 
 
 @cli.command()

@@ -261,6 +261,8 @@ def test_build_and_adapter_commands(tiny, tmp_path):
             "--lora-targets", "q,v,o", "--max-lora-rank", "8", "--name", "tiny", "--out", str(bundle))
     assert r.returncode == 0, r.stderr
     assert open_bundle(bundle).manifest.lora == wire.LoraCapacity(targets=["q", "v", "o"], max_rank=8)
+    r = run("inspect", str(bundle))
+    assert r.returncode == 0 and "lora       q,v,o up to rank 8" in r.stdout
     peft_dir = write_peft(tmp_path / "support-bot", ckpt.geometry, targets=("q", "v"), r=4)
     out = tmp_path / "adapters" / "support-bot"
     r = run("adapter", str(peft_dir), "--base", str(bundle), "--source", str(source), "--eval-text", str(text),
