@@ -314,3 +314,15 @@ def test_the_scale_is_peft_s(config, scales, tmp_path):
     peft = read_peft(write_peft(tmp_path / "peft", g, targets=ALL, r=4, alpha=16, **config))
     found = {(p.target, p.layer): p.scale for p in peft.pairs}
     assert {k: found[k] for k in scales} == scales
+
+
+def test_an_adapter_file_holds_the_arrays_it_was_given_whatever_their_memory_order(tmp_path):
+    """ONNX Runtime borrows a numpy array's memory for the export: a transposed (Fortran-order) A was copied to a
+    temporary that was freed before the export, and the file held garbage."""
+    from agent.engine.runner import read_adapter, write_adapter
+
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i}": rng.standard_normal((12, 64)).astype(np.float32).T for i in range(24)}  # [64, 12], F-order
+    write_adapter(tmp_path / "a.onnx_adapter", tensors)
+    back = read_adapter(tmp_path / "a.onnx_adapter")
+    assert all(np.array_equal(back[k].numpy(), v) for k, v in tensors.items())
