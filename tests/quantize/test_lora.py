@@ -326,3 +326,18 @@ def test_an_adapter_file_holds_the_arrays_it_was_given_whatever_their_memory_ord
     write_adapter(tmp_path / "a.onnx_adapter", tensors)
     back = read_adapter(tmp_path / "a.onnx_adapter")
     assert all(np.array_equal(back[k].numpy(), v) for k, v in tensors.items())
+
+
+@pytest.mark.real_model
+def test_the_real_model_without_an_adapter_is_the_plain_graph_bit_for_bit(real_checkpoint, tmp_path):
+    """SmolLM2 INT4 from the GGUF's own Q4_1 blocks (a MatMulNBits plus the blocks' minimums, then the branch),
+    all seven targets, over a 64-token prompt."""
+    g = real_checkpoint.geometry
+    spec = QuantSpec(precision="int4", keep_source_quant=True)
+    ids = np.random.default_rng(2).integers(0, g.vocab_size, 64).tolist()
+    runs = []
+    for name, lora in (("plain", None), ("ready", LoraSpec(targets=ALL, max_rank=16))):
+        runner = graph_runner(build_graph(real_checkpoint, spec, lora=lora)[0], tmp_path / f"{name}.onnx", g)
+        runs.append(runner.forward(np.array([ids]), np.array([63]), np.array([64]), np.arange(64)[None],
+                                   runner.new_cache(1, 64)))
+    assert np.array_equal(runs[0].view(np.uint32), runs[1].view(np.uint32))
