@@ -271,12 +271,14 @@ class SqliteDatabase(Database):
         self.utils[table].add_column(column, kind, not_null_default=not_null_default)
 
 
-def open_database(target: str | Path, readonly: bool = False, busy_timeout_s: float = BUSY_TIMEOUT_S) -> Database:
+def open_database(target: str | Path, readonly: bool = False, busy_timeout_s: float = BUSY_TIMEOUT_S,
+                  pooled: bool = False) -> Database:
     """A path opens (or creates) a SQLite file; a postgresql:// URL connects (libpq's URL: several hosts and
     target_session_attrs=read-write for a failover pair; the password from ~/.pgpass, PGPASSFILE or
-    PGPASSWORD, never a command line)."""
+    PGPASSWORD, never a command line). pooled: a short-lived use, which on PostgreSQL borrows a connection from
+    the process's pool and gives it back at close() (a SQLite file is opened as ever: it costs a file open)."""
     if is_url(target):
         from fleet.postgres import PostgresDatabase
 
-        return PostgresDatabase(str(target), readonly=readonly)
+        return PostgresDatabase(str(target), readonly=readonly, pooled=pooled)
     return SqliteDatabase(Path(target), readonly=readonly, busy_timeout_s=busy_timeout_s)

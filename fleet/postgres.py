@@ -6,17 +6,26 @@ the telemetry inserts (`insert into T (...) values (...) on conflict do nothing`
 which are staged by COPY in a temporary table and moved by one INSERT ... SELECT.
 Autocommit outside transaction(), as fleet.db says. Types: str -> text, int -> bigint, float -> double
 precision (epoch seconds keep their microseconds).
+
+Connections: a long-lived database (the consumer's store, the leader's lock, a command-line query) holds its
+own; a server's short-lived one (`pooled`: the rollout driver's report batches and passes) borrows one from the
+process's psycopg-pool pool for its URL and mode, and close() gives it back, so a busy replica does not pay a
+connection (a backend process, authentication, on a remote server TLS) for every batch. While the server is
+unreachable a borrower waits up to CONNECT_TIMEOUT_S and the pool's own log names each failed attempt.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import re
+import threading
 import zlib
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterable, Iterator, Sequence
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from fleet.db import POSTGRESQL, Database, StoreError, describe
 
@@ -30,6 +39,16 @@ _INSERT_IGNORING = re.compile(r"insert into (\w+) \(([\w, ]+)\) values \([?, ]+\
 # commit at 10,000 records/s) ~30% less CPU in this process and ~25% less in the server, which on a host
 # shared by consumers, server and broker is ingest rate. Even at ~32 rows; below that the pipeline is cheaper.
 COPY_MIN_ROWS = 48
+# A replica's borrowers at once: the rollout pass, the artifact server's and the report's request threads. More
+# would wait (up to CONNECT_TIMEOUT_S) rather than open backends without bound; idle ones close after POOL_IDLE_S.
+POOL_MAX_CONNECTIONS = 8
+POOL_IDLE_S = 60.0
+_CONNECT_ARGS = dict(autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, application_name="edge-fleet",
+                     # keepalives: a server gone without a FIN (a host lost, a failover) is noticed in ~30 s
+                     keepalives_idle=10, keepalives_interval=5, keepalives_count=3)
+MAX_POOLS = 4  # a process serves one database (two pools: read-write and read-only); more are closed oldest first
+_pools: dict[tuple[str, bool], ConnectionPool] = {}  # (url, readonly) -> this process's pool, oldest first
+_pools_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=512)
@@ -41,22 +60,22 @@ def _pg_sql(sql: str) -> str:
 class PostgresDatabase(Database):
     dialect = POSTGRESQL
 
-    def __init__(self, url: str, readonly: bool = False):
+    def __init__(self, url: str, readonly: bool = False, pooled: bool = False):
         self.url, self.target, self.readonly = url, describe(url), readonly
+        self._pool = _pool(url, readonly) if pooled else None
+        self._returned = False
         try:
             self._conn = self._connect()
-        except psycopg.Error as e:
+        except (psycopg.Error, PoolTimeout) as e:
             raise StoreError(f"fleet database {self.target}: {str(e).strip()}") from None
         self._pks: dict[str, tuple[str, ...]] = {}
         self._staging: dict[tuple[str, str], str] = {}  # (table, columns) -> its temporary staging table
 
     def _connect(self) -> psycopg.Connection:
-        # keepalives: a server gone without a FIN (a host lost, a failover) is noticed in ~30 s, not hours
-        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
-                               application_name="edge-fleet", keepalives_idle=10, keepalives_interval=5,
-                               keepalives_count=3)
-        if self.readonly:
-            conn.execute("set default_transaction_read_only = on")
+        if self._pool is not None:
+            return self._pool.getconn(timeout=CONNECT_TIMEOUT_S)
+        conn = psycopg.connect(self.url, **_CONNECT_ARGS)
+        _configure(conn, self.readonly)
         return conn
 
     @property
@@ -65,6 +84,8 @@ class PostgresDatabase(Database):
         target_session_attrs=read-write, libpq finds the new primary). Never inside a transaction: a broken
         one fails as a whole, and its caller retries it."""
         if self._conn.closed:
+            if self._pool is not None:
+                self._pool.putconn(self._conn)  # a broken connection is discarded by the pool
             self._conn = self._connect()
             self._staging.clear()  # temporary tables are the old session's
         return self._conn
@@ -123,7 +144,11 @@ class PostgresDatabase(Database):
             raise
 
     def close(self) -> None:
-        self._conn.close()
+        if self._pool is None:
+            self._conn.close()
+        elif not self._returned:  # given back once (the pool rolls back a transaction left open)
+            self._returned = True
+            self._pool.putconn(self._conn)
 
     def table_names(self) -> list[str]:
         return [r[0] for r in self.conn.execute(
@@ -165,3 +190,33 @@ def _literal(value: Any) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return repr(value)
     raise ValueError(f"a column default must be a number here, got {value!r}")
+
+
+def _configure(conn: psycopg.Connection, readonly: bool) -> None:
+    if readonly:
+        conn.execute("set default_transaction_read_only = on")
+
+
+def _pool(url: str, readonly: bool) -> ConnectionPool:
+    """This process's pool for url in that mode, opened at first use (no connection until one is borrowed)."""
+    with _pools_lock:
+        if (url, readonly) not in _pools:
+            _pools[(url, readonly)] = ConnectionPool(
+                url, min_size=0, max_size=POOL_MAX_CONNECTIONS, max_idle=POOL_IDLE_S, kwargs=_CONNECT_ARGS,
+                configure=functools.partial(_configure, readonly=readonly), name="edge-fleet", num_workers=1,
+                open=True)
+        retired = [_pools.pop(key) for key in list(_pools)[:-MAX_POOLS]]
+        pool = _pools[(url, readonly)]
+    for old in retired:  # its borrowed connections are closed when given back (the pool is closed by then)
+        old.close(timeout=0)
+    return pool
+
+
+@atexit.register
+def close_pools() -> None:
+    """Close every pool's connections (its worker threads would otherwise hold the interpreter's exit)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.close()

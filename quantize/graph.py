@@ -143,7 +143,9 @@ def _capture_outputs(b: GraphBuilder, g: Geometry) -> list:
     return outputs
 
 
-def io_spec(g: Geometry) -> tuple[list, list]:
+def io_spec(g: Geometry, logits_width: int | None = None) -> tuple[list, list]:
+    """The graph's inputs and outputs (agent/wire.py's names); logits_width: a draft head's (QuantSpec.head_vocab),
+    else the vocabulary."""
     inputs = [
         helper.make_tensor_value_info(wire.INPUT_IDS, TensorProto.INT64, ["batch", "seq"]),
         helper.make_tensor_value_info(wire.SEQLENS_K, TensorProto.INT32, ["batch"]),
@@ -151,7 +153,8 @@ def io_spec(g: Geometry) -> tuple[list, list]:
         helper.make_tensor_value_info(wire.QUERY_SEQLENS, TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info(wire.LOGITS_INDICES, TensorProto.INT64, ["batch", "n_logits"]),
     ]
-    outputs = [helper.make_tensor_value_info(wire.LOGITS, TensorProto.FLOAT, ["batch", "n_logits", g.vocab_size])]
+    outputs = [helper.make_tensor_value_info(wire.LOGITS, TensorProto.FLOAT,
+                                             ["batch", "n_logits", logits_width or g.vocab_size])]
     kv_shape = ["batch", g.num_kv_heads, "capacity", g.head_dim]
     for i in range(g.num_layers):
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (wire.past_key(i), wire.past_value(i))]
@@ -164,7 +167,12 @@ def _embedding_and_head(b: GraphBuilder, ckpt: Checkpoint, spec: QuantSpec) -> t
     when they are tied and of one precision."""
     g = ckpt.geometry
     table = ckpt.weights["model.embed_tokens.weight"]
-    if g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":  # one copy
+    if spec.head_vocab:  # a draft's head over the first ids (QuantSpec.head_vocab): apart from the embedding
+        x = embedding(b, table, spec.embedding_precision, spec)
+        lm_head = lambda h: linear(b, "/lm_head", h, ckpt.lm_head[:spec.head_vocab], spec,  # noqa: E731
+                                   LinearPlan(spec.lm_head_precision, spec.head_block_size or spec.block_size, spec.symmetric),
+                                   key=LM_HEAD)
+    elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":  # one copy
         x, lm_head = tied_int8(b, table, spec)
     elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "fp32":
         x, lm_head = tied_fp32(b, table)
@@ -190,6 +198,9 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     (for calibration); such a graph is for measuring, not for a bundle.
     """
     g = ckpt.geometry
+    if spec.head_vocab and spec.head_vocab >= g.vocab_size:
+        raise ValueError(f"head_vocab {spec.head_vocab}: a draft's head must be narrower than the model's "
+                         f"{g.vocab_size}-token vocabulary")
     plans = plan_linears(ckpt, spec, lora)
     b = GraphBuilder(importance=importance or {}, hessians=hessians or {})
     rotary_caches(b, g)
@@ -211,7 +222,7 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     b.nodes[-1].output[0] = wire.LOGITS  # the lm_head's (or its multiplier's) node is the last one added
     # calibration sees the lm_head's input at every position, not only where this graph computes logits
     b.linear_inputs[LM_HEAD] = final
-    inputs, outputs = io_spec(g)
+    inputs, outputs = io_spec(g, spec.head_vocab)
     inputs += b.graph_inputs
     if capture:
         outputs += _capture_outputs(b, g)

@@ -287,7 +287,10 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
     golden = wire.Golden(prompt=wire.SMOKE_PROMPT, prompt_ids=prompt_ids,
                          continuation_ids=greedy(runner, prompt_ids, golden_tokens(ckpt, len(prompt_ids))))
     quality = None
-    if eval_text:
+    if eval_text and spec.head_vocab:
+        progress(f"no quality figures: a draft head's logits cover {spec.head_vocab} of {ckpt.geometry.vocab_size} "
+                 "tokens, and the comparison is over all of them")
+    elif eval_text:
         quality = _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress)
     del runner
     files = _files(tmp)

@@ -33,7 +33,7 @@ class Bundle:
         graph = self.path / name
         if (self.manifest is None or name in self.manifest.files) and graph.is_file():  # None: being built
             return graph
-        label = str(self.path) if self.manifest is None else f"{self.manifest.name}@{self.manifest.version}"
+        label = self.label
         if kv_dtype != "int8":
             raise BundleError(f"{label} has no {wire.GRAPH}")
         raise BundleError(f"{label} has no int8 KV cache graph "
@@ -42,6 +42,18 @@ class Bundle:
 
     def tokenizer_json(self) -> str:
         return (self.path / wire.TOKENIZER).read_text()
+
+    @property
+    def label(self) -> str:
+        return str(self.path) if self.manifest is None else f"{self.manifest.name}@{self.manifest.version}"
+
+    def check_servable(self) -> None:
+        """BundleError for a draft-only bundle: a head over the first head_vocab ids (edge-quantize build
+        --head-vocab) can never pick the ids past them, end ids included, so only a target may verify its guesses."""
+        head_vocab = self.config.quant.get("head_vocab")
+        if head_vocab:
+            raise BundleError(f"{self.label} is a draft model (its head covers {head_vocab} of "
+                              f"{self.config.vocab_size} tokens): it drafts for a target, it cannot serve requests")
 
 
 def file_sha256(path: Path) -> str:

@@ -43,6 +43,7 @@ class Engine:
     def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig(), draft: Bundle | None = None,
                  heartbeat: Callable[[], None] | None = None, idle_wait_s: float = 0.5):
         self.bundle, self.config = bundle, config
+        bundle.check_servable()
         # called by the loop itself every iteration (busy or idle): a watchdog fed from here stops being fed
         # when the loop is stuck, which a free-running timer would not notice
         self.heartbeat = heartbeat or (lambda: None)

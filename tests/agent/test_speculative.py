@@ -287,3 +287,51 @@ def test_the_draft_catches_up_on_a_long_prompt_in_prefill_chunks(tiny_bundle, ti
     out = spec.generate(prompt, SamplingParams(max_tokens=24, **GREEDY))
     assert out.token_ids == want and out.figures.drafted_tokens > 0
     assert widths and max(widths) <= 16, widths
+
+
+# ---- a draft's head over the first ids (edge-quantize build --head-vocab) -------------------------------------
+@pytest.fixture(scope="module")
+def tiny_head_bundle(tiny_varied_checkpoint, tmp_path_factory):
+    """The tiny model (269 tokens) at fp32 with a head over its first 256 ids: a draft-only bundle."""
+    return build_bundle(tiny_varied_checkpoint, QuantSpec(head_vocab=256), tmp_path_factory.mktemp("spec") / "head",
+                        name="tiny", progress=lambda s: None)
+
+
+def test_a_draft_head_gives_the_first_columns_of_the_full_heads_logits(tiny_bundle, tiny_head_bundle):
+    from agent.engine.runner import open_runner
+
+    ids = repetitive_prompts(1)[0]
+    logits = []
+    for bundle in (tiny_bundle, tiny_head_bundle):
+        runner = open_runner(bundle, 2)
+        n = len(ids)
+        logits.append(runner.forward(np.array([ids], np.int64), np.array([n - 1]), np.array([n]),
+                                     np.array([list(range(n))]), runner.new_cache(1, 64))[0])
+    full, head = logits
+    assert head.shape == (len(ids), 256) and full.shape == (len(ids), 269)
+    np.testing.assert_allclose(head, full[:, :256], rtol=1e-5, atol=1e-5)
+
+
+def test_a_draft_head_bundle_drafts_and_the_output_stays_the_targets(tiny_bundle, tiny_head_bundle):
+    ps = [p[:20] for p in repetitive_prompts(2)]
+    cfg = dict(threads=2, memory_budget_mb=16000, min_context=64, speculative_max_batch=4)
+    want = [Engine(tiny_bundle, EngineConfig(**cfg)).generate(p, SamplingParams(max_tokens=40, **GREEDY)).token_ids
+            for p in ps]
+    spec = Engine(tiny_bundle, EngineConfig(speculative="draft", **cfg), draft=tiny_head_bundle)
+    results = run_together(spec, ps, 40)
+    assert [r.token_ids for r in results] == want
+    assert sum(r.figures.accepted_tokens for r in results) > 0
+
+
+def test_a_draft_head_bundle_cannot_serve_requests(tiny_head_bundle):
+    from agent.engine.bundle import BundleError
+
+    with pytest.raises(BundleError, match=r"is a draft model \(its head covers 256 of 269 tokens\)"):
+        Engine(tiny_head_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
+
+
+def test_a_draft_head_as_wide_as_the_vocabulary_is_refused(tiny_varied_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="head_vocab 269: a draft's head must be narrower than the model's 269-token"):
+        build_bundle(tiny_varied_checkpoint, QuantSpec(head_vocab=269), tmp_path / "b", name="tiny",
+                     progress=lambda s: None)
+    assert not (tmp_path / "b").exists()

@@ -23,7 +23,7 @@ from quantize import fetch as fetch_module
 from quantize.fetch import KNOWN_MODELS, FetchError, KnownModel, Member, fetch, gguf_strings
 
 VERSION = "1.2.3"
-NAMES = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m")
+NAMES = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m", "qwen2.5-coder-1.5b-instruct")
 
 
 def write_gguf(path: Path, name: str = "Fake 1M", arch: str = "llama") -> bytes:
@@ -218,7 +218,8 @@ def test_gguf_strings_reads_what_gguf_reads(tmp_path):
 
 def test_the_registry_names_the_pinned_files():
     assert [KNOWN_MODELS[n].file_name for n in NAMES] == [
-        "SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "gemma-3-270m-q4_k_m.gguf"]
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "gemma-3-270m-q4_k_m.gguf",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
 
 
 # The pins as the task gave them, not read back from the registry: a wrong registry entry fails here.
@@ -227,6 +228,8 @@ REAL = {
     "qwen2.5-coder-0.5b-instruct": (491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                                     "qwen2"),
     "gemma3-270m": (253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "gemma3"),
+    "qwen2.5-coder-1.5b-instruct": (1_117_320_768,
+                                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen2"),
 }
 
 
