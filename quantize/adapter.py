@@ -63,15 +63,18 @@ def check_fit(peft: PeftAdapter, bundle: Bundle) -> None:
                                f"but {label}'s projection is [out {out}, in {inp}] (an adapter for another model)")
 
 
-def fused_tensors(peft: PeftAdapter, c: wire.Geometry) -> dict[str, np.ndarray]:
-    """The adapter's graph inputs by name: per (layer, fused projection) it touches, A [in, R] and B [R, out]."""
+def fused_tensors(peft: PeftAdapter, c: wire.Geometry, base: wire.LoraCapacity) -> dict[str, np.ndarray]:
+    """Every LoRA input of the base's graph by name, A [in, R] and B [R, out] per (layer, fused projection): the
+    adapter's where it has pairs, rank 0 (zeros of the defaults' shapes) where it has none. An adapter then names
+    every input its base has, so binding one in place of another leaves nothing of the other bound."""
     shapes = target_shapes(c)
     tensors: dict[str, np.ndarray] = {}
-    for layer in sorted({p.layer for p in peft.pairs}):
+    projections = {wire.LORA_PROJECTION_OF[t] for t in base.targets}
+    for layer in range(c.num_layers):
         for proj, (_, targets) in wire.LORA_PROJECTIONS.items():
-            pairs = [p for p in peft.pairs if p.layer == layer and p.target in targets]
-            if not pairs:
+            if proj not in projections:
                 continue
+            pairs = [p for p in peft.pairs if p.layer == layer and p.target in targets]
             offsets = dict(zip(targets, np.cumsum([0] + [shapes[t][0] for t in targets]).tolist()))
             b = np.zeros((sum(p.rank for p in pairs), sum(shapes[t][0] for t in targets)), np.float32)
             row = 0
@@ -79,8 +82,9 @@ def fused_tensors(peft: PeftAdapter, c: wire.Geometry) -> dict[str, np.ndarray]:
                 col = offsets[p.target]
                 b[row:row + p.rank, col:col + p.b.shape[0]] = (p.scale * p.b.astype(np.float64)).T
                 row += p.rank
-            tensors[wire.lora_a(layer, proj)] = np.ascontiguousarray(np.concatenate([p.a.T for p in pairs], axis=1),
-                                                                     np.float32)
+            k_in = shapes[targets[0]][1]  # a fused projection's targets read one input
+            a = np.concatenate([np.zeros((k_in, 0), np.float32)] + [p.a.T for p in pairs], axis=1)
+            tensors[wire.lora_a(layer, proj)] = np.ascontiguousarray(a, np.float32)
             tensors[wire.lora_b(layer, proj)] = b
     return tensors
 
@@ -158,7 +162,7 @@ def convert(peft: PeftAdapter, bundle: Bundle, out: Path, *, name: str, source: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_adapter(tmp / wire.ADAPTER_FILE, fused_tensors(peft, bundle.config))
+        write_adapter(tmp / wire.ADAPTER_FILE, fused_tensors(peft, bundle.config, bundle.manifest.lora))
         runner = AdapterRunner(bundle, tmp / wire.ADAPTER_FILE, threads)
         progress("recording the golden greedy continuation with the adapter active")
         gold = golden(runner, bundle.manifest)

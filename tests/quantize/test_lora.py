@@ -269,6 +269,14 @@ def test_build_and_adapter_commands(tiny, tmp_path):
             "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "support-bot@r4-" in r.stdout and "mean KL" in r.stdout
+    # it names every LoRA input of its base (o's at rank 0): binding it leaves nothing of another adapter bound
+    import onnx
+    from agent.engine.runner import read_adapter
+
+    inputs = {i.name for i in onnx.load(str(bundle / wire.GRAPH), load_external_data=False).graph.input
+              if "lora" in i.name}
+    tensors = read_adapter(out / wire.ADAPTER_FILE)
+    assert set(tensors) == inputs and tensors[wire.lora_b(1, "o")].shape() == [0, 64]
     m = wire.AdapterManifest.read(out)
     assert m.name == "support-bot" and m.ranks == {"q": 4, "v": 4} and m.quality.tokens > 0
     assert m.quality.mean_kl > 0  # the QLoRA cost: our int4 base + the adapter against fp32 with it merged
