@@ -77,6 +77,7 @@ GRAPH = "model.onnx"
 GRAPH_DATA = "model.onnx.data"
 GRAPH_INT8_KV = "model.int8kv.onnx"  # the same graph (and GRAPH_DATA) with an int8 KV cache; optional
 TOKENIZER = "tokenizer.json"
+DRAFT_DIR = "draft"  # a bundle's draft model for speculative decoding: a whole bundle in this folder
 MANIFEST_SCHEMA_VERSION = 1
 # A converted LoRA adapter (edge-quantize adapter): a folder of these two files
 ADAPTER_FILE = "adapter.onnx_adapter"  # ONNX Runtime's adapter format: the graph's LoRA inputs, by name
@@ -144,6 +145,17 @@ def canonical_json(model: BaseModel, exclude: frozenset[str] = frozenset()) -> b
                       separators=(",", ":")).encode()
 
 
+OPTIONAL_MANIFEST_FIELDS = ("draft", "lora")  # Manifest fields left out of its JSON while None
+
+
+class DraftRef(_Frozen):
+    """The draft model a bundle carries in DRAFT_DIR (edge-quantize build --draft): its own manifest's name and
+    version. Its files are the bundle's files too, so the one signature and the one download cover both."""
+
+    name: str
+    version: str
+
+
 class LoraCapacity(_Frozen):
     """Which projections of an adapter-ready bundle take an adapter, and up to which rank each."""
 
@@ -163,15 +175,17 @@ class Manifest(_Frozen):
     files: dict[str, FileEntry]  # relative path -> hash and size, every file but the manifest itself
     quality: Quality | None = None
     golden: Golden
+    draft: DraftRef | None = None
     lora: LoraCapacity | None = None  # set for an adapter-ready bundle (edge-quantize build --lora-targets)
 
     @model_serializer(mode="wrap")
-    def _lora_only_when_set(self, handler):
-        # a plain bundle's manifest keeps the bytes, and so the signature, it had before the field existed, and
-        # agents from before it (whose schema forbids unknown keys) still read it
+    def _optional_fields_only_when_set(self, handler):
+        # fields added after the first agents are left out while unset: a bundle without them keeps its bytes
+        # (and so its signature), and agents from before them, whose schema forbids unknown keys, still read it
         data = handler(self)
-        if isinstance(data, dict) and data.get("lora", ...) is None:
-            del data["lora"]
+        for key in OPTIONAL_MANIFEST_FIELDS:
+            if isinstance(data, dict) and data.get(key, ...) is None:
+                del data[key]
         return data
 
     def canonical_bytes(self) -> bytes:

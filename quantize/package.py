@@ -19,7 +19,8 @@ from pathlib import Path
 import onnx
 
 from agent import durable, wire
-from agent.engine.bundle import Bundle, file_sha256, open_bundle
+from agent.engine.bundle import Bundle, BundleError, file_sha256, open_bundle
+from agent.engine.draft import same_tokenizer
 from agent.engine.runner import open_runner
 from agent.engine.tokenizer import TextTokenizer
 from quantize.calibrate import HESSIAN_BUDGET_MB, Calibration, calibration
@@ -61,8 +62,9 @@ def encode(tokenizer_json: str, text: str) -> list[int]:
 
 
 def _files(root: Path) -> dict[str, wire.FileEntry]:
+    """Every file but the bundle's own manifest (a carried draft's manifest is one of its files)."""
     return {p.relative_to(root).as_posix(): wire.FileEntry(sha256=file_sha256(p), size_bytes=p.stat().st_size)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != wire.MANIFEST}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() != wire.MANIFEST}
 
 
 def _version(spec: QuantSpec, files: dict[str, wire.FileEntry]) -> str:
@@ -192,16 +194,19 @@ def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
                  eval_text: str | None = None, calibration_text: str | None = None, threads: int | None = None,
                  progress: Callable[[str], None] = print, show_progress: bool = False,
-                 hessian_budget_mb: float = HESSIAN_BUDGET_MB, lora: LoraSpec | None = None) -> Bundle:
+                 hessian_budget_mb: float = HESSIAN_BUDGET_MB, draft: Path | None = None,
+                 lora: LoraSpec | None = None) -> Bundle:
     """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4
     block search by activation importance and sets the int8 KV cache graph's scales (without one, the
-    bundle has no int8 KV cache graph). With lora, the bundle is adapter-ready (quantize.lora)."""
+    bundle has no int8 KV cache graph). draft: a bundle of the same tokenizer that the new one carries in
+    wire.DRAFT_DIR for speculative decoding. With lora, the bundle is adapter-ready (quantize.lora)."""
     out = Path(out)
     if not re.fullmatch(wire.MODEL_NAME_PATTERN, name):
         raise PackageError(f"model name {name!r}: use 1-64 letters, digits and . _ + - (starting with a letter "
                            f"or digit), since it names directories and URLs")
     check_destination(out, force)
     check_tokenizer(ckpt)
+    draft_bundle = check_draft(ckpt, Path(draft)) if draft is not None else None
     golden_tokens(ckpt, len(encode(ckpt.tokenizer.tokenizer_json, wire.SMOKE_PROMPT)))
     for what, text in (("calibration", calibration_text), ("evaluation", eval_text)):
         # an empty file turned calibration (GPTQ, the int8 KV graph) or the quality figures off without a word
@@ -216,7 +221,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
         try:
             calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
             _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
-                            hessian_budget_mb, lora)
+                            hessian_budget_mb, draft_bundle, lora)
             for p in tmp.rglob("*"):  # onnx writes the weights 0600: an agent or artifact server running as
                 if p.is_file():       # another user than the builder could not read them
                     p.chmod(0o644)
@@ -226,6 +231,29 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
             shutil.rmtree(tmp.with_name(tmp.name + "-ref"), ignore_errors=True)
             os.close(held)
     return open_bundle(out)
+
+
+def check_draft(ckpt: Checkpoint, path: Path) -> Bundle:
+    """The draft a new bundle will carry: verified, of the model's tokenizer (its guesses are token ids), and
+    without a draft of its own."""
+    try:
+        draft = open_bundle(path)
+    except BundleError as e:
+        raise PackageError(f"--draft {path}: {e}") from None
+    if draft.manifest.draft is not None:
+        raise PackageError(f"--draft {path}: {draft.label} carries a draft model itself; give its own draft instead")
+    if not same_tokenizer(draft.tokenizer_json(), ckpt.tokenizer.tokenizer_json):
+        raise PackageError(f"--draft {path}: {draft.label} has another tokenizer than the model; speculative "
+                           "decoding needs the same one")
+    return draft
+
+
+def _copy_bundle(bundle: Bundle, dest: Path) -> None:
+    """The bundle's manifest and the files it lists (nothing else in its folder), into dest."""
+    for rel in [wire.MANIFEST, *bundle.manifest.files]:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bundle.path / rel, target)
 
 
 def check_tokenizer(ckpt: Checkpoint) -> None:
@@ -250,7 +278,7 @@ def golden_tokens(ckpt: Checkpoint, prompt_tokens: int) -> int:
 
 
 def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
-                    hessian_budget_mb, lora=None) -> None:
+                    hessian_budget_mb, draft: Bundle | None = None, lora: LoraSpec | None = None) -> None:
     # For INT8, importance-weighted search alone measured worse (mean KL 0.0059 vs 0.0040 without),
     # its error being dominated by the int8 activations; GPTQ still helped (0.0040 -> 0.0037)
     if calib_ids and (spec.method == "gptq" or (spec.precision == "int4" and spec.method == "search")):
@@ -293,12 +321,17 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
     elif eval_text:
         quality = _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress)
     del runner
+    if draft is not None:
+        progress(f"adding the draft model {draft.label}")
+        _copy_bundle(draft, tmp / wire.DRAFT_DIR)
     files = _files(tmp)
     manifest = wire.Manifest(
         name=name, version=_version(spec, files), precision=spec.precision, quant=spec.model_dump(),
         source_sha256=ckpt.source_sha256, source_name=ckpt.source_name,
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        files=files, quality=quality, golden=golden, lora=lora.capacity() if lora else None)
+        files=files, quality=quality, golden=golden,
+        draft=None if draft is None else wire.DraftRef(name=draft.manifest.name, version=draft.manifest.version),
+        lora=lora.capacity() if lora else None)
     (tmp / wire.MANIFEST).write_text(manifest.model_dump_json(indent=2))
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from broker import free_port
 from processes import BIN, Agent, FleetServer, client, health, wait
+from agent import wire
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
@@ -95,6 +96,51 @@ def test_a_device_that_trusts_a_job_key_takes_the_fleets_signed_jobs_only(bundle
         job_id = fleet("rollback", "dev-j", db=db).split()[1].rstrip(":")
         wait(lambda: (health(agent.sock) or {}).get("version") == v1.manifest.version, "rolled back by the signed job")
         assert "SUCCEEDED" in fleet("job", job_id, db=db)
+    finally:
+        agent.stop()
+        server.stop()
+
+
+def drafted_tokens(sock: Path) -> float:
+    """The agent's edge:spec_decode_num_draft_tokens counter, from /metrics."""
+    with client(sock) as c:
+        text = c.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("edge:spec_decode_num_draft_tokens"))
+
+
+def test_a_bundle_and_its_draft_model_ship_as_one_signed_rollout(tiny_checkpoint, broker, tmp_path):
+    """A device drafting with the model its bundle carries (speculative = "draft") takes a signed job to another
+    pair: one publish, one download, one health gate; afterwards it serves the new pair and drafts with it."""
+    build = lambda spec, out, **kw: build_bundle(tiny_checkpoint, spec, tmp_path / out, name=kw.pop("name", "tiny"),  # noqa: E731
+                                                 progress=lambda s: None, **kw)
+    draft_v1 = build(QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}), "d1", name="tiny-draft")
+    draft_v2 = build(QuantSpec(head_vocab=256), "d2", name="tiny-draft")
+    v1, v2 = build(QuantSpec(), "pair1", draft=draft_v1.path), build(QuantSpec(), "pair2", draft=draft_v2.path)
+    assert v1.manifest.version != v2.manifest.version  # the same target weights: the drafts tell them apart
+    db, keys, config = tmp_path / "fleet.db", tmp_path / "fleet.key", tmp_path / "agent.toml"
+    subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
+    config.write_text('[engine]\nspeculative = "draft"\n')
+    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
+                         tmp_path / "artifacts")
+    agent = Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
+                  "--memory-budget-mb", 2048, "--config", config, device_id="dev-s")
+    try:
+        agent.start()
+        wait(lambda: '"dev-s"' in fleet("devices", "--json", db=db), "the device in the fleet")
+        target = fleet("publish", v2.path, "--key", keys, "--artifacts-dir", tmp_path / "artifacts",
+                       db=db).strip().splitlines()[-1]
+        out = subprocess.run([BIN / "edge-fleet", "deploy", target, "--to", "dev-s", "--wait", "--timeout", "240",
+                              "--min-tokens-per-s", "0", "--db", db], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "SUCCEEDED" in out.stdout, out.stdout + out.stderr + agent.log.read_text()[-3000:]
+        wait(lambda: (health(agent.sock) or {}).get("version") == v2.manifest.version, "the new pair serving")
+        installed = agent.state_dir / "models" / f"tiny@{v2.manifest.version}" / "draft" / wire.MANIFEST
+        assert wire.Manifest.model_validate_json(installed.read_text()).version == draft_v2.manifest.version
+        before = drafted_tokens(agent.sock)
+        with client(agent.sock) as c:
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert drafted_tokens(agent.sock) > before
     finally:
         agent.stop()
         server.stop()

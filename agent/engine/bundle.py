@@ -47,6 +47,17 @@ class Bundle:
     def label(self) -> str:
         return str(self.path) if self.manifest is None else f"{self.manifest.name}@{self.manifest.version}"
 
+    def draft(self) -> "Bundle | None":
+        """The draft model this bundle carries (edge-quantize build --draft), or None. Its files are this
+        bundle's too, verified with them when the bundle was opened, so they are not hashed again."""
+        if self.manifest is None or self.manifest.draft is None:
+            return None
+        draft = open_bundle(self.path / wire.DRAFT_DIR, verify_files=False)
+        if (draft.manifest.name, draft.manifest.version) != (self.manifest.draft.name, self.manifest.draft.version):
+            raise BundleError(f"{self.label}: its {wire.DRAFT_DIR}/ holds {draft.label}, its manifest names "
+                              f"{self.manifest.draft.name}@{self.manifest.draft.version}")
+        return draft
+
     def check_servable(self) -> None:
         """BundleError for a draft-only bundle: a head over the first head_vocab ids (edge-quantize build
         --head-vocab) can never pick the ids past them, end ids included, so only a target may verify its guesses."""

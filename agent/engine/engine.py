@@ -29,7 +29,7 @@ from agent.engine.sequence import FinishReason, Sequence, Status
 from agent.engine.speculative import Speculation
 from agent.engine.step import Stepper
 from agent.engine.tokenizer import TextTokenizer
-from agent.process import peak_rss_bytes, reset_peak_rss, return_free_heap
+from agent.process import peak_rss_bytes, reset_peak_rss, return_free_heap, rss_bytes
 
 log = logging.getLogger(__name__)
 # spin_wait "auto" is re-measured at the first idle moment this many seconds after the last measurement
@@ -53,10 +53,12 @@ class Engine:
         reset_peak_rss()
         self.runner = open_runner(bundle, config.threads, config.spin_wait, config.kv_dtype)
         return_free_heap()  # what loading freed (the model's proto, initializers copied by prepacking): ~90 MB for Gemma 3
+        before_draft = rss_bytes()
         self.draft = DraftModel(draft, bundle, config.threads, config.prefill_chunk_tokens) if draft else None
+        self.draft_bytes = rss_bytes() - before_draft if draft else 0  # its weights and session, for the budget's error
         if config.speculative == "draft" and self.draft is None:  # refused: it would quietly run prompt lookup
-            raise ValueError("speculative = 'draft' needs a draft model (generate --draft-model); without one use "
-                             "'ngram' or 'off'")
+            raise ValueError(f"speculative = 'draft' needs a draft model: {bundle.label} carries none (edge-quantize "
+                             "build --draft) and none was given (generate --draft-model); without one use 'ngram' or 'off'")
         self.spec = Speculation(config, self.draft)
         self.max_context = config.sequence_limit(c.context_length)
         self.kv = self._plan_kv()
@@ -85,9 +87,10 @@ class Engine:
         if self.draft is not None:  # its catch-up runs in the same chunks
             self.draft.runner.warm_up(self.config.prefill_chunk_tokens, self.max_context)
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
-        m = self.bundle.manifest
-        plan = plan_kv(self.config, c.context_length, self.baseline_bytes, per_token, store_per_token,
-                       f"{m.name}@{m.version}" if m is not None else str(self.bundle.path))
+        model = self.bundle.label
+        if self.draft is not None:  # a pair that does not fit names both, and what the draft takes of the budget
+            model += f" with its draft {self.draft.bundle.label} ({self.draft_bytes / 2**20:.0f} MB of it loaded)"
+        plan = plan_kv(self.config, c.context_length, self.baseline_bytes, per_token, store_per_token, model)
         pool = allocate_pool(plan, self.config.memory_budget_mb, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         if self.draft is not None:
             self.draft.attach(pool)

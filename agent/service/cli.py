@@ -90,7 +90,7 @@ def cli(verbose: bool) -> None:
 @click.option("--speculative", type=click.Choice(["off", "ngram", "draft"]), default="off", show_default=True,
               help="Speculative decoding: prompt lookup (ngram) or a draft model (draft).")
 @click.option("--draft-model", type=click.Path(path_type=Path), default=None,
-              help="Draft bundle for --speculative draft (default: none).")
+              help="Draft bundle for --speculative draft (default: the one the model's bundle carries).")
 @click.option("--kv-cache", "kv_dtype", type=click.Choice(["fp32", "int8"]), default="fp32", show_default=True,
               help="KV cache type: int8 holds 4x the tokens in the same memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
@@ -110,11 +110,10 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
             _require_utf8(name, value)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop), ignore_eos=ignore_eos)
-        if speculative == "draft" and draft_model is None:
-            raise ValueError("--speculative draft needs --draft-model BUNDLE")
-        engine = Engine(open_bundle(model), EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb,
-                                                         speculative=speculative, kv_dtype=kv_dtype),
-                        draft=open_bundle(draft_model) if draft_model else None)
+        bundle = open_bundle(model)
+        draft = open_bundle(draft_model) if draft_model else bundle.draft() if speculative == "draft" else None
+        engine = Engine(bundle, EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb,
+                                             speculative=speculative, kv_dtype=kv_dtype), draft=draft)
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

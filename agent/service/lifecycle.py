@@ -40,9 +40,12 @@ LIVE_ENGINE_FIELDS = ("max_queue", "max_queue_wait_s", "default_max_tokens", "sp
 
 
 def load_engine(model: Path, config: EngineConfig, notifier: Notifier | None = None) -> Engine:
-    """Verify and load the bundle, start the engine loop; its heartbeat feeds the systemd watchdog."""
+    """Verify and load the bundle (and the draft model it carries, when speculative is "draft"), start the engine
+    loop; its heartbeat feeds the systemd watchdog."""
     ping_s = notifier.watchdog_interval_s if notifier and notifier.watchdog_interval_s else 0.5
-    engine = Engine(open_bundle(model), config, heartbeat=notifier.heartbeat if notifier else None,
+    bundle = open_bundle(model)
+    draft = bundle.draft() if config.speculative == "draft" else None  # the draft model the bundle carries
+    engine = Engine(bundle, config, draft=draft, heartbeat=notifier.heartbeat if notifier else None,
                     idle_wait_s=min(0.5, ping_s / 2))  # an idle loop still beats often enough for the watchdog
     engine.start()
     if notifier:  # READY only now: the model is verified and loaded and the socket already listens
@@ -89,7 +92,8 @@ class ModelLifecycle:
             changed = {f: getattr(new.engine, f) for f in LIVE_ENGINE_FIELDS
                        if getattr(new.engine, f) != getattr(engine.config, f)}
             if changed.get("speculative") == "draft" and engine.draft is None:  # it would quietly run prompt lookup
-                log.error("SIGHUP: speculative = 'draft' needs a draft model, which this agent has none of: not applied")
+                log.error("SIGHUP: speculative = 'draft' needs the draft model a bundle carries, loaded at start or "
+                          "at a model switch; this engine has none: not applied")
                 del changed["speculative"]
             engine.update_settings(changed)
             restart = [f for f in type(new.engine).model_fields

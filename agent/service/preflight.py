@@ -100,9 +100,8 @@ def environment_problems(config: AgentConfig) -> list[str]:
             problems.append(problem)
     elif not ((state / "current").exists() or (state / "previous").exists()):
         problems.append(f"model: none set and no installed model in {state}")
-    if config.engine.speculative == "draft":  # serve refuses it
-        problems.append('engine.speculative: "draft" needs a draft model, which only `edge-agent generate '
-                        '--draft-model` loads; serve offers "ngram" (prompt lookup) or "off"')
+    if config.engine.speculative == "draft" and (config.model is None or (manifest and manifest.draft is None)):
+        problems.append(_no_draft(config.model if config.model is not None and readable else None))
     if config.api.socket_group is not None:
         try:
             group_id(config.api.socket_group)
@@ -121,6 +120,14 @@ def environment_problems(config: AgentConfig) -> list[str]:
         if problem := _not_writable(directory):  # serve would fail "Read-only file system", for the
             problems.append(f"{key}: {problem}")  # socket without naming a path
     return problems
+
+
+def _no_draft(model: Path | None) -> str:
+    """serve loads the draft model its bundle carries: one without (or an unknown one, when no model is set and
+    the store's may change with every update) would stop serve at start."""
+    which = f"{model} carries none" if model is not None else "set `model` to a bundle that carries one"
+    return (f'engine.speculative: "draft" needs a bundle that carries a draft model (edge-quantize build --draft): '
+            f'{which}; "ngram" (prompt lookup) or "off" need none')
 
 
 def _budget_below_weights(config: AgentConfig, bundle: Path, manifest: Manifest) -> str | None:

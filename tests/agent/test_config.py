@@ -66,13 +66,28 @@ def test_check_config_finds_what_serve_would_refuse_here(tmp_path, tiny_fp32_bun
 
 
 def test_check_config_refuses_a_draft_model_serve_cannot_load(tmp_path, tiny_fp32_bundle):
-    """Found in review: the sample's comment offered speculative = "draft", check-config said ok, and serve
-    refused to start (it has no draft model to load)."""
+    """speculative = "draft" with a bundle that carries no draft model: serve would refuse to start, and so
+    does check-config."""
     config = tmp_path / "agent.toml"
     config.write_text(f'model = "{tiny_fp32_bundle.path}"\n[engine]\nspeculative = "draft"\n'
                       f'[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
     r = check(config)
-    assert r.returncode == 1 and 'engine.speculative: "draft" needs a draft model' in r.stderr, r.stderr
+    assert r.returncode == 1 and 'engine.speculative: "draft" needs a bundle that carries a draft model' in r.stderr
+    assert f"{tiny_fp32_bundle.path} carries none" in r.stderr, r.stderr
+
+
+def test_check_config_takes_speculative_draft_for_a_bundle_that_carries_its_draft(tmp_path, tiny_checkpoint,
+                                                                                 tiny_fp32_bundle):
+    from quantize.package import build_bundle
+    from quantize.precision import QuantSpec
+
+    pair = build_bundle(tiny_checkpoint, QuantSpec(), tmp_path / "pair", name="tiny", progress=lambda s: None,
+                        draft=tiny_fp32_bundle.path)
+    config = tmp_path / "agent.toml"
+    config.write_text(f'model = "{pair.path}"\n[engine]\nspeculative = "draft"\n'
+                      f'[telemetry]\nstate_dir = "{tmp_path / "state"}"\n')
+    r = check(config)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
 def test_check_config_counts_min_context_only_up_to_the_models_context(tmp_path, tiny_fp32_bundle):

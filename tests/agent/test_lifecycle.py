@@ -188,7 +188,7 @@ def test_sighup_names_every_key_it_cannot_apply_and_never_fakes_a_draft_model(ti
     caplog.set_level("INFO", logger="agent.service.lifecycle")
     ModelLifecycle(backend, started.engine).reload(edited)
     assert engine.config.max_queue == 9 and engine.config.speculative != "draft"
-    assert "speculative = 'draft' needs a draft model" in caplog.text
+    assert "speculative = 'draft' needs the draft model a bundle carries" in caplog.text
     engine.stop()
     with pytest.raises(ValueError, match="needs a draft model"):
         Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, speculative="draft"))
