@@ -29,6 +29,7 @@ from agent.engine.bundle import Bundle, file_sha256
 from agent.engine.runner import ModelRunner, read_adapter, write_adapter
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import compare, greedy
+from quantize.package import write_graph
 from quantize.peft import TARGET_MODULES, AdapterError, PeftAdapter
 from quantize.precision import QuantSpec
 
@@ -130,8 +131,6 @@ def check_source(ckpt: Checkpoint, base: wire.Manifest) -> None:
 def quality(runner: ModelRunner, ckpt: Checkpoint, peft: PeftAdapter, bundle: Bundle, ids: list[int], text: str,
             work: Path, threads: int | None) -> wire.Quality:
     """The base bundle with the adapter against the fp32 model with the adapter merged, built in work."""
-    from quantize.package import write_graph
-
     work.mkdir()
     write_graph(merged(ckpt, peft), QuantSpec(), work)
     c = bundle.config
