@@ -45,6 +45,31 @@ def present_value(i: int) -> str:
     return f"present.{i}.value"
 
 
+# LoRA inputs of an adapter-ready graph. q, k and v share one fused projection, as gate and up do, and each fused
+# projection that takes adapters has one low-rank branch: y += (x @ A) @ B. An adapter's tensors replace these
+# inputs for a run; their defaults have rank 0 (A [in, 0], B [0, out]), so without one the branch adds zeros.
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
+LORA_TARGETS: tuple[LoraTarget, ...] = get_args(LoraTarget)  # the order manifests list them in
+# fused projection -> (its path in tensor names, the targets whose output columns it holds, in column order)
+LORA_PROJECTIONS: dict[str, tuple[str, tuple[LoraTarget, ...]]] = {
+    "qkv": ("attn.qkv_proj", ("q", "k", "v")),
+    "o": ("attn.o_proj", ("o",)),
+    "gate_up": ("mlp.gate_up_proj", ("gate", "up")),
+    "down": ("mlp.down_proj", ("down",)),
+}
+LORA_PROJECTION_OF: dict[LoraTarget, str] = {t: p for p, (_, ts) in LORA_PROJECTIONS.items() for t in ts}
+
+
+def lora_a(i: int, projection: str) -> str:
+    """float32 [in, rank]: the fused projection's A, its targets' A^T side by side along rank."""
+    return f"model.layers.{i}.{LORA_PROJECTIONS[projection][0]}.lora_A"
+
+
+def lora_b(i: int, projection: str) -> str:
+    """float32 [rank, out]: block-diagonal, each target's (scale * B)^T in its rows and output columns."""
+    return f"model.layers.{i}.{LORA_PROJECTIONS[projection][0]}.lora_B"
+
+
 # ---- Bundle -----------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
 MODEL_CONFIG = "model_config.json"
@@ -54,6 +79,10 @@ GRAPH_INT8_KV = "model.int8kv.onnx"  # the same graph (and GRAPH_DATA) with an i
 TOKENIZER = "tokenizer.json"
 DRAFT_DIR = "draft"  # a bundle's draft model for speculative decoding: a whole bundle in this folder
 MANIFEST_SCHEMA_VERSION = 1
+# A converted LoRA adapter (edge-quantize adapter): a folder of these two files
+ADAPTER_FILE = "adapter.onnx_adapter"  # ONNX Runtime's adapter format: the graph's LoRA inputs, by name
+ADAPTER_MANIFEST = "adapter_manifest.json"
+ADAPTER_SCHEMA_VERSION = 1
 SMOKE_PROMPT = "The capital of France is"  # the golden continuation's prompt, as plain text (no template)
 
 
@@ -116,7 +145,7 @@ def canonical_json(model: BaseModel, exclude: frozenset[str] = frozenset()) -> b
                       separators=(",", ":")).encode()
 
 
-OPTIONAL_MANIFEST_FIELDS = ("draft",)  # Manifest fields left out of its JSON while None
+OPTIONAL_MANIFEST_FIELDS = ("draft", "lora")  # Manifest fields left out of its JSON while None
 
 
 class DraftRef(_Frozen):
@@ -125,6 +154,13 @@ class DraftRef(_Frozen):
 
     name: str
     version: str
+
+
+class LoraCapacity(_Frozen):
+    """Which projections of an adapter-ready bundle take an adapter, and up to which rank each."""
+
+    targets: list[LoraTarget] = Field(min_length=1)  # in LORA_TARGETS' order
+    max_rank: int = Field(ge=1, le=1024)
 
 
 class Manifest(_Frozen):
@@ -140,6 +176,7 @@ class Manifest(_Frozen):
     quality: Quality | None = None
     golden: Golden
     draft: DraftRef | None = None
+    lora: LoraCapacity | None = None  # set for an adapter-ready bundle (edge-quantize build --lora-targets)
 
     @model_serializer(mode="wrap")
     def _optional_fields_only_when_set(self, handler):
@@ -158,6 +195,39 @@ class Manifest(_Frozen):
     @classmethod
     def read(cls, bundle: Path) -> "Manifest":
         return cls.model_validate_json((Path(bundle) / MANIFEST).read_bytes())
+
+
+class AdapterManifest(_Frozen):
+    """adapter_manifest.json: a converted LoRA adapter, the one base bundle it fits, and what it was measured to do
+    there. Its tensors are never merged into the base's quantized weights: they run beside them."""
+
+    schema_version: int = ADAPTER_SCHEMA_VERSION
+    name: ModelName  # e.g. "support-bot"
+    version: ModelName  # "r8-3f2a9c1d": the largest rank + a short hash of the files
+    base_name: str  # the bundle it fits: Manifest.name ...
+    base_version: str  # ... and Manifest.version (another build of the same model has other weights)
+    rank: int = Field(ge=1)  # the largest of ranks
+    ranks: dict[LoraTarget, int]  # target -> its rank (the largest over layers); only the adapted targets
+    layers: list[int]  # the layers it adapts
+    source_sha256: str  # of the PEFT adapter_model.safetensors
+    source_name: str
+    created_at: str  # ISO 8601 UTC
+    files: dict[str, FileEntry]  # every file but this manifest
+    # measured on the base bundle with the adapter active: its greedy continuation (the install's health check)
+    # and its quality against the fp32 model with W + scale * B A merged (None: no fp32 source was given)
+    golden: Golden
+    quality: Quality | None = None
+
+    @property
+    def targets(self) -> list[LoraTarget]:
+        return list(self.ranks)
+
+    def canonical_bytes(self) -> bytes:
+        return canonical_json(self)
+
+    @classmethod
+    def read(cls, folder: Path) -> "AdapterManifest":
+        return cls.model_validate_json((Path(folder) / ADAPTER_MANIFEST).read_bytes())
 
 
 class Geometry(_Frozen):

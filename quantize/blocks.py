@@ -17,7 +17,7 @@ import numpy as np
 
 from agent import wire
 from agent.wire import Geometry
-from quantize import rope
+from quantize import lora, rope
 from quantize.architectures import by_name
 from quantize.checkpoint import Checkpoint
 from quantize.linear import MS_DOMAIN, GraphBuilder, linear
@@ -94,6 +94,7 @@ def _qkv(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, pla
     if g.attention_bias:
         bias = np.concatenate([ckpt.weights[p + x + ".bias"] for x in ("q_proj", "k_proj", "v_proj")])
         qkv = b.one("Add", [qkv, b.const(f"{p}qkv_proj.bias", bias.astype(np.float32))], f"{n}/qkv_proj/Add")
+    qkv = lora.branch(b, plans["qkv"][i], i, "qkv", x, qkv, wqkv.shape)
     if not by_name(g.architecture).qk_norm:
         return [qkv, "", ""]
     q_dim, kv_dim = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
@@ -118,8 +119,8 @@ def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
     # GQA's outputs are the graph's present KV: rename them so that IOBinding can bind them by name.
     gqa = b.nodes[-1]
     gqa.output[1], gqa.output[2] = wire.present_key(i), wire.present_value(i)
-    return linear(b, f"{n}/o_proj", outs[0], ckpt.weights[p + "o_proj.weight"], spec, plans["o"][i],
-                  p + "o_proj.weight")
+    y = linear(b, f"{n}/o_proj", outs[0], ckpt.weights[p + "o_proj.weight"], spec, plans["o"][i], p + "o_proj.weight")
+    return lora.branch(b, plans["o"][i], i, "o", outs[0], y, ckpt.weights[p + "o_proj.weight"].shape)
 
 
 def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict) -> str:
@@ -127,14 +128,16 @@ def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plan
     inter = ckpt.geometry.intermediate_size
     w = np.concatenate([ckpt.weights[p + "gate_proj.weight"], ckpt.weights[p + "up_proj.weight"]], axis=0)
     gu = linear(b, f"{n}/gate_up_proj", x, w, spec, plans["gate_up"][i], p + "gate_proj.weight")
+    gu = lora.branch(b, plans["gate_up"][i], i, "gate_up", x, gu, w.shape)
     gate, up = b.node("Split", [gu, b.const(f"{p}split", np.array([inter, inter], np.int64))], f"{n}/Split", 2, axis=-1)
     if by_name(ckpt.geometry.architecture).activation == "gelu_tanh":
         act = b.one("Gelu", [gate], f"{n}/act/Gelu", approximate="tanh")
     else:
         act = b.one("Mul", [gate, b.one("Sigmoid", [gate], f"{n}/act/Sigmoid")], f"{n}/act/Mul")
     h = b.one("Mul", [act, up], f"{n}/Mul")
-    return linear(b, f"{n}/down_proj", h, ckpt.weights[p + "down_proj.weight"], spec, plans["down"][i],
-                  p + "down_proj.weight")
+    y = linear(b, f"{n}/down_proj", h, ckpt.weights[p + "down_proj.weight"], spec, plans["down"][i],
+               p + "down_proj.weight")
+    return lora.branch(b, plans["down"][i], i, "down", h, y, ckpt.weights[p + "down_proj.weight"].shape)
 
 
 def _branch_out(b: GraphBuilder, ckpt: Checkpoint, i: int, y: str, post_norm: str) -> str:

@@ -3,6 +3,7 @@
 Run: edge-quantize build SOURCE --precision int4 --out DIR
      edge-quantize eval BUNDLE --reference FP32_BUNDLE --text FILE [--json]
      edge-quantize inspect BUNDLE
+     edge-quantize adapter PEFT_DIR --base BUNDLE --out DIR [--source CHECKPOINT]
      edge-quantize fetch NAME | --list
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ from agent.engine.bundle import BundleError, open_bundle
 from quantize.calibrate import HESSIAN_BUDGET_MB
 from quantize.checkpoint import CheckpointError, file_kind
 from quantize.package import PackageError, check_destination
+from quantize.peft import AdapterError
 
-USER_ERRORS = (CheckpointError, PackageError, BundleError, OSError, ValueError)
+USER_ERRORS = (CheckpointError, PackageError, BundleError, AdapterError, OSError, ValueError)
 
 
 def default_eval_text() -> str:
@@ -108,14 +110,20 @@ def cli() -> None:
 @click.option("--hessian-memory-mb", type=click.IntRange(min=1), default=HESSIAN_BUDGET_MB, show_default=True,
               help="GPTQ: memory for the layers' Hessians at once; less takes more passes over the calibration "
                    "text, with the same result (a 1B Llama's are ~10 GB in all).")
+@click.option("--lora-targets", default=None, metavar="q,k,v,o,gate,up,down",
+              help="Make the bundle adapter-ready: a LoRA branch beside these projections (without an adapter its "
+                   "logits are the plain bundle's, bit for bit).")
+@click.option("--max-lora-rank", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="The largest adapter rank per projection the bundle accepts (with --lora-targets).")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
           embedding, lm_head, keep_source_quant, head_vocab, draft, eval_text, no_eval, chat_template, name,
-          threads, force, hessian_memory_mb):
+          threads, force, hessian_memory_mb, lora_targets, max_lora_rank):
     """Convert a checkpoint, quantize it, evaluate it and write a bundle.
 
     Example: edge-quantize build SmolLM2.gguf --precision int4 --out bundles/smollm2-int4
     """
     from quantize.checkpoint import load_checkpoint
+    from quantize.lora import LoraSpec, check_architecture, parse_targets
     from quantize.package import build_bundle
     from quantize.precision import QuantSpec
     from quantize.recipes import build_spec
@@ -127,11 +135,14 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
                               "lm_head": lm_head, "keep_source_quant": keep_source_quant,
                               "head_vocab": head_vocab}.items() if v is not None}
         QuantSpec(precision=precision, **explicit)  # the options' errors before the source is read
+        lora = LoraSpec(targets=parse_targets(lora_targets), max_rank=max_lora_rank) if lora_targets else None
         template = read_text(chat_template) if chat_template else None
         click.echo(f"reading {source}")
         ckpt = load_checkpoint(source)
         if template is not None:
             ckpt.tokenizer = dataclasses.replace(ckpt.tokenizer, chat_template=template)
+        if lora:
+            check_architecture(ckpt.geometry.architecture)
         spec = build_spec(ckpt.geometry, precision, explicit)  # the model's recipe (quantize/recipes.py) under them
         if beyond := [f"{k}:{i}" for k, ids in explicit.get("int4_int8_layers", {}).items()
                       for i in ids if i >= ckpt.geometry.num_layers]:
@@ -141,7 +152,7 @@ def build(source, out, precision, block_size, down_block_size, symmetric, int8_l
         bundle = build_bundle(ckpt, spec, out, name=_name_of(source) if name is None else name, force=force, eval_text=text,
                               calibration_text=calib,
                               threads=threads, progress=lambda s: click.echo(f"  {s}"), show_progress=True,
-                              hessian_budget_mb=hessian_memory_mb, draft=draft)
+                              hessian_budget_mb=hessian_memory_mb, draft=draft, lora=lora)
     except USER_ERRORS as e:
         _fail(e)
     _print_summary(bundle)
@@ -267,7 +278,8 @@ def inspect(bundle, as_json):
     info = {"name": b.manifest.name, "version": b.manifest.version, "precision": b.manifest.precision,
             "quant": b.manifest.quant, "geometry": b.config.model_dump(exclude={"chat_template", "quant"}),
             "files": {k: v.size_bytes for k, v in b.manifest.files.items()},
-            "quality": b.manifest.quality.model_dump() if b.manifest.quality else None}
+            "quality": b.manifest.quality.model_dump() if b.manifest.quality else None,
+            "lora": b.manifest.lora.model_dump() if b.manifest.lora else None}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -278,6 +290,59 @@ def inspect(bundle, as_json):
         click.echo(f"file       {k} {v / 1e6:.1f} MB")
     if info["quality"]:
         click.echo("quality    " + ", ".join(f"{k}={v}" for k, v in info["quality"].items() if k != "text_sha256"))
+    if info["lora"]:
+        click.echo(f"lora       {','.join(info['lora']['targets'])} up to rank {info['lora']['max_rank']}")
+
+
+@cli.command()
+@click.argument("peft_dir", type=click.Path(path_type=Path))
+@click.option("--base", required=True, type=click.Path(path_type=Path),
+              help="The adapter-ready bundle it will run on (edge-quantize build --lora-targets).")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Adapter folder to write.")
+@click.option("--source", type=click.Path(path_type=Path), default=None,
+              help="The checkpoint the base was built from: quality is measured against it in fp32 with the "
+                   "adapter merged (without it, the manifest has no quality figures).")
+@click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Text for the quality figures (default: the bundled English passage).")
+@click.option("--name", default=None, help="Adapter name (default: from PEFT_DIR's name).")
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+              help="Threads for measuring (default: the cores this process may use).")
+@click.option("--force", is_flag=True, help="Replace an existing adapter folder (or empty folder) at --out.")
+def adapter(peft_dir, base, out, source, eval_text, name, threads, force):
+    """Convert a PEFT LoRA adapter for an adapter-ready bundle, and measure it there.
+
+    Example: edge-quantize adapter ./my-lora --base bundles/smollm2-lora --out adapters/support-bot
+    """
+    from quantize.adapter import check_destination as check_adapter_out
+    from quantize.adapter import convert
+    from quantize.checkpoint import load_checkpoint
+    from quantize.package import MIN_TEXT_TOKENS, encode
+    from quantize.peft import read_peft
+
+    try:
+        check_adapter_out(out, force)
+        adapter_name = _name_of(peft_dir) if name is None else name
+        if not re.fullmatch(wire.MODEL_NAME_PATTERN, adapter_name):
+            raise ValueError(f"adapter name {adapter_name!r}: use 1-64 letters, digits and . _ + - (starting "
+                             "with a letter or digit)")
+        b = _open_bundle(base)
+        peft = read_peft(peft_dir)
+        ckpt = load_checkpoint(source) if source else None
+        text = read_text(eval_text) if eval_text else default_eval_text()
+        ids = encode(b.tokenizer_json(), text)
+        if ckpt is not None and len(ids) < MIN_TEXT_TOKENS:
+            raise ValueError(f"the evaluation text needs at least {MIN_TEXT_TOKENS} tokens")
+        m = convert(peft, b, out, name=adapter_name, source=ckpt, eval_ids=ids, eval_text=text, threads=threads,
+                    force=force, progress=lambda s: click.echo(f"  {s}"))
+    except USER_ERRORS as e:
+        _fail(e)
+    size_mb = sum(f.size_bytes for f in m.files.values()) / 1e6
+    click.echo(f"wrote {out}: {m.name}@{m.version} for {m.base_name}@{m.base_version} (rank {m.rank}, "
+               f"{', '.join(m.ranks)}, {size_mb:.2f} MB)")
+    if m.quality:
+        q = m.quality
+        click.echo(f"  against fp32 with the adapter merged, over {q.tokens} tokens: mean KL {q.mean_kl:.4f}, "
+                   f"p99 KL {q.p99_kl:.4f}, top-1 {q.top1_agreement:.1%}")
 
 
 @cli.command("fetch")

@@ -27,6 +27,7 @@ from quantize.blocks import decoder_layer, rms_norm, rotary_caches, skip_norm
 from quantize.checkpoint import Checkpoint
 from quantize.linear import (LM_HEAD, MS_DOMAIN, OPSET, GraphBuilder, HessianSource, Importance, LinearPlan,
                              linear)
+from quantize.lora import LoraSpec
 from quantize.precision import Precision, QuantSpec
 
 __all__ = ["LM_HEAD", "Importance", "build_graph", "capture_width"]
@@ -106,8 +107,9 @@ def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str,
     return x, lm_head
 
 
-def plan_linears(ckpt: Checkpoint, spec: QuantSpec) -> dict:
-    """Per layer, a LinearPlan for each fused projection (qkv, o, gate_up, down)."""
+def plan_linears(ckpt: Checkpoint, spec: QuantSpec, lora: LoraSpec | None = None) -> dict:
+    """Per layer, a LinearPlan for each fused projection (qkv, o, gate_up, down); with lora, those holding one
+    of its targets get a LoRA branch."""
     groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
               "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
     plans: dict[str, list[LinearPlan]] = {k: [] for k in groups}
@@ -119,7 +121,7 @@ def plan_linears(ckpt: Checkpoint, spec: QuantSpec) -> dict:
             keep = (spec.keep_source_quant and precision != "fp32" and all(s is not None for s in src)
                     and len({nbits.source_bits(s) for s in src}) == 1)
             plans[kind].append(LinearPlan(precision, spec.block_sizes.get(kind, spec.block_size), spec.is_symmetric(kind),
-                                          src if keep else None))
+                                          src if keep else None, lora is not None and kind in lora.projections))
     return plans
 
 
@@ -187,8 +189,10 @@ def _embedding_and_head(b: GraphBuilder, ckpt: Checkpoint, spec: QuantSpec) -> t
 
 def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None = None,
                 hessians: HessianSource | None = None,
-                capture: bool = False, show_progress: bool = False) -> tuple[onnx.ModelProto, list[str]]:
-    """The decoder ModelProto and a line per weight saying what precision it got.
+                capture: bool = False, show_progress: bool = False,
+                lora: LoraSpec | None = None) -> tuple[onnx.ModelProto, list[str]]:
+    """The decoder ModelProto and a line per weight saying what precision it got; with lora, adapter-ready
+    (quantize.lora).
 
     capture=True also exposes every projection's input as a graph output named after its HF weight
     (for calibration); such a graph is for measuring, not for a bundle.
@@ -197,7 +201,7 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     if spec.head_vocab and spec.head_vocab >= g.vocab_size:
         raise ValueError(f"head_vocab {spec.head_vocab}: a draft's head must be narrower than the model's "
                          f"{g.vocab_size}-token vocabulary")
-    plans = plan_linears(ckpt, spec)
+    plans = plan_linears(ckpt, spec, lora)
     b = GraphBuilder(importance=importance or {}, hessians=hessians or {})
     rotary_caches(b, g)
     x, lm_head = _embedding_and_head(b, ckpt, spec)
@@ -219,6 +223,7 @@ def build_graph(ckpt: Checkpoint, spec: QuantSpec, importance: Importance | None
     # calibration sees the lm_head's input at every position, not only where this graph computes logits
     b.linear_inputs[LM_HEAD] = final
     inputs, outputs = io_spec(g, spec.head_vocab)
+    inputs += b.graph_inputs
     if capture:
         outputs += _capture_outputs(b, g)
     graph = helper.make_graph(b.nodes, "decoder", inputs, outputs)

@@ -39,6 +39,7 @@ class GraphBuilder:
     importance: Importance = field(default_factory=dict)  # calibration statistics, by HF weight name
     hessians: HessianSource = field(default_factory=dict)  # sum of x x^T [K, K] per input, for GPTQ
     linear_inputs: dict[str, str] = field(default_factory=dict)  # HF weight name -> its input tensor's name
+    graph_inputs: list = field(default_factory=list)  # inputs beyond agent.wire's (an adapter-ready graph's LoRA)
 
     def const(self, name: str, array: np.ndarray) -> str:
         # (np.ascontiguousarray would turn a 0-d scalar into shape [1], which Range rejects)
@@ -62,6 +63,7 @@ class LinearPlan:
     block_size: int = 32
     symmetric: bool = False
     source: list[SourceBlocks] | None = None  # the fused rows' blocks, in order
+    lora: bool = False  # a LoRA branch beside it (quantize.lora), added by the block after any bias
 
 
 def linear(b: GraphBuilder, name: str, x: str, w: np.ndarray, spec: QuantSpec, plan: LinearPlan,

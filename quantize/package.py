@@ -28,6 +28,7 @@ from quantize.checkpoint import Checkpoint, file_kind
 from quantize.evaluate import compare, greedy
 from quantize.graph import build_graph
 from quantize.kv_int8 import int8_kv_graph, kv_absmax
+from quantize.lora import LoraSpec
 from quantize.precision import QuantSpec
 
 GOLDEN_TOKENS = 32
@@ -46,9 +47,9 @@ def model_config(ckpt: Checkpoint, spec: QuantSpec, name: str) -> wire.ModelConf
 
 
 def write_graph(ckpt: Checkpoint, spec: QuantSpec, out: Path, calib: Calibration | None = None,
-                show_progress: bool = False) -> list[str]:
+                show_progress: bool = False, lora: LoraSpec | None = None) -> list[str]:
     model, report = build_graph(ckpt, spec, calib.importance if calib else None, calib.hessians if calib else None,
-                                show_progress=show_progress)
+                                show_progress=show_progress, lora=lora)
     onnx.save_model(model, str(out / wire.GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=wire.GRAPH_DATA, size_threshold=1024)
     return report
@@ -193,11 +194,12 @@ def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
 def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, force: bool = False,
                  eval_text: str | None = None, calibration_text: str | None = None, threads: int | None = None,
                  progress: Callable[[str], None] = print, show_progress: bool = False,
-                 hessian_budget_mb: float = HESSIAN_BUDGET_MB, draft: Path | None = None) -> Bundle:
+                 hessian_budget_mb: float = HESSIAN_BUDGET_MB, draft: Path | None = None,
+                 lora: LoraSpec | None = None) -> Bundle:
     """Build, evaluate and write a bundle. A calibration text (never the eval text) weights INT4
     block search by activation importance and sets the int8 KV cache graph's scales (without one, the
     bundle has no int8 KV cache graph). draft: a bundle of the same tokenizer that the new one carries in
-    wire.DRAFT_DIR for speculative decoding."""
+    wire.DRAFT_DIR for speculative decoding. With lora, the bundle is adapter-ready (quantize.lora)."""
     out = Path(out)
     if not re.fullmatch(wire.MODEL_NAME_PATTERN, name):
         raise PackageError(f"model name {name!r}: use 1-64 letters, digits and . _ + - (starting with a letter "
@@ -219,7 +221,7 @@ def build_bundle(ckpt: Checkpoint, spec: QuantSpec, out: Path, *, name: str, for
         try:
             calib_ids = encode(ckpt.tokenizer.tokenizer_json, calibration_text) if calibration_text else None
             _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
-                            hessian_budget_mb, draft_bundle)
+                            hessian_budget_mb, draft_bundle, lora)
             for p in tmp.rglob("*"):  # onnx writes the weights 0600: an agent or artifact server running as
                 if p.is_file():       # another user than the builder could not read them
                     p.chmod(0o644)
@@ -276,7 +278,7 @@ def golden_tokens(ckpt: Checkpoint, prompt_tokens: int) -> int:
 
 
 def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progress, show_progress,
-                    hessian_budget_mb, draft: Bundle | None = None) -> None:
+                    hessian_budget_mb, draft: Bundle | None = None, lora: LoraSpec | None = None) -> None:
     # For INT8, importance-weighted search alone measured worse (mean KL 0.0059 vs 0.0040 without),
     # its error being dominated by the int8 activations; GPTQ still helped (0.0040 -> 0.0037)
     if calib_ids and (spec.method == "gptq" or (spec.precision == "int4" and spec.method == "search")):
@@ -286,7 +288,7 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
         with calibration(ckpt, calib_ids, with_hessians=spec.method == "gptq", threads=threads, work_dir=tmp,
                          hessian_budget_mb=hessian_budget_mb) as calib:
             progress(f"building {spec.precision} graph")
-            report = write_graph(ckpt, spec, tmp, calib, show_progress)
+            report = write_graph(ckpt, spec, tmp, calib, show_progress, lora)
         if calib.hessians.passes > 1:
             progress(f"GPTQ's Hessians took {calib.hessians.passes} passes over the calibration text "
                      f"(--hessian-memory-mb {hessian_budget_mb})")
@@ -294,7 +296,7 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
         # longer, they would stay through the KV calibration, the fp32 reference graph and evaluation
     else:
         progress(f"building {spec.precision} graph")
-        report = write_graph(ckpt, spec, tmp, None, show_progress)
+        report = write_graph(ckpt, spec, tmp, None, show_progress, lora)
     (tmp / "quant_report.txt").write_text("\n".join(report) + "\n")
     (tmp / wire.TOKENIZER).write_text(ckpt.tokenizer.tokenizer_json)
     # Fields at their defaults are left out: those are the ones added after the first agents (attention_bias,
@@ -328,7 +330,8 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
         source_sha256=ckpt.source_sha256, source_name=ckpt.source_name,
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         files=files, quality=quality, golden=golden,
-        draft=None if draft is None else wire.DraftRef(name=draft.manifest.name, version=draft.manifest.version))
+        draft=None if draft is None else wire.DraftRef(name=draft.manifest.name, version=draft.manifest.version),
+        lora=lora.capacity() if lora else None)
     (tmp / wire.MANIFEST).write_text(manifest.model_dump_json(indent=2))
 
 

@@ -284,6 +284,9 @@ def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
     """
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # errors only: an adapter-ready graph's LoRA inputs have initializer defaults on purpose (quantize.lora), and
+    # ONNX Runtime warns about each at every load (240 lines for SmolLM2 on seven projections)
+    opts.log_severity_level = 3
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
@@ -293,3 +296,23 @@ def session_options(threads: int, spin: bool = False) -> ort.SessionOptions:
     # (fresh processes, 9 interleaved rounds; docs/benchmarks.md, what we tried).
     opts.enable_mem_pattern = False
     return opts
+
+
+def write_adapter(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write named tensors (an adapter's LoRA inputs, agent.wire.lora_a / lora_b) in ONNX Runtime's adapter
+    format (.onnx_adapter, a FlatBuffers file it memory-maps)."""
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(wire.ADAPTER_SCHEMA_VERSION)
+    adapter.set_model_version(wire.ADAPTER_SCHEMA_VERSION)
+    # an OrtValue made from numpy borrows the array's memory without holding it: the contiguous copies must
+    # outlive the export (a temporary one was freed first, and the file held whatever reused its memory)
+    arrays = {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
+    adapter.set_parameters({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()})
+    adapter.export_adapter(str(path))
+
+
+def read_adapter(path: Path) -> dict[str, ort.OrtValue]:
+    """An adapter file's tensors by name, as views of the mapped file. Bind them as graph inputs: an adapter
+    made active through RunOptions (add_active_adapter) has no effect on run_with_iobinding, which every step
+    here uses (ONNX Runtime says so, and warns)."""
+    return ort.AdapterFormat.read_adapter(str(path)).get_parameters()
