@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -359,3 +360,35 @@ def test_a_refresh_step_stops_at_its_row_bound_and_the_next_goes_on(fleet_target
     rollups.backfill(store.db)
     assert rollup_rows(store.db) == maintained
     store.close()
+
+
+def test_a_refresh_claiming_a_bucket_a_commit_in_flight_has_marked_waits_for_that_commit(fleet_target, monkeypatch):
+    """A commit whose mark found its bucket's mark already there (insert-or-ignore) and which has not committed
+    yet: a refresh claiming that mark then must see its rows (PostgreSQL: the claim's table lock waits for it;
+    SQLite: the write lock does), or the rows would be left out with no mark left to bring them in."""
+    hour = math.floor(NOW / 3600) * 3600 - 5 * 3600
+    writer, refresher = FleetStore(fleet_target), FleetStore(fleet_target)
+    first = Ingest()
+    first.add_records("dev-0", [request(0, hour + 10, "m", "v1", 10, 10)], NOW)
+    writer.commit(first)  # the bucket's mark, committed
+    marked, mark = threading.Event(), rollups.mark
+
+    def mark_then_linger(db, rows, now):
+        n = mark(db, rows, now)  # ignored: the bucket is marked already
+        marked.set()
+        time.sleep(0.3)  # the refresh's claim comes now, before this commit ends
+        return n
+
+    monkeypatch.setattr(rollups, "mark", mark_then_linger)
+    second = Ingest()
+    second.add_records("dev-0", [request(1, hour + 20, "m", "v1", 10, 10)], NOW)
+    in_flight = threading.Thread(target=writer.commit, args=(second,))
+    in_flight.start()
+    assert marked.wait(10)
+    refresh_all(refresher)
+    in_flight.join()
+    refresh_all(refresher)
+    rolled = sorted(db_rows(refresher, "width_s, requests", rollups.TABLE))
+    assert rolled == [(rollups.HOUR_S, 2), (rollups.DAY_S, 2)]
+    writer.close()
+    refresher.close()
