@@ -40,7 +40,8 @@ def test_rows_of_an_ended_hour_are_rolled_up_within_the_refresh_period(consumers
                ROLLUP_REFRESH_EVERY_S + SLACK_S, interval_s=0.1, message="the rollups refreshed")
     lag_s = time.monotonic() - stored_at
     print(f"rows stored -> rolled up: {lag_s:.2f} s (refresh every {ROLLUP_REFRESH_EVERY_S:g} s)")
-    wait_until(lambda: consumer.stats.rollup_buckets_refreshed == 1, message="the counters")
+    # >= 1: a commit landing after a pass re-marks the bucket, and the next pass refreshes it again
+    wait_until(lambda: consumer.stats.rollup_buckets_refreshed >= 1, message="the counters")
     assert (consumer.stats.rollup_backlog_buckets, consumer.stats.rollup_lag_s) == (0, 0.0)
 
 
