@@ -46,6 +46,11 @@ REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 de
 # server does not know would write 300 lines a minute; ids that change with every message, 2,900)
 MAX_WHERE_CHARS = 120  # of the field a logged schema rejection names (an unknown field's name is the sender's)
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
+# How often the writer refreshes the request rollups of ended hours (fleet.rollups.refresh_step, a batch between
+# two commits until none is left): the rollups of an ended hour trail its raw rows by about this plus one
+# pass. Queries do not wait for it (stale hours are read raw); a shorter period re-rolls a late-written hour
+# more often.
+ROLLUP_REFRESH_EVERY_S = 5.0
 IDLE_WAIT_S = 0.2  # the writer's wait for a first message (it checks for stop and retention in between)
 PUBACK_WAIT_S = 5.0  # a rollout notice without the broker's PUBACK by then goes again next pass
 # Messages received and not yet written. Bounded: QoS 0 is outside the broker's flow control (Receive
@@ -147,6 +152,9 @@ class Stats:
     rejected: int = 0
     commits: int = 0
     acks_deferred: int = 0  # messages whose connection dropped before their commit: the broker resends them
+    rollup_buckets_refreshed: int = 0  # hour buckets re-rolled from raw rows (fleet.rollups)
+    rollup_backlog_buckets: int = 0  # ended-hour buckets still stale after the last refresh pass
+    rollup_lag_s: float = 0.0  # how long the oldest of them has waited, at the end of that pass
 
     def add(self, messages: int, committed: Committed, acks_deferred: int) -> None:
         self.messages += messages
@@ -175,12 +183,12 @@ class _Prune:
 class Consumer:
     def __init__(self, store: FleetStore, url: str | Sequence[str], client_id: str = "edge-fleet",
                  shared_group: str | None = None, window_s: float = WINDOW_S, credentials: Credentials = Credentials(),
-                 keep_s: dict[str, float] | None = None):
+                 keep_s: dict[str, float] | None = None, refresh_every_s: float = ROLLUP_REFRESH_EVERY_S):
         """url: a broker, or the brokers devices are spread over (fleet.shards), each subscribed to alike, all
         feeding one writer. keep_s: table -> seconds; the table's older rows are deleted, hourly (a table not
-        named is kept)."""
+        named is kept). refresh_every_s: the request rollups' refresh period."""
         self.store = store
-        self.window_s, self.keep_s = window_s, keep_s or {}
+        self.window_s, self.keep_s, self.refresh_every_s = window_s, keep_s or {}, refresh_every_s
         self.stats = Stats()
         self._inbox: queue.Queue[Inbound] = queue.Queue(INBOX_MAX_MESSAGES)
         self._stopping = threading.Event()
@@ -209,10 +217,11 @@ class Consumer:
     # ---- writer thread -------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         last_log = (time.monotonic(), 0)
-        next_prune = time.monotonic()  # at start too: a fleet restarted after months prunes at once
+        next_prune = next_refresh = time.monotonic()  # at start too: a fleet restarted after months prunes at once
         prune: _Prune | None = None  # retention under way: one batch between commits
+        refreshing = False  # a rollup refresh pass under way: one batch between commits
         while not self._stopping.is_set():
-            batch = self._gather(IDLE_WAIT_S if prune is None else 0.0)
+            batch = self._gather(IDLE_WAIT_S if prune is None and not refreshing else 0.0)
             if batch:
                 self._handle(batch)
             last_log = self._maybe_log_rate(last_log)
@@ -222,7 +231,26 @@ class Consumer:
                 prune = _Prune({table: now - keep_s for table, keep_s in self.keep_s.items()})
             if prune is not None and not self._prune_step(prune):
                 prune = None
+            if not refreshing and time.monotonic() >= next_refresh:
+                next_refresh, refreshing = time.monotonic() + self.refresh_every_s, True
+            if refreshing:
+                refreshing = self._refresh_step()
         self._flush()
+
+    def _refresh_step(self) -> bool:
+        """One batch of the rollups' refresh, in the writer thread (the store's owner); at the end of a pass the
+        backlog it leaves. Returns whether there is more; a failure waits for the next period."""
+        try:
+            n = self.store.refresh_rollups()
+            if n:
+                self.stats.rollup_buckets_refreshed += n
+                return True
+            backlog = self.store.rollup_backlog()
+        except database_errors() as e:
+            log.error("refreshing the request rollups failed (queries read their hours raw meanwhile): %s", e)
+            return False
+        self.stats.rollup_backlog_buckets, self.stats.rollup_lag_s = backlog.buckets, backlog.lag_s
+        return False
 
     def _prune_step(self, prune: "_Prune") -> bool:
         """One batch of retention, in the writer thread (the store's owner), so that ingest waits for one
@@ -335,9 +363,11 @@ class Consumer:
         if now - then < LOG_EVERY_S:
             return last
         if self.stats.inserted != inserted_then:
-            log.info("ingested %.1f records/s (%d stored, %d duplicates, %d rejected in total)",
+            log.info("ingested %.1f records/s (%d stored, %d duplicates, %d rejected in total); rollups: %d hour "
+                     "buckets refreshed, %d stale, the oldest for %.0f s",
                      (self.stats.inserted - inserted_then) / (now - then), self.stats.inserted,
-                     self.stats.duplicates, self.stats.rejected)
+                     self.stats.duplicates, self.stats.rejected, self.stats.rollup_buckets_refreshed,
+                     self.stats.rollup_backlog_buckets, self.stats.rollup_lag_s)
         return now, self.stats.inserted
 
 

@@ -3,7 +3,8 @@
 A migration that has shipped is never edited: `FleetStore.migrate` applies, each in its own transaction,
 those of MIGRATIONS a database has not recorded in its `_migrations` table, so a new schema change is a new
 entry at the end of the list. The registry and telemetry tables come first (0001-0003, 0007), the rollout
-tables after (0004-0006, 0008-0009; fleet.updates reads and writes them). The store's row writers insert
+tables after (0004-0006, 0008-0009; fleet.updates reads and writes them), the request rollups and their
+stale marks last (0012-0013; fleet.rollups). The store's row writers insert
 KEY, REQUEST_FIGURES_COLUMNS and SAMPLE_COLUMNS in the order given here.
 """
 from __future__ import annotations
@@ -31,6 +32,12 @@ REQUEST_FIGURES_COLUMNS = {**REQUEST_FIGURES_COLUMNS_0002, **REQUEST_CONSTRAINT_
 REQUEST_ROLLUP_COLUMNS = {"width_s": int, "start_ts": int, "device_id": str, "model": str, "version": str,
                           "requests": int, "errors": int, "tokens_served": int, "ttft_hist": str, "decode_hist": str}
 REQUEST_ROLLUP_KEY = ("width_s", "start_ts", "device_id", "model", "version")
+# 0013: the hour rollups stale since their last refresh, per (hour, device, model, version). claimed: 0 as ingest
+# marks it, 1 once a refresh has taken it (fleet.rollups.refresh_step); marked_at: the fleet's clock when first
+# marked (the refresh lag runs from it).
+REQUEST_ROLLUP_DIRTY_COLUMNS = {"claimed": int, "start_ts": int, "device_id": str, "model": str, "version": str,
+                                "marked_at": float}
+REQUEST_ROLLUP_DIRTY_KEY = ("claimed", "start_ts", "device_id", "model", "version")
 SAMPLE_COLUMNS = {
     "interval_s": float, "rss_mb": float, "cpu_percent": float, "kv_utilization": float, "queue_depth": int,
     "running": int, "tokens_per_s": float,
@@ -125,6 +132,12 @@ def add_request_rollups(db: Database) -> None:
     rollups.backfill(db)
 
 
+def add_request_rollup_marks(db: Database) -> None:
+    """Rollup buckets made stale by ingest, refreshed from the raw rows in the background (fleet.rollups). Empty
+    at the upgrade: until now every commit kept its rollups current."""
+    db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -138,4 +151,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0010_request_constraint", add_request_constraint),
     ("0011_device_broker", add_device_broker),
     ("0012_request_rollups", add_request_rollups),
+    ("0013_request_rollup_marks", add_request_rollup_marks),
 )

@@ -2,34 +2,40 @@
 histograms of TTFT and decode speed, so that a 90-day question reads thousands of rollup rows, not millions of
 requests (the continuous aggregates of time-series stores).
 
-FleetStore.commit inserts request rows through `insert_requests` (which tells the rows new to the database from
-replays) and adds the new ones to their rollups with `add`, in the same transaction, so a rollup always sums
-exactly the raw rows stored. Migration 0012 builds the rollups of rows stored before it (`backfill`). Rollups
-follow the requests table's retention: a commit deletes those whose whole period is older than it (`prune`).
+Maintained off the ingest commit path, as continuous aggregates and recording rules are: FleetStore.commit only
+marks the hour buckets its request rows fall in as stale (`mark`: insert-or-ignore on (hour, device, model,
+version), no rollup row read or locked). The consumer's writer runs `refresh_step` every few seconds between
+its commits: it claims the marks of ended hours, recomputes those hours' rollups from the raw rows and their
+days from the hours, and clears the claims, a batch per transaction; recomputing (never incrementing) makes a
+refresh idempotent, so replays and a replica dying mid-refresh count nothing twice. Invariant: an hour rollup
+equals its raw rows while none of its buckets is marked, and a day rollup the sum of its hours while none of
+its hours is. Migration 0012 builds the rollups of rows stored before it (`backfill`). Rollups follow the
+requests table's retention, deleted with the raw rows by the store's prune (`prune`).
 
 Queries over a window take whole days and whole hours from the rollups and only the partial hours at the
-window's edges from raw rows (`plan`, `summaries`). Percentiles come from the merged histograms: bins are
+window's edges from raw rows (`plan`, `summaries`), and the hours still marked stale from raw rows too, so an
+answer never waits for a refresh. Percentiles come from the merged histograms: bins are
 HISTOGRAM_GROWTH (1%) wide, and the value of a rank is placed inside its bin, so every percentile in
 [HISTOGRAM_MIN, HISTOGRAM_MAX] is within 1% (relative) of numpy's linear-interpolated one over the raw rows
 (the two ranks it interpolates between are each within their bin); values below HISTOGRAM_MIN count as 0.
 
-    new_rows = insert_requests(db, insert_sql, rows); add(db, new_rows)
+    mark(db, request_rows, time.time())                 # in the ingest commit
+    while refresh_step(db, time.time()): pass           # in the background
     by_version = summaries(db, since_ts, now, lambda t, device, model, version: f"{model}@{version}")
 """
 from __future__ import annotations
 
 import base64
-import functools
 import math
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
 from agent.wire import has_decode_speed, has_ttft
-from fleet.db import Database
-from fleet.migrations import KEY, REQUEST_FIGURES_COLUMNS, REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_KEY
+from fleet.db import Database, unavailable_errors
+from fleet.migrations import (KEY, REQUEST_FIGURES_COLUMNS, REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_DIRTY_COLUMNS,
+                              REQUEST_ROLLUP_DIRTY_KEY, REQUEST_ROLLUP_KEY)
 
 HOUR_S, DAY_S = 3600, 86400
 LEVELS_S = (HOUR_S, DAY_S)  # the rollup periods kept; a day is 24 whole hours, so both levels tile any window
@@ -46,9 +52,15 @@ TABLE, ROLLUP_KEY, COLUMNS = "request_rollups", REQUEST_ROLLUP_KEY, REQUEST_ROLL
 REQUEST_COLUMNS = (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)
 FIGURES = ("ts", "device_id", "model", "version", "ttft_ms", "decode_tokens_per_s", "completion_tokens",
            "finish_reason")
-_figures_of = itemgetter(*(REQUEST_COLUMNS.index(c) for c in FIGURES))
-_key_of = itemgetter(*(REQUEST_COLUMNS.index(c) for c in ("device_id", "boot_id", "seq")))
-MAX_KEYS_PER_SELECT = 1000
+_TS, _DEVICE, _MODEL, _VERSION = (REQUEST_COLUMNS.index(c) for c in ("ts", "device_id", "model", "version"))
+DIRTY, DIRTY_COLUMNS, DIRTY_KEY = "request_rollups_dirty", tuple(REQUEST_ROLLUP_DIRTY_COLUMNS), REQUEST_ROLLUP_DIRTY_KEY
+BUCKET = ("start_ts", "device_id", "model", "version")  # a mark's hour bucket: its key without `claimed`
+# Per refresh transaction, at most this many hour buckets and, past the first bucket, raw rows: bounds how long a
+# refresh holds the SQLite write lock (every replica's ingest commits wait for it), its memory, and each
+# PostgreSQL transaction's work.
+REFRESH_BATCH_BUCKETS, REFRESH_BATCH_ROWS = 200, 50_000  # an hour of 400,000 rows: 8 transactions of <= 0.2 s
+CLAIM_LOCK_TIMEOUT_MS = 500  # PostgreSQL: a claim that cannot lock the marks by then tries again next pass
+REFRESH_LOCK_KEY = 0x726F6C6C7570  # pg_advisory_xact_lock key of the refresh ("rollup"): one replica at a time
 
 
 # ---- histograms -------------------------------------------------------------------------------------------
@@ -120,36 +132,20 @@ def _rank_value(ranks: np.ndarray, entry_bins: np.ndarray, counts: np.ndarray, e
     return bin_values(entry_bins[entry], (within + 0.5) / counts[entry])
 
 
-# ---- ingest: new rows only, added to their rollups ----------------------------------------------------------
-def insert_requests(db: Database, insert_sql: str, rows: list[tuple]) -> list[tuple]:
-    """Insert request rows (fleet.store.request_row's, in key order) with ON CONFLICT DO NOTHING; returns those
-    new to the database, so that a replay is never counted twice. SQLite: one statement per row and its
-    rowcount (the IMMEDIATE transaction is the only writer; rows added earlier in the batch count as there).
-    PostgreSQL: one insert of the rows as arrays, RETURNING the keys inserted (not a concurrent replica's)."""
-    if db.dialect.name == "sqlite":
-        return [row for row in rows if db.execute(insert_sql, row).rowcount]
-    inserted = set(db.execute(_unnest_sql(), [list(column) for column in zip(*rows)]))
-    new = []
-    for row in rows:  # the first of repeated keys within the batch is the one stored
-        if (key := _key_of(row)) in inserted:
-            inserted.discard(key)
-            new.append(row)
-    return new
+# ---- ingest: stale marks only ------------------------------------------------------------------------------
+def mark(db: Database, request_rows: list[tuple], now: float) -> int:
+    """Mark the hour buckets of request rows (fleet.store.request_row's, replays too: recomputing is idempotent)
+    stale; the last statement of a commit (see `_claim`). Insert-or-ignore on the bucket's key: a commit reads
+    no rollup row and locks none, and many rows of one hour cost one mark."""
+    keys = sorted({(0, int(r[_TS] // HOUR_S) * HOUR_S, r[_DEVICE], r[_MODEL], r[_VERSION]) for r in request_rows})
+    # the claimed flag and the time as parameters: the statement keeps fleet.postgres' COPY-staged form
+    return db.executemany(f"insert into {DIRTY} ({', '.join(DIRTY_COLUMNS)}) values (?, ?, ?, ?, ?, ?) "
+                          "on conflict do nothing", [(*k, now) for k in keys])
 
 
-@functools.cache
-def _unnest_sql() -> str:
-    """PostgreSQL: the request rows as one array a column, one statement whatever their number."""
-    array_types = {str: "text[]", int: "bigint[]", float: "double precision[]"}
-    columns = {**KEY, "model": str, "version": str, **REQUEST_FIGURES_COLUMNS}
-    return (f"insert into requests ({', '.join(columns)}) select * from unnest("
-            + ", ".join(f"?::{array_types[t]}" for t in columns.values())
-            + ") on conflict do nothing returning device_id, boot_id, seq")
-
-
-def rolled_up(figures: list[tuple]) -> dict[tuple, tuple]:
+def rolled_up(figures: list[tuple], levels_s: Sequence[int] = LEVELS_S) -> dict[tuple, tuple]:
     """Rows of FIGURES -> rollup key (ROLLUP_KEY) -> (requests, errors, tokens_served, ttft_hist, decode_hist),
-    at every level."""
+    at each level of levels_s."""
     ts, devices, models, versions, ttft, speed, completion, finish = zip(*figures)
     ts, completion = np.array(ts, np.float64), np.array(completion, np.int64)
     failed = np.array([f == "error" for f in finish], np.int64)
@@ -158,7 +154,7 @@ def rolled_up(figures: list[tuple]) -> dict[tuple, tuple]:
     ttft_bins, speed_bins = bins_of(np.array(ttft, np.float64)), bins_of(np.array(speed, np.float64))
     with_ttft, with_speed = has_ttft(completion), has_decode_speed(completion)
     out = {}
-    for width_s in LEVELS_S:
+    for width_s in levels_s:
         starts, when = np.unique((ts // width_s).astype(np.int64) * width_s, return_inverse=True)
         keys, group = np.unique(who * len(starts) + when, return_inverse=True)
         requests = np.bincount(group, minlength=len(keys))
@@ -172,45 +168,137 @@ def rolled_up(figures: list[tuple]) -> dict[tuple, tuple]:
     return out
 
 
-def add(db: Database, request_rows: list[tuple]) -> None:
-    """Add request rows (fleet.store.request_row's, new to the database) to their rollups. The rollup rows are
-    created, then locked and updated in key order: two PostgreSQL replicas adding to the same row queue on
-    its lock (never both reading it before either writes), and take their locks in one order."""
-    by_key = rolled_up([_figures_of(r) for r in request_rows])
-    keys = sorted(by_key)
-    db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values (?, ?, ?, ?, ?, 0, 0, 0, '', '') "
-                   "on conflict do nothing", keys)
-    updates = []
-    for current in _locked_rows(db, keys):
-        requests, errors, tokens_served, ttft_hist, decode_hist = by_key[tuple(current[:5])]
-        updates.append((current[5] + requests, current[6] + errors, current[7] + tokens_served,
-                        merge(current[8], ttft_hist), merge(current[9], decode_hist), *current[:5]))
-    assert len(updates) == len(keys), "a rollup row created above is missing"
-    db.executemany(f"update {TABLE} set requests = ?, errors = ?, tokens_served = ?, ttft_hist = ?, decode_hist = ? "
-                   f"where {' and '.join(f'{c} = ?' for c in ROLLUP_KEY)}", updates)
-
-
-def _locked_rows(db: Database, keys: list[tuple]) -> Iterable[tuple]:
-    # 'for update of r': the rows of the table, not of the VALUES list (PostgreSQL); SQLite's transaction holds
-    # the write lock already. A join on a VALUES list, not `in (values ...)`, which SQLite answers by a scan.
-    lock = f"{db.dialect.lock_row} of r" if db.dialect.lock_row else ""
-    columns = ", ".join(ROLLUP_KEY)
-    for at in range(0, len(keys), MAX_KEYS_PER_SELECT):
-        chunk = keys[at:at + MAX_KEYS_PER_SELECT]
-        yield from db.execute(
-            f"with k ({columns}) as (values {', '.join(['(?, ?, ?, ?, ?)'] * len(chunk))}) "
-            f"select {', '.join(f'r.{c}' for c in ROLLUP_KEY)}, r.requests, r.errors, r.tokens_served, "
-            f"r.ttft_hist, r.decode_hist from k join {TABLE} r on "
-            + " and ".join(f"r.{c} = k.{c}" for c in ROLLUP_KEY)
-            + f" order by {', '.join(f'r.{c}' for c in ROLLUP_KEY)}{lock}", [v for key in chunk for v in key]).fetchall()
-
-
 def prune(db: Database, before_ts: float) -> int:
     """Delete the rollups of the periods that ended by `before_ts` (the requests table's retention): the raw
     rows of those periods are all older than it."""
     return db.execute(f"delete from {TABLE} where " + " or ".join(["(width_s = ? and start_ts < ?)"] * len(LEVELS_S)),
                       [v for width_s in LEVELS_S for v in (width_s, math.floor(before_ts / width_s) * width_s)]
                       ).rowcount
+
+
+# ---- the background refresh ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Backlog:
+    """The refresh's backlog: closed hour buckets still marked stale, and how long the oldest has waited."""
+
+    buckets: int
+    lag_s: float  # now - when the oldest of them became refreshable (marked, or its hour ended if later); 0: none
+
+
+def refresh_step(db: Database, now: float, max_buckets: int = REFRESH_BATCH_BUCKETS) -> int:
+    """Re-roll up to max_buckets stale hour buckets whose hour has ended, and their days, from the raw rows;
+    returns how many (0: nothing left for now). The open hour is left marked: queries read it raw anyway
+    (`plan`'s last span), and re-reading a growing hour every pass would cost O(rows in it) each time."""
+    if not _claimed(db, 1):
+        _claim(db, now - HOUR_S, max_buckets)
+    return _recompute(db, max_buckets)
+
+
+def _claimed(db: Database, limit: int) -> list[tuple]:
+    return db.execute(f"select {', '.join(BUCKET)} from {DIRTY} where claimed = 1 order by {', '.join(BUCKET)} "
+                      "limit ?", [limit]).fetchall()
+
+
+def _claim(db: Database, ended_before_ts: float, limit: int) -> int:
+    """Move up to `limit` marks of hours started before ended_before_ts from ingest's (claimed 0) to the refresh's
+    (1). A claimed bucket's raw rows are all committed: on SQLite the IMMEDIATE transaction is the only writer;
+    on PostgreSQL the EXCLUSIVE table lock waits for every commit that has marked (marking is a commit's last
+    statement, so those only have their COMMIT left) and holds off new marks until this one commits, after
+    which a row for a claimed bucket marks it anew. Returns the buckets claimed; 0 if the lock was not had."""
+    ready = f"from {DIRTY} where claimed = 0 and start_ts < ?"
+    if not db.execute(f"select 1 {ready} limit 1", [ended_before_ts]).fetchone():
+        return 0  # the usual pass within an hour: no lock taken, no commit held up
+    try:
+        with db.transaction(immediate=True):
+            if db.dialect.name == "postgresql":
+                db.execute(f"set local lock_timeout = {CLAIM_LOCK_TIMEOUT_MS}")
+                db.execute(f"lock table {DIRTY} in exclusive mode")
+            buckets = db.execute(f"select {', '.join(BUCKET)}, marked_at {ready} order by {', '.join(BUCKET)} "
+                                 "limit ?", [ended_before_ts, limit]).fetchall()
+            db.executemany(f"insert into {DIRTY} ({', '.join(DIRTY_COLUMNS)}) values (1, ?, ?, ?, ?, ?) "
+                           "on conflict do nothing", buckets)
+            db.executemany(f"delete from {DIRTY} where claimed = 0 and {_where(BUCKET)}", [b[:4] for b in buckets])
+    except unavailable_errors():
+        if db.dialect.name != "postgresql":
+            raise
+        return 0  # the lock timed out behind ingest (or the connection broke): next pass
+    return len(buckets)
+
+
+def _recompute(db: Database, limit: int) -> int:
+    """One transaction: up to `limit` claimed buckets' hour rollups recomputed from their raw rows, then the
+    days they fall in from their hours, then the claims cleared. Recomputed, not incremented: doing it twice
+    (a replica dying before its commit, a replay) gives the same rows. On PostgreSQL one replica at a time
+    (a transaction advisory lock; another finds it taken and skips the pass): two passes writing one day row
+    from the hours each saw could leave the older view."""
+    with db.transaction(immediate=True):
+        if db.dialect.name == "postgresql" and not db.execute("select pg_try_advisory_xact_lock(?)",
+                                                              [REFRESH_LOCK_KEY]).fetchone()[0]:
+            return 0
+        buckets = _write_hours(db, _claimed(db, limit))
+        if not buckets:
+            return 0
+        _write_days(db, sorted({(start // DAY_S * DAY_S, *rest) for start, *rest in buckets}))
+        db.executemany(f"delete from {DIRTY} where claimed = 1 and {_where(BUCKET)}", buckets)
+    return len(buckets)
+
+
+def _where(columns: Sequence[str]) -> str:
+    return " and ".join(f"{c} = ?" for c in columns)
+
+
+def _write_hours(db: Database, buckets: list[tuple]) -> list[tuple]:
+    """The hour rollups of the first of `buckets` (up to REFRESH_BATCH_ROWS raw rows) from their raw rows;
+    returns the buckets written."""
+    figures, done, wanted = [], [], {}
+    for start_ts, device_id, model, version in buckets:  # sorted: a device-hour's buckets are neighbours
+        wanted.setdefault((start_ts, device_id), set()).add((model, version))
+    for (start_ts, device_id), versions in wanted.items():
+        if done and len(figures) >= REFRESH_BATCH_ROWS:
+            break
+        # by device and hour only, model and version kept here: with them in the condition, refreshing an hour of
+        # 200 devices x 2,000 rows took 32 s on PostgreSQL (a plan on another index), 1.4 s this way
+        rows = db.execute(f"select {', '.join(FIGURES)} from requests where device_id = ? and ts >= ? and ts < ?",
+                          [device_id, start_ts, start_ts + HOUR_S]).fetchall()
+        figures += [r for r in rows if (r[2], r[3]) in versions]
+        done += [(start_ts, device_id, model, version) for model, version in sorted(versions)]
+    rows = sorted(rolled_up(figures, (HOUR_S,)).items()) if figures else []
+    _replace(db, [(HOUR_S, *b) for b in done], [(*key, *value) for key, value in rows])
+    return done
+
+
+def _write_days(db: Database, days: list[tuple]) -> None:
+    """Each day from its hour rows (the sums and merged histograms a roll-up of its raw rows gives)."""
+    rows = []
+    for day_ts, device_id, model, version in days:
+        hours = db.execute(f"select requests, errors, tokens_served, ttft_hist, decode_hist from {TABLE} where "
+                           "width_s = ? and start_ts >= ? and start_ts < ? and device_id = ? and model = ? and "
+                           "version = ?", [HOUR_S, day_ts, day_ts + DAY_S, device_id, model, version]).fetchall()
+        if hours:
+            requests, errors, tokens, ttft, decode_ = zip(*hours)
+            rows.append((DAY_S, day_ts, device_id, model, version, sum(requests), sum(errors), sum(tokens),
+                         merge(*ttft), merge(*decode_)))
+    _replace(db, [(DAY_S, *d) for d in days], rows)
+
+
+def _replace(db: Database, keys: list[tuple], rows: list[tuple]) -> None:
+    """The rollup rows of `keys` become `rows` (a key without a row: its rows are gone, so is its rollup)."""
+    db.executemany(f"delete from {TABLE} where {_where(ROLLUP_KEY)}", keys)
+    db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values ({', '.join('?' * len(COLUMNS))})", rows)
+
+
+def backlog(db: Database, now: float) -> Backlog:
+    """The closed hour buckets still stale (claimed or not) and the lag of the oldest."""
+    count, ready_ts = db.execute(
+        f"select count(*), min({db.dialect.greatest('marked_at', f'start_ts + {HOUR_S}')}) from {DIRTY} "
+        "where start_ts < ?", [now - HOUR_S]).fetchone()
+    return Backlog(count, 0.0 if ready_ts is None else max(0.0, now - ready_ts))
+
+
+def stale_hours(db: Database, since_ts: float) -> frozenset[int]:
+    """The starts of the hours from since_ts on with a bucket still marked (of any device, model, version)."""
+    return frozenset(r[0] for r in db.execute(f"select distinct start_ts from {DIRTY} where start_ts >= ?",
+                                              [math.floor(since_ts / HOUR_S) * HOUR_S]))
 
 
 # ---- the migration ----------------------------------------------------------------------------------------
@@ -241,19 +329,35 @@ class Span:
     end_ts: float
 
 
-def plan(since_ts: float, now: float, coarsest_s: int = DAY_S) -> list[Span]:
+def plan(since_ts: float, now: float, coarsest_s: int = DAY_S, stale: frozenset[int] = frozenset()) -> list[Span]:
     """The window [since_ts, now] (and the rows stamped a little ahead of now) as raw edges, whole hours and,
-    if coarsest_s allows, whole days."""
+    if coarsest_s allows, whole days; the hours in `stale` (their starts: marked, not yet refreshed) from raw
+    rows, and a day holding one of them by its hours (its day row may predate that hour's rows)."""
     h0, h1 = math.ceil(since_ts / HOUR_S) * HOUR_S, math.floor(now / HOUR_S) * HOUR_S
     if h0 >= h1:
         return [Span(0, since_ts, math.inf)]
-    spans = [Span(0, since_ts, h0), Span(0, h1, math.inf)]
-    d0, d1 = math.ceil(h0 / DAY_S) * DAY_S, math.floor(h1 / DAY_S) * DAY_S
-    if coarsest_s >= DAY_S and d0 < d1:
-        spans += [Span(HOUR_S, h0, d0), Span(DAY_S, d0, d1), Span(HOUR_S, d1, h1)]
-    else:
-        spans.append(Span(HOUR_S, h0, h1))
-    return [s for s in spans if s.start_ts < s.end_ts]
+    spans, t = [Span(0, since_ts, h0)], h0
+    while t < h1:
+        if (coarsest_s >= DAY_S and t % DAY_S == 0 and t + DAY_S <= h1
+                and not any(h in stale for h in range(t, t + DAY_S, HOUR_S))):
+            spans.append(Span(DAY_S, t, t + DAY_S))
+            t += DAY_S
+        else:
+            spans.append(Span(0 if t in stale else HOUR_S, t, t + HOUR_S))
+            t += HOUR_S
+    spans.append(Span(0, h1, math.inf))
+    return _joined([s for s in spans if s.start_ts < s.end_ts])
+
+
+def _joined(spans: list[Span]) -> list[Span]:
+    """Neighbouring spans of one width as one (a range read each)."""
+    out = spans[:1]
+    for s in spans[1:]:
+        if s.width_s == out[-1].width_s and s.start_ts == out[-1].end_ts:
+            out[-1] = Span(s.width_s, out[-1].start_ts, s.end_ts)
+        else:
+            out.append(s)
+    return out
 
 
 GroupKey = Callable[[float, str, str, str], Hashable]  # (ts or period start, device_id, model, version) -> group
@@ -326,9 +430,10 @@ def _number(x: float) -> float | None:
 def summaries(db: Database, since_ts: float, now: float, key: GroupKey, coarsest_s: int = DAY_S,
               where: str = "", params: tuple = ()) -> dict[Hashable, dict]:
     """Per group (key of each row's time, device, model, version): Accumulator.summaries over the requests
-    stamped from since_ts on. where: a condition on model / version ('and ...'), for both tables."""
+    stamped from since_ts on, as the raw rows stand now: hours still marked stale are read raw. where: a
+    condition on model / version ('and ...'), for both tables."""
     acc = Accumulator()
-    for span in plan(since_ts, now, coarsest_s):
+    for span in plan(since_ts, now, coarsest_s, stale_hours(db, since_ts)):
         if span.width_s:
             _read_rollups(db, span, key, acc, where, params)
         else:

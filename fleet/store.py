@@ -201,7 +201,8 @@ class FleetStore:
 
     def prune_step(self, before: dict[str, float]) -> int:
         """One transaction of prune(): at most PRUNE_BATCH_ROWS rows; 0 when nothing is left to delete.
-        The consumer runs one between its commits, so a long prune never holds up ingest."""
+        The consumer runs one between its commits, so a long prune never holds up ingest. The request
+        rollups of periods wholly before the requests' time go in the last step (fleet.rollups.prune)."""
         for table, before_ts in before.items():
             if table not in TELEMETRY_TABLES:
                 raise ValueError(f"{table!r} is not a telemetry table")
@@ -211,6 +212,9 @@ class FleetStore:
                                     f"WHERE ts < ? LIMIT ?)", [before_ts, PRUNE_BATCH_ROWS]).rowcount
             if n:
                 return n
+        if "requests" in before:  # the pass's last step: one statement, not counted with the telemetry rows
+            with self._transaction():
+                rollups.prune(self.db, before["requests"])
         return 0
 
     def migrate(self) -> list[str]:
@@ -240,39 +244,40 @@ class FleetStore:
         return [r["name"] for r in self.db.query("select name from _migrations order by name")]
 
     def commit(self, ingest: Ingest) -> Committed:
-        """Write one batch in one transaction: telemetry (replays dropped) and its request rollups, device
-        states, last-seen times and rejected counts."""
+        """Write one batch in one transaction: telemetry (replays dropped), device states, last-seen times and
+        rejected counts, and last the stale marks of its request rollups (fleet.rollups.mark). Last: on
+        PostgreSQL the refresh's claim waits for the commits holding the marks table, and one that has marked
+        then waits on nothing else, so no lock cycle can form through it."""
         with self._transaction():
-            inserted = self._insert_records(ingest.records, ingest.kept_s)
+            inserted, requests = self._insert_records(ingest.records)
             # the registry's rows locked in device order first (every device with a state was seen), then
             # each device's states in arrival order: two replicas' commits queue on a row, never deadlock
             self._mark_seen(ingest.seen)
             states = sorted(ingest.states, key=lambda s: s[0].device_id)  # stable: arrival order per device
             states_applied = sum(self._apply_state(*state) for state in states)
             self._count_rejected(ingest.rejected)
+            if requests:
+                rollups.mark(self.db, requests, time.time())
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
                          rejected=sum(ingest.rejected.values()), states_applied=states_applied)
 
-    def _insert_records(self, records: list[tuple[str, TelemetryRecord]], kept_s: dict[str, float]) -> int:
-        """Rows new to the database. In key order: two replicas inserting the same replayed keys take their
-        locks in one order."""
+    def _insert_records(self, records: list[tuple[str, TelemetryRecord]]) -> tuple[int, list[tuple]]:
+        """(rows new to the database, the request rows). In key order: two replicas inserting the same
+        replayed keys take their locks in one order."""
         rows: dict[str, list[tuple]] = {kind: [] for kind in ROW_WRITERS}
         for device_id, record in records:
             rows[record.kind].append(ROW_WRITERS[record.kind][1](device_id, record))
-        requests = sorted(rows.pop("request"), key=lambda r: r[:3])
-        return self._insert_requests(requests, kept_s) + sum(
-            self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
-            for kind, kind_rows in rows.items() if kind_rows)
+        requests = sorted(rows["request"], key=lambda r: r[:3])
+        return sum(self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
+                   for kind, kind_rows in rows.items() if kind_rows), requests
 
-    def _insert_requests(self, rows: list[tuple], kept_s: dict[str, float]) -> int:
-        """Request rows, and the new ones added to their rollups (fleet.rollups); rollups older than the
-        requests' retention go."""
-        new = rollups.insert_requests(self.db, ROW_WRITERS["request"][0], rows) if rows else []
-        if new:
-            rollups.add(self.db, new)
-        if "requests" in kept_s:
-            rollups.prune(self.db, time.time() - kept_s["requests"])
-        return len(new)
+    def refresh_rollups(self, now: float | None = None) -> int:
+        """One transaction of the request rollups' refresh (fleet.rollups.refresh_step): stale hour buckets
+        re-rolled; 0 when none is due. The consumer runs one between its commits."""
+        return rollups.refresh_step(self.db, time.time() if now is None else now)
+
+    def rollup_backlog(self, now: float | None = None) -> rollups.Backlog:
+        return rollups.backlog(self.db, time.time() if now is None else now)
 
     def _apply_state(self, state: DeviceState, live: bool, broker: str | None) -> bool:
         # the row locked until the commit (PostgreSQL): another replica's newer state waits, then compares

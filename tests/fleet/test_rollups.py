@@ -1,10 +1,11 @@
 """Request rollups (fleet/rollups.py): histogram percentiles within 1% of numpy's, windows tiled without gap or
-overlap, and on both backends rollup-answered queries that agree with raw-row percentiles across hour and day
-edges, with replays, after a backfill and after retention."""
+overlap (stale hours raw), and on both backends rollup-answered queries that agree with raw-row percentiles across
+hour and day edges, with replays, before and after the background refresh, after a backfill and after retention."""
 from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -80,6 +81,26 @@ def test_a_window_is_tiled_by_its_spans(now, since_s, coarsest_s):
     assert raw_s <= 2 * rollups.HOUR_S  # raw rows: the partial hours at the edges only
 
 
+@settings(max_examples=300)
+@given(st.floats(1.6e9, 1.8e9), st.floats(0, 40 * 86400), st.sampled_from([rollups.HOUR_S, rollups.DAY_S]),
+       st.lists(st.integers(-50, 40 * 24), max_size=30))
+def test_stale_hours_are_read_raw_and_their_days_by_hours(now, since_s, coarsest_s, hours_ago):
+    stale = frozenset(math.floor(now / 3600) * 3600 - h * 3600 for h in hours_ago)
+    spans = sorted(rollups.plan(now - since_s, now, coarsest_s, stale), key=lambda s: s.start_ts)
+    assert spans[0].start_ts == now - since_s and spans[-1].end_ts == math.inf
+    assert all(a.end_ts == b.start_ts for a, b in zip(spans, spans[1:]))
+    for s in spans:
+        if s.width_s:
+            assert s.start_ts % s.width_s == 0 and s.end_ts % s.width_s == 0 and s.end_ts <= now
+            assert not any(s.start_ts <= h < s.end_ts for h in stale), (s, sorted(stale))
+            if s.width_s == rollups.DAY_S:  # no day holds a stale hour
+                assert not any(d <= h < d + rollups.DAY_S for d in range(int(s.start_ts), int(s.end_ts),
+                                                                        rollups.DAY_S) for h in stale)
+    raw_s = sum(min(s.end_ts, now) - s.start_ts for s in spans if not s.width_s)
+    stale_in = {h for h in stale if now - since_s <= h and h + rollups.HOUR_S <= now}
+    assert raw_s <= 2 * rollups.HOUR_S + len(stale_in) * rollups.HOUR_S  # and only those hours more
+
+
 # ---- on each backend --------------------------------------------------------------------------------------
 def history(seed: int = 0, days: int = 10, devices: int = 4) -> list[tuple[str, list]]:
     """Requests every ~20 min over `days` up to NOW on each device, on two versions, some shed or 1-token."""
@@ -98,12 +119,28 @@ def history(seed: int = 0, days: int = 10, devices: int = 4) -> list[tuple[str, 
     return out
 
 
-def ingest_all(store: FleetStore, batches: list[tuple[str, list]], size: int = 50) -> None:
+def ingest_all(store: FleetStore, batches: list[tuple[str, list]], size: int = 50, refresh_every: int = 0) -> int:
+    """Commit the batches; refresh_every: a refresh step after every that many commits, as the consumer
+    interleaves them. Returns the buckets refreshed."""
+    refreshed, commits = 0, 0
     for device_id, records in batches:
         for at in range(0, len(records), size):
             ingest = Ingest()
             ingest.add_records(device_id, records[at:at + size], NOW)
             store.commit(ingest)
+            commits += 1
+            if refresh_every and commits % refresh_every == 0:
+                refreshed += store.refresh_rollups()
+    return refreshed
+
+
+def refresh_all(store: FleetStore) -> int:
+    """The consumer's refresh pass: steps until none is left (every hour before 2023 has ended)."""
+    refreshed = 0
+    while n := store.refresh_rollups():
+        refreshed += n
+    assert store.rollup_backlog() == rollups.Backlog(0, 0.0)
+    return refreshed
 
 
 def exact_summaries(db, since_s: float, key) -> dict:
@@ -136,12 +173,15 @@ def assert_agree(rows: list[dict], exact: dict, by: str) -> None:
 
 @pytest.fixture
 def filled(fleet_target):
-    """Ten days of four devices' requests, every batch delivered twice and a tenth of them a third time."""
+    """Ten days of four devices' requests, every batch delivered twice and a tenth of them a third time, the
+    rollups refreshed between the deliveries and after them."""
     store = FleetStore(fleet_target)
     batches = history()
     ingest_all(store, batches)
+    refresh_all(store)
     ingest_all(store, batches, size=37)  # replays, cut differently: no batch repeats a commit exactly
     ingest_all(store, [(d, records[::10]) for d, records in batches])
+    refresh_all(store)
     yield store
     store.close()
 
@@ -151,7 +191,7 @@ def rollup_rows(db) -> list[tuple]:
 
 
 def test_replays_are_rolled_up_once(filled):
-    """What ingest maintained is what a backfill of the stored rows builds."""
+    """What the refresh maintained is what a backfill of the stored rows builds."""
     db = filled.db
     assert db["requests"].count == 4 * 720
     maintained = rollup_rows(db)
@@ -192,59 +232,163 @@ def test_a_fleet_upgraded_with_history_gets_its_rollups(fleet_target):
     """Migration 0012 rolls up the requests stored before it: long windows are not empty after an upgrade."""
     store = FleetStore(fleet_target)
     ingest_all(store, history(seed=1, days=3))
+    refresh_all(store)
     maintained = rollup_rows(store.db)
-    # the database as a fleet before 0012 left it: the same raw rows, no rollups
-    store.db.execute(f"drop table {rollups.TABLE}")
-    store.db.execute("delete from _migrations where name = '0012_request_rollups'")
+    # the database as a fleet before 0012 left it: the same raw rows, no rollups (nor their marks, 0013)
+    for table in (rollups.TABLE, rollups.DIRTY):
+        store.db.execute(f"drop table {table}")
+    store.db.execute("delete from _migrations where name in ('0012_request_rollups', '0013_request_rollup_marks')")
     store.close()
     store = FleetStore(fleet_target)
-    assert store.applied_migrations()[-1] == "0012_request_rollups"
+    assert store.applied_migrations()[-2:] == ["0012_request_rollups", "0013_request_rollup_marks"]
     assert rollup_rows(store.db) == maintained
     assert_agree(queries.tps(store.db, 2 * 86400, "device", now=NOW),
                  exact_summaries(store.db, 2 * 86400, queries._GROUP_KEY["device"]), "device")
     store.close()
 
 
-def test_rollups_follow_the_requests_retention(fleet_target):
+def test_rollups_follow_the_requests_retention_when_the_store_prunes(fleet_target):
+    """A commit no longer deletes rollups (it writes only stale marks); the prune the consumer runs between
+    commits deletes the periods that ended by the requests' cutoff, with their raw rows."""
     store = FleetStore(fleet_target)
     ingest_all(store, history(seed=2, days=5, devices=1))
+    refresh_all(store)
+    before = rollup_rows(store.db)
     ingest = Ingest(kept_s={"requests": 2 * 86400})
     ingest.add_records("dev-0", [request(10_000, NOW, "m", "v2", 10, 10)], NOW)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("fleet.store.time.time", lambda: NOW)
-        store.commit(ingest)
-    starts = {(w, s) for w, s in store.db.execute(f"select width_s, start_ts from {rollups.TABLE}")}
+    store.commit(ingest)
+    assert rollup_rows(store.db) == before
     cutoff = NOW - 2 * 86400
+    store.prune({"requests": cutoff})
+    starts = {(w, s) for w, s in store.db.execute(f"select width_s, start_ts from {rollups.TABLE}")}
     # the first period kept is the one still holding raw rows at or after the cutoff
     assert min(s for w, s in starts if w == rollups.HOUR_S) == math.floor(cutoff / 3600) * 3600
     assert min(s for w, s in starts if w == rollups.DAY_S) == math.floor(cutoff / 86400) * 86400
     store.close()
 
 
-def test_replicas_replaying_the_same_batches_concurrently_count_each_row_once(fleet_target):
+def test_a_query_right_after_ingest_equals_the_raw_rows_before_and_after_the_refresh(fleet_target):
+    """Rollups lag ingest; a query does not: the hours still marked stale are read raw. Rows added to hours
+    already rolled up (a late device's backlog) count at once too, and after their refresh."""
+    store = FleetStore(fleet_target)
+    batches = history(seed=4, days=6, devices=3)
+    ingest_all(store, [(d, records[: len(records) // 2]) for d, records in batches])
+    db, since_s, key = store.db, 5 * 86400, queries._GROUP_KEY["device"]
+    assert store.db[rollups.TABLE].count == 0 and store.rollup_backlog(NOW + 86400).buckets > 0
+    assert_agree(queries.tps(db, since_s, "device", now=NOW), exact_summaries(db, since_s, key), "device")
+    refresh_all(store)
+    rolled = rollup_rows(db)
+    ingest_all(store, [(d, records[len(records) // 2:]) for d, records in batches])  # into rolled-up hours
+    assert rollup_rows(db) == rolled  # not refreshed yet: what the query reads for those hours must be raw
+    assert_agree(queries.tps(db, since_s, "device", now=NOW), exact_summaries(db, since_s, key), "device")
+    refresh_all(store)
+    assert rollup_rows(db) != rolled
+    assert not rollups.stale_hours(db, NOW - since_s)  # the query below reads rollups for every whole hour
+    assert_agree(queries.tps(db, since_s, "device", now=NOW), exact_summaries(db, since_s, key), "device")
+    store.close()
+
+
+def test_the_open_hour_waits_for_its_end_and_the_backlog_says_how_long(fleet_target, monkeypatch):
+    store = FleetStore(fleet_target)
+    hour = math.floor(NOW / 3600) * 3600
+    ingest = Ingest()
+    ingest.add_records("dev-0", [request(0, hour + 10, "m", "v1", 10, 10), request(1, hour - 10, "m", "v1", 10, 10)],
+                       NOW)
+    monkeypatch.setattr("fleet.store.time.time", lambda: hour + 30)  # the marks' clock
+    store.commit(ingest)
+    # at hour + 60 the earlier hour has ended and waited since it was marked; the open one is not counted
+    assert store.rollup_backlog(hour + 60) == rollups.Backlog(1, 30.0)
+    assert store.refresh_rollups(hour + 60) == 1 and store.refresh_rollups(hour + 60) == 0
+    assert {s for (s,) in db_rows(store, "start_ts", rollups.DIRTY)} == {hour}
+    assert store.rollup_backlog(hour + 60) == rollups.Backlog(0, 0.0)
+    assert store.rollup_backlog(hour + 3600 + 5) == rollups.Backlog(1, 5.0)  # ended 5 s ago, marked before
+    assert store.refresh_rollups(hour + 3600 + 5) == 1
+    assert sum(r for (r,) in db_rows(store, "requests", rollups.TABLE, "width_s = 86400")) == 2
+    store.close()
+
+
+def db_rows(store: FleetStore, column: str, table: str, where: str = "1 = 1") -> list[tuple]:
+    return store.db.execute(f"select {column} from {table} where {where}").fetchall()
+
+
+def test_replicas_ingesting_and_refreshing_concurrently_count_each_row_once(fleet_target):
     """Two writers (PostgreSQL: two replicas' connections; SQLite: two connections to one file) commit the same
-    batches at once: every rollup row is created by one, then locked and added to by each in turn."""
+    batches at once, each refreshing between its commits as the consumer does, into hours being refreshed:
+    once both are done and the marks refreshed, every rollup row is what a backfill of the stored rows builds."""
     batches = history(seed=3, days=2, devices=3)
     FleetStore(fleet_target).close()
     stores = [FleetStore(fleet_target) for _ in range(2)]
-    errors = []
+    errors, refreshed = [], []
 
-    def run(store):
+    def run(store, seed):
         try:
-            ingest_all(store, batches, size=20)
+            order = np.random.default_rng(seed).permutation(len(batches))
+            refreshed.append(ingest_all(store, [batches[i] for i in order], size=20, refresh_every=3))
         except Exception as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in stores]
+    threads = [threading.Thread(target=run, args=(s, i)) for i, s in enumerate(stores)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
+    assert sum(refreshed) > 0  # the refresh ran while the other writer committed
+    refresh_all(stores[0])
     db = stores[0].db
     maintained = rollup_rows(db)
+    assert sum(r[5] for r in maintained if r[0] == rollups.DAY_S) == db["requests"].count == 3 * 2 * 72
     db.execute(f"delete from {rollups.TABLE}")
     rollups.backfill(db)
     assert rollup_rows(db) == maintained
     for s in stores:
         s.close()
+
+
+def test_a_refresh_step_stops_at_its_row_bound_and_the_next_goes_on(fleet_target, monkeypatch):
+    """A transaction re-rolls buckets until REFRESH_BATCH_ROWS raw rows (at least one bucket); the rest stay
+    claimed for the next step, and the pass ends with what a backfill builds."""
+    monkeypatch.setattr(rollups, "REFRESH_BATCH_ROWS", 10)
+    store = FleetStore(fleet_target)
+    ingest_all(store, history(seed=5, days=2, devices=2))
+    marks = store.rollup_backlog().buckets
+    first = store.refresh_rollups()
+    assert 1 <= first < marks and store.rollup_backlog().buckets == marks - first
+    assert first + refresh_all(store) == marks
+    maintained = rollup_rows(store.db)
+    store.db.execute(f"delete from {rollups.TABLE}")
+    rollups.backfill(store.db)
+    assert rollup_rows(store.db) == maintained
+    store.close()
+
+
+def test_a_refresh_claiming_a_bucket_a_commit_in_flight_has_marked_waits_for_that_commit(fleet_target, monkeypatch):
+    """A commit whose mark found its bucket's mark already there (insert-or-ignore) and which has not committed
+    yet: a refresh claiming that mark then must see its rows (PostgreSQL: the claim's table lock waits for it;
+    SQLite: the write lock does), or the rows would be left out with no mark left to bring them in."""
+    hour = math.floor(NOW / 3600) * 3600 - 5 * 3600
+    writer, refresher = FleetStore(fleet_target), FleetStore(fleet_target)
+    first = Ingest()
+    first.add_records("dev-0", [request(0, hour + 10, "m", "v1", 10, 10)], NOW)
+    writer.commit(first)  # the bucket's mark, committed
+    marked, mark = threading.Event(), rollups.mark
+
+    def mark_then_linger(db, rows, now):
+        n = mark(db, rows, now)  # ignored: the bucket is marked already
+        marked.set()
+        time.sleep(0.3)  # the refresh's claim comes now, before this commit ends
+        return n
+
+    monkeypatch.setattr(rollups, "mark", mark_then_linger)
+    second = Ingest()
+    second.add_records("dev-0", [request(1, hour + 20, "m", "v1", 10, 10)], NOW)
+    in_flight = threading.Thread(target=writer.commit, args=(second,))
+    in_flight.start()
+    assert marked.wait(10)
+    refresh_all(refresher)
+    in_flight.join()
+    refresh_all(refresher)
+    rolled = sorted(db_rows(refresher, "width_s, requests", rollups.TABLE))
+    assert rolled == [(rollups.HOUR_S, 2), (rollups.DAY_S, 2)]
+    writer.close()
+    refresher.close()
