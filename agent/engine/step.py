@@ -104,8 +104,8 @@ class Stepper:
 
     def _prefill(self, seq: Sequence, n: int) -> None:
         pool = self.scheduler.pool_of(seq)
-        start = seq.num_computed
-        logits = self.runner.forward_slot(pool, pool.slot_of(seq.seq_id), seq.all_ids[start:start + n], start)
+        start, is_last = seq.num_computed, n == seq.num_uncomputed  # only the last chunk's logits are sampled
+        logits = self.runner.forward_slot(pool, pool.slot_of(seq.seq_id), seq.all_ids[start:start + n], start, is_last)
         seq.num_computed += n
         pool.lengths[seq.seq_id] = seq.num_computed
         if seq.num_uncomputed == 0:  # prompt (and any recomputed output) done: sample the next token

@@ -59,6 +59,41 @@ def test_a_step_leaves_none_of_the_weight_files_resident(real_q4_bundle):
     assert np.array_equal(other_logits, logits)
 
 
+def test_the_session_reads_its_weights_through_the_runners_own_mapping(real_q4_bundle):
+    """ONNX Runtime maps no weight file of its own (the runner's mapping, used in place, is the only one), so the
+    runner may drop its pages at any time, also while the session loads; logits match across sessions."""
+    runner = open_runner(real_q4_bundle, 1, False)
+    directory = runner.model_path.resolve().parent
+    lo = runner._weights.ctypes.data
+    mapped = (lo, lo - (-runner._weights.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)  # whole pages
+    assert [(a, b) for a, b, _ in clean_file_mappings(directory)] == [mapped]
+    assert runner._reread_weights == [mapped]
+    ids = np.arange(100, 164)[None, :]
+    logits = runner.forward(ids, np.array([63]), np.array([64]), np.array([[63]]), runner.new_cache(1, 128))
+    again = open_runner(real_q4_bundle, 1, False).forward(ids, np.array([63]), np.array([64]), np.array([[63]]),
+                                                          runner.new_cache(1, 128))
+    assert np.isfinite(logits).all() and np.array_equal(logits, again)
+
+
+def test_a_chunk_without_logits_fills_the_same_cache(real_q4_bundle):
+    """A prompt chunk that is not the last asks for no logits ([1, 0, V]); the KV it writes, and so the logits
+    of the chunk after it, are the same as when it computed them."""
+    from agent.engine.kv_cache import KVPool
+    from agent.engine.memory import SizeClass
+
+    runner = open_runner(real_q4_bundle, 1, False)
+    c = real_q4_bundle.config
+    ids = list(range(300, 396))
+    results = []
+    for first_logits in (True, False):
+        pool = KVPool([SizeClass(128, 1)], c.num_layers, c.num_kv_heads, c.head_dim).classes[0]
+        pool.allocate(1)
+        first = runner.forward_slot(pool, 0, ids[:64], 0, logits=first_logits)
+        assert first.shape == (1, 1 if first_logits else 0, runner.vocab_size)
+        results.append(runner.forward_slot(pool, 0, ids[64:], 64))
+    assert np.array_equal(results[0], results[1])
+
+
 def test_spinning_is_as_configured_unless_threads_outnumber_cores():
     assert choose_spinning(True, 1) and not choose_spinning(False, 1)
     assert not choose_spinning(True, usable_cores() + 1)
