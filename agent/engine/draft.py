@@ -54,7 +54,7 @@ class DraftModel:
         # Catching up (a new prompt, or after a preemption) goes in the target's prefill chunks: one call over a
         # 4,000-token prompt took ~20 MB past the measured budget, and ONNX Runtime's arena kept it.
         while len(ids) - done > self.chunk_tokens:
-            self.runner.forward_slot(pool, slot, ids[done:done + self.chunk_tokens], done)
+            self.runner.forward_slot(pool, slot, ids[done:done + self.chunk_tokens], done, logits=False)
             done += self.chunk_tokens
         logits = self.runner.forward_slot(pool, slot, ids[done:], done)
         draft = [int(logits[0, 0].argmax())]
