@@ -62,7 +62,8 @@ def tied_fp32(b: GraphBuilder, table: np.ndarray) -> tuple[str, Callable[[str], 
         lead = b.one("Shape", [h], "/lm_head/Shape", start=0, end=2)
         shape = b.one("Concat", [lead, b.const("/lm_head.vocab", np.array([table.shape[0]], np.int64))],
                       "/lm_head/Concat", axis=0)
-        return b.one("Reshape", [y, shape], "/lm_head/Reshape_out")
+        # allowzero: a call that asks for no logits (n = 0) gets [B, 0, V], where a 0 would copy y's V
+        return b.one("Reshape", [y, shape], "/lm_head/Reshape_out", allowzero=1)
 
     return x, lm_head
 

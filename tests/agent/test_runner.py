@@ -294,3 +294,33 @@ def test_the_runtime_version_floor(version, ok):
     else:
         with pytest.raises(ValueError, match=f"onnxruntime {version} is too old"):
             check_runtime_version(version)
+
+
+@pytest.mark.parametrize("allowzero", [True, False])
+def test_a_tied_fp32_head_takes_a_call_without_logits_old_graphs_by_a_fallback(tiny_fp32_bundle, tmp_path, allowzero):
+    """The tied fp32 head's output Reshape takes allowzero, so [B, 0, V] is a shape and not "copy V"; a graph
+    built before that fails a call without logits, and the runner asks it for the last row's from then on."""
+    import onnx
+
+    from agent.engine.bundle import Bundle
+    from agent.engine.kv_cache import KVPool
+    from agent.engine.memory import SizeClass
+
+    bundle = tiny_fp32_bundle
+    if not allowzero:  # as edge-quantize built it before: the attribute dropped
+        shutil.copytree(bundle.path, tmp_path / "old")
+        graph = onnx.load(str(tmp_path / "old" / "model.onnx"), load_external_data=False)
+        node = next(n for n in graph.graph.node if n.name == "/lm_head/Reshape_out")
+        assert [a.name for a in node.attribute] == ["allowzero"]
+        del node.attribute[:]
+        onnx.save(graph, str(tmp_path / "old" / "model.onnx"))
+        bundle = Bundle(tmp_path / "old", None, bundle.config)
+    runner, c = open_runner(bundle, 1, False), bundle.config
+    ids, results = list(range(3, 40)), []
+    for first_logits in (True, False):
+        pool = KVPool([SizeClass(64, 1)], c.num_layers, c.num_kv_heads, c.head_dim).classes[0]
+        pool.allocate(1)
+        first = runner.forward_slot(pool, 0, ids[:20], 0, logits=first_logits)
+        assert first.shape == (1, 1 if first_logits or not allowzero else 0, runner.vocab_size)
+        results.append(runner.forward_slot(pool, 0, ids[20:], 20))
+    assert np.array_equal(results[0], results[1]) and runner.logit_free_calls is allowzero
