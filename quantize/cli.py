@@ -112,7 +112,7 @@ def cli() -> None:
                    "text, with the same result (a 1B Llama's are ~10 GB in all).")
 @click.option("--lora-targets", default=None, metavar="q,k,v,o,gate,up,down",
               help="Make the bundle adapter-ready: a LoRA branch beside these projections (without an adapter its "
-                   "logits are the plain bundle's, bit for bit).")
+                   "logits are the plain bundle's, bit for bit) [default: none, a plain bundle].")
 @click.option("--max-lora-rank", type=click.IntRange(1, 1024), default=16, show_default=True,
               help="The largest adapter rank per projection the bundle accepts (with --lora-targets).")
 def build(source, out, precision, block_size, down_block_size, symmetric, int8_layers, method, calib_text, accuracy_level,
@@ -301,7 +301,7 @@ def inspect(bundle, as_json):
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Adapter folder to write.")
 @click.option("--source", type=click.Path(path_type=Path), default=None,
               help="The checkpoint the base was built from: quality is measured against it in fp32 with the "
-                   "adapter merged (without it, the manifest has no quality figures).")
+                   "adapter merged [default: none, and the manifest has no quality figures].")
 @click.option("--eval-text", type=click.Path(exists=True, path_type=Path), default=None,
               help="Text for the quality figures (default: the bundled English passage).")
 @click.option("--name", default=None, help="Adapter name (default: from PEFT_DIR's name).")
