@@ -11,7 +11,10 @@ import logging
 import mmap
 import os
 import re
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -260,3 +263,23 @@ def release_clean_file_pages(directory: Path) -> int:
     copy-on-write page is left alone.
     """
     return sum(rss for lo, hi, rss in clean_file_mappings(directory) if rss > 0 and drop_pages(lo, hi))
+
+
+@contextmanager
+def periodically(interval_s: float, action: Callable[[], bool | None], name: str) -> Iterator[None]:
+    """Call action every interval_s from a daemon thread while the block runs, until it returns False; the
+    thread is joined when the block ends, so no call outlives it."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(interval_s):
+            if action() is False:
+                return
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        worker.join()

@@ -11,9 +11,8 @@ import logging
 import mmap
 import os
 import re
-import threading
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -31,7 +30,7 @@ from agent import wire
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import SlotPool
 from agent.process import (clean_file_mappings, cpu_busy_elsewhere, cpu_quota_cores, drop_pages, lazy_zeros,
-                           release_clean_file_pages, trim_heap, usable_cores)
+                           periodically, release_clean_file_pages, trim_heap, usable_cores)
 
 # Our graphs give GroupQueryAttention its query_seqlens input (several new tokens on a ragged batch), which
 # ONNX Runtime accepts from 1.32; older ones refuse every graph with a schema error naming input counts.
@@ -297,24 +296,15 @@ def map_weight_file(path: Path, opts: ort.SessionOptions) -> np.ndarray | None:
     return weights
 
 
-@contextmanager
 def dropping_pages(weights: np.ndarray):
     """Drop weights' resident pages every DROP_WHILE_LOADING_S until the block ends (clean pages of a
     read-only file mapping: a read after a drop faults them back in from the page cache)."""
     lo = weights.ctypes.data
-    done = threading.Event()
 
-    def run() -> None:
-        while not done.wait(DROP_WHILE_LOADING_S):
-            drop_pages(lo, lo + weights.nbytes)
+    def drop() -> None:  # a failed drop (drop_pages' False) is tried again at the next tick
+        drop_pages(lo, lo + weights.nbytes)
 
-    worker = threading.Thread(target=run, name="drop-weight-pages", daemon=True)
-    worker.start()
-    try:
-        yield
-    finally:
-        done.set()
-        worker.join()
+    return periodically(DROP_WHILE_LOADING_S, drop, "drop-weight-pages")
 
 
 def check_runtime_version(version: str) -> None:

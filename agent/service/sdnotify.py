@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from agent.process import periodically
+
 
 class Notifier:
     def __init__(self, notify_socket: str | None, watchdog_usec: int | None = None):
@@ -69,18 +71,14 @@ class Notifier:
         if self.watchdog_interval_s is None:
             yield
             return
-        done = threading.Event()
         deadline = time.monotonic() + max_s
         self.send("WATCHDOG=1")  # now: the engine's last ping may be nearly an interval old already
 
-        def ping() -> None:
-            while not done.wait(self.watchdog_interval_s) and time.monotonic() < deadline:
-                self.send("WATCHDOG=1")
+        def ping() -> bool:
+            if time.monotonic() >= deadline:
+                return False
+            self.send("WATCHDOG=1")
+            return True
 
-        thread = threading.Thread(target=ping, name="watchdog-keepalive", daemon=True)
-        thread.start()
-        try:
+        with periodically(self.watchdog_interval_s, ping, "watchdog-keepalive"):
             yield
-        finally:
-            done.set()
-            thread.join()
