@@ -1,5 +1,6 @@
 """The draft model for speculative decoding: a smaller or more heavily quantized bundle with the same
-tokenizer, whose greedy guesses the target verifies in one pass.
+tokenizer, whose guesses (greedy, or drawn from its own distribution for a sampled request) the target
+verifies in one pass.
 
 Its KV cache mirrors the target's slots (KVPool.attach_mirror). Per sequence it keeps how many tokens
 its cache holds; before drafting it catches up on the tokens the target accepted since (one chunked
@@ -9,6 +10,9 @@ in the target's cache.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+
+import numpy as np
 
 from agent.engine.bundle import Bundle
 from agent.engine.kv_cache import KVPool
@@ -22,6 +26,10 @@ def same_tokenizer(a: str, b: str) -> bool:
     document is spaced depends on the quantizer that wrote the bundle (quantize.tokenizer writes it compact,
     earlier versions with spaces after separators)."""
     return a == b or json.loads(a) == json.loads(b)
+
+
+def greedy(row: np.ndarray) -> int:
+    return int(row.argmax())
 
 
 class DraftModel:
@@ -46,8 +54,9 @@ class DraftModel:
     def forget(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)
 
-    def propose(self, seq_id: int, ids: list[int], k: int) -> list[int]:
-        """k greedy tokens after ids (ids = the sequence so far, including its last, not-yet-verified token)."""
+    def propose(self, seq_id: int, ids: list[int], k: int, choose: Callable[[np.ndarray], int] = greedy) -> list[int]:
+        """k tokens after ids (ids = the sequence so far, including its last, not-yet-verified token), each
+        chosen from its row of logits by `choose` (greedy by default)."""
         pool = self.kv.where[seq_id]
         slot = pool.slot_of(seq_id)
         done = min(self.computed.get(seq_id, 0), len(ids) - 1)
@@ -57,11 +66,11 @@ class DraftModel:
             self.runner.forward_slot(pool, slot, ids[done:done + self.chunk_tokens], done, logits=False)
             done += self.chunk_tokens
         logits = self.runner.forward_slot(pool, slot, ids[done:], done)
-        draft = [int(logits[0, 0].argmax())]
+        draft = [choose(logits[0, 0])]
         n = len(ids)
         while len(draft) < k:
             logits = self.runner.forward_slot(pool, slot, [draft[-1]], n)
-            draft.append(int(logits[0, 0].argmax()))
+            draft.append(choose(logits[0, 0]))
             n += 1
         self.computed[seq_id] = n  # ids + all drafts but the last are in the cache
         pool.lengths[seq_id] = n

@@ -69,6 +69,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     kv_bytes: int = 0
     draft_length: DraftLength | LookupLength = field(default_factory=DraftLength)
+    draft_rng: np.random.Generator | None = None  # a draft model's draws for this sampled request, spawned from rng
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     forced_tokens: int = 0  # tokens the grammar forced, verified together in multi-token steps

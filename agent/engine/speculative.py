@@ -5,19 +5,30 @@ Drafts come from prompt lookup (the continuation of the longest recent n-gram th
 the prompt or output) or from a draft model. The target runs [last token, d1..dk] in one pass (k+1
 query rows on top of the cache); rejected positions are simply overwritten by the next step.
 
-Acceptance keeps the output exactly what plain decoding would give. Both kinds of draft are one token per
-position (prompt lookup, and the draft model's greedy choice: q is one-hot), so at each position the target
-samples its own token exactly as plain decoding does (argmax, or one draw from the request's generator)
-and the draft token is accepted when it is that token. A draft token is thus accepted with probability
-p(d), else the output is p's draw given it is not d: the speculative-sampling rule of Leviathan et al. and
-Chen et al. (2023) for a one-hot q. Drawing it this way uses the generator exactly as plain decoding would (once per emitted token,
-where an accept-then-residual form draws a varying number of times), so a seeded request gives the same
-text with or without speculation and whatever else is in the batch, up to rounding: the
-target's logits for a position verified in a k+1-row step (or decoded in a step padded to a neighbour's
-drafts) differ from a one-row step's in the last bits (ONNX Runtime rounds the two widths apart, ~1e-5 in
-fp32), so at a near-tie the token can differ, as it can after vLLM's speculative decoding. On INT4/INT8
-bundles the rows' activations are quantized apart too, and the difference is larger. A request that asks for
-log-probabilities keeps speculating: each emitted token's come from the verify row it was sampled from.
+Acceptance keeps the output exactly what plain decoding would give: the same tokens for a greedy request,
+the target's distribution for a sampled one.
+
+Prompt lookup's drafts, and a draft model's for a greedy request, are one token per position (q is
+one-hot). There the target samples its own token exactly as plain decoding does (argmax, or one draw from
+the request's generator) and the draft token is accepted when it is that token: accepted with probability
+p(d), else the output is p's draw given it is not d, the speculative-sampling rule of Leviathan et al. and
+Chen et al. (2023) for a one-hot q. Drawing it this way uses the generator exactly as plain decoding would
+(once per emitted token), so a seeded request gives the same text with or without speculation and whatever
+else is in the batch, up to rounding.
+
+For a sampled request a draft model draws each token from its own distribution q (the request's
+temperature and filters over the draft's logits, from a generator of its own spawned from the request's),
+and the target accepts d with probability min(1, p(d)/q(d)), else emits a draw from the residual
+max(0, p - q) renormalized: the general rule, whose output follows p whatever q is, and which accepts
+sum(min(p, q)) of the time where the one-hot rule accepts p(argmax q). A seeded request then gives the
+same text for the same steps (drafts and batch), but not the text plain decoding gives.
+
+Up to rounding: the target's logits for a position verified in a k+1-row step (or decoded in a step padded
+to a neighbour's drafts) differ from a one-row step's in the last bits (ONNX Runtime rounds the two widths
+apart, ~1e-5 in fp32), so at a near-tie the token can differ, as it can after vLLM's speculative decoding.
+On INT4/INT8 bundles the rows' activations are quantized apart too, and the difference is larger. A request
+that asks for log-probabilities keeps speculating: each emitted token's come from the verify row it was
+sampled from.
 """
 from __future__ import annotations
 
@@ -27,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from agent.engine.logprobs import TokenLogprobs
-from agent.engine.sampler import sample_with_logprobs
+from agent.engine.logprobs import TokenLogprobs, token_logprobs
+from agent.engine.sampler import apply_penalties, draw, filtered, sample_with_logprobs
 from agent.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the draft model runs the runtime; a sequence holds this module's controllers
@@ -201,9 +212,13 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else 0.7 * old + 0.3 * new
 
 
+Proposal = tuple[np.ndarray, np.ndarray]  # a sampled draft token's q: (candidate ids, their probabilities)
+
+
 def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
            output_ids: Sequence[int], rng: np.random.Generator,
-           logprobs: list[TokenLogprobs | None] | None = None, constraint=None) -> list[int]:
+           logprobs: list[TokenLogprobs | None] | None = None, constraint=None,
+           q: Sequence[Proposal | None] | None = None) -> list[int]:
     """The tokens to append: the accepted prefix of the draft plus one token from the target.
 
     logits [len(draft) + 1, V]: row i predicts the token after draft[:i]. logprobs: when given, each returned
@@ -212,14 +227,19 @@ def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_
     decoding does there, the matcher advanced past the draft tokens accepted before it, so the output is exactly
     what plain constrained decoding gives; a draft the grammar forces is accepted whole. The matcher is left as
     it was: the step accepts the tokens it appends.
+    q: the distribution each draft token was drawn from (None at a position drafted greedily): such a position is
+    verified by the p/q rule (module docstring), the others by the one-hot rule.
     """
     out: list[int] = []
     history = list(output_ids)
     consumed = 0
     try:
         for i in range(len(draft) + 1):
-            # what plain decoding gives here
-            token, lp = sample_with_logprobs(logits[i], params, prompt_ids, history, rng, constraint)
+            proposal = q[i] if q is not None and i < len(draft) and constraint is None else None
+            if proposal is not None and not params.is_greedy:
+                token, lp = _accept_or_resample(logits[i], params, prompt_ids, history, rng, draft[i], proposal)
+            else:  # what plain decoding gives here
+                token, lp = sample_with_logprobs(logits[i], params, prompt_ids, history, rng, constraint)
             out.append(token)
             history.append(token)
             if logprobs is not None:
@@ -233,6 +253,39 @@ def verify(draft: list[int], logits: np.ndarray, params: SamplingParams, prompt_
     finally:
         if constraint is not None:
             constraint.rollback(consumed)
+
+
+def _accept_or_resample(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                        history: Sequence[int], rng: np.random.Generator, d: int,
+                        proposal: Proposal) -> tuple[int, TokenLogprobs | None]:
+    """d, accepted with probability min(1, p(d)/q(d)), else a draw from max(0, p - q): a token distributed as p,
+    the target's distribution after penalties and filters (a row p cannot be formed from, NaN or +inf logits,
+    is left to the one-hot rule, which handles it as plain decoding does)."""
+    x = apply_penalties(logits, params, prompt_ids, history)
+    if not np.isfinite(x.max()):
+        return sample_with_logprobs(logits, params, prompt_ids, history, rng)
+    ids, p = filtered(x, params)
+    q_ids, q_probs = proposal
+    q_d = float(q_probs[q_ids == d].sum())  # > 0: d was drawn from q
+    if rng.random() * q_d < float(p[ids == d].sum()):
+        token = d
+    else:
+        q_dense = np.zeros(len(x), np.float32)
+        q_dense[q_ids] = q_probs
+        residual = np.maximum(p - q_dense[ids], 0)
+        token = int(ids[draw(residual if residual.sum() > 0 else p, rng)])
+    return token, None if params.logprobs is None else token_logprobs(x, token, params)
+
+
+def sampled_chooser(params: SamplingParams, rng: np.random.Generator, proposals: list[Proposal]):
+    """The draft model's choice for a sampled request: a draw from q, the draft's logits under the request's
+    temperature and filters, each q appended to proposals. No penalties: any q keeps the output exact (they
+    would only bring q nearer p), and a draft head narrower than the vocabulary could not index them."""
+    def choose(row: np.ndarray) -> int:
+        ids, probs = filtered(row, params)
+        proposals.append((ids, probs))
+        return int(ids[draw(probs, rng)])
+    return choose
 
 
 @dataclass
@@ -249,6 +302,7 @@ class Speculation:
     config: EngineConfig
     draft: DraftModel | None = None
     backoff: dict[str, int] = field(default_factory=dict)  # mode -> the last finished sequence's backoff
+    proposals: dict[int, list[Proposal]] = field(default_factory=dict)  # seq id -> its sampled draft's q's
 
     def mode_of(self, seq: Request) -> str:
         return seq.params.speculative or self.config.speculative
@@ -279,7 +333,14 @@ class Speculation:
         if mode == "ngram":
             return seq.draft_length.propose(seq.all_ids, room)
         k = min(seq.draft_length.current(), room)
-        return self.draft.propose(seq.seq_id, seq.all_ids, k) if k > 0 and self.draft is not None else []
+        if k <= 0 or self.draft is None:
+            return []
+        if seq.params.is_greedy or seq.constraint is not None:  # a grammar cuts drafts: one-hot rule (verify)
+            return self.draft.propose(seq.seq_id, seq.all_ids, k)
+        if seq.draft_rng is None:  # its own stream: the request's draws stay one per emitted token
+            seq.draft_rng = seq.rng.spawn(1)[0]
+        proposals = self.proposals[seq.seq_id] = []
+        return self.draft.propose(seq.seq_id, seq.all_ids, k, sampled_chooser(seq.params, seq.draft_rng, proposals))
 
     def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float,
                  forced: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -287,7 +348,8 @@ class Speculation:
         in seq's figures and controller (forced tokens are the grammar's, not a draft's: not counted there).
         logits [len(draft) + 1, V]."""
         logprobs: list[TokenLogprobs | None] = []
-        tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, logprobs, seq.constraint)
+        tokens = verify(draft, logits, seq.params, seq.prompt_ids, seq.output_ids, seq.rng, logprobs, seq.constraint,
+                        self.proposals.pop(seq.seq_id, None))
         accepted = len(tokens) - 1
         if forced:
             seq.forced_tokens += accepted
@@ -304,6 +366,7 @@ class Speculation:
 
     def forget(self, seq_id: int) -> None:
         """seq_id left its slot (finished or preempted): the draft model's cache of it is gone."""
+        self.proposals.pop(seq_id, None)
         if self.draft is not None:
             self.draft.forget(seq_id)
 

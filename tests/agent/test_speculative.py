@@ -2,13 +2,18 @@
 sampling keeps the target's distribution."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from agent.config import EngineConfig
 from agent.engine.engine import Engine
+from agent.engine import speculative
 from agent.engine.sampling_params import SamplingParams
-from agent.engine.speculative import DraftLength, LookupLength, learned_backoff, next_draft_length, ngram_draft, verify
+from agent.engine.sampler import filtered
+from agent.engine.speculative import (DraftLength, LookupLength, learned_backoff, next_draft_length, ngram_draft,
+                                      sampled_chooser, verify)
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -198,6 +203,107 @@ def test_speculative_sampling_keeps_the_target_distribution():
     expected = p * n
     stat = float(((counts - expected) ** 2 / expected).sum())
     assert stat < 18.47, (counts, expected)  # chi-square, 4 degrees of freedom, p = 0.001
+
+
+def chi_square(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """(statistic, degrees of freedom) over the cells expected at least 5 times, the rest pooled into one."""
+    big = expected >= 5
+    cells_c = np.append(counts[big], counts[~big].sum())
+    cells_e = np.append(expected[big], expected[~big].sum())
+    keep = cells_e > 0
+    return float(((cells_c[keep] - cells_e[keep]) ** 2 / cells_e[keep]).sum()), int(keep.sum()) - 1
+
+
+def chi2_999(dof: int) -> float:
+    """chi-square's 0.999 quantile (a correct rule fails one run in a thousand), by Wilson and Hilferty's cube
+    approximation: within 2% of the table from 3 degrees of freedom up (18.72 for 4, table 18.47)."""
+    return dof * (1 - 2 / (9 * dof) + 3.0902 * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=1.0), dict(temperature=0.8, top_k=6),
+                                     dict(temperature=1.2, top_p=0.9)], ids=["plain", "top-k", "top-p"])
+def test_the_p_over_q_rule_keeps_the_target_distribution_whatever_the_draft_draws_from(filters):
+    """A sampled draft drawn from q, verified by accept-with-min(1, p/q)-else-residual: the first emitted token
+    follows p's first row, and after an accepted first draft token the second follows p's second row. q is
+    made far from p (another random distribution, part of it where p is filtered out), so a rule that kept the
+    draft too often (or resampled from p rather than the residual) would follow q instead."""
+    rng, v, n = np.random.default_rng(7), 12, 20000
+    logits = rng.normal(0, 1.5, (2, v)).astype(np.float32)
+    draft_logits = rng.normal(0, 1.5, (2, v)).astype(np.float32)
+    params = SamplingParams(seed=3, **filters)
+    p_rows = []
+    for row in logits:
+        ids, probs = filtered(row, params)
+        dense = np.zeros(v)
+        dense[ids] = probs / probs.sum()
+        p_rows.append(dense)
+    draft_rng = np.random.default_rng(11)
+    first, second, accepted = np.zeros(v), np.zeros(v), 0
+    for _ in range(n):
+        q = []
+        choose = sampled_chooser(params, draft_rng, q)
+        draft = [choose(draft_logits[0]), choose(draft_logits[1])]
+        out = verify(draft, np.concatenate([logits, logits[1:]]), params, [], [], rng, q=q)
+        first[out[0]] += 1
+        if out[0] == draft[0]:
+            accepted += 1
+            second[out[1]] += 1
+    assert 0.05 * n < accepted < 0.95 * n  # both acceptance and the residual were exercised
+    for counts, p in ((first, p_rows[0]), (second, p_rows[1])):
+        stat, dof = chi_square(counts, p * counts.sum())
+        assert stat < chi2_999(dof), (counts, p * counts.sum())
+
+
+def test_a_greedy_request_ignores_q_and_keeps_the_argmax():
+    logits = np.log(np.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]], np.float32))
+    q = [(np.array([2]), np.array([1.0], np.float32))]
+    assert verify([2], logits, SamplingParams(**GREEDY), [], [], np.random.default_rng(0), q=q) == [1]
+    assert verify([1], logits, SamplingParams(**GREEDY), [], [], np.random.default_rng(0), q=q) == [1, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny_noisy_bundle(tiny_varied_checkpoint, tmp_path_factory):
+    """The target with noise on its output head: a draft whose q is near the target's p but plainly not it, so
+    that both acceptances and residual draws are frequent."""
+    rng = np.random.default_rng(5)
+    weights = dict(tiny_varied_checkpoint.weights)
+    head = weights["lm_head.weight"]
+    weights["lm_head.weight"] = head + rng.normal(0, 0.6 * head.std(), head.shape).astype(np.float32)
+    ckpt = dataclasses.replace(tiny_varied_checkpoint, weights=weights)
+    return build_bundle(ckpt, QuantSpec(), tmp_path_factory.mktemp("spec-noisy") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+def test_sampled_requests_with_a_draft_model_follow_plain_sampling(tiny_bundle, tiny_noisy_bundle, monkeypatch):
+    """Two-sample chi-square over the first two generated tokens: the second is the first a verify step emits
+    (the controller drafts from the first decode step here), whether it kept the draft's token or drew from the
+    residual; the pair's distribution is the one plain sampling gives."""
+    monkeypatch.setattr(speculative, "next_draft_length", lambda mode, backoff: DraftLength(pause_steps=0))
+    prompt = repetitive_prompts(1)[0][:12]
+    cfg = dict(threads=1, memory_budget_mb=16000, min_context=64, speculative_max_batch=4)
+    n = 1500
+    plain = Engine(tiny_bundle, EngineConfig(**cfg))
+    spec = Engine(tiny_bundle, EngineConfig(speculative="draft", **cfg), draft=tiny_noisy_bundle)
+
+    def pairs(engine: Engine, seed: int) -> tuple[list[tuple[int, int]], int, int]:
+        out, drafted, accepted = [], 0, 0
+        for i in range(n):
+            r = engine.generate(prompt, SamplingParams(max_tokens=3, temperature=1.2, top_k=3, seed=seed + i))
+            out.append(tuple(r.token_ids[:2]))
+            drafted, accepted = drafted + r.figures.drafted_tokens, accepted + r.figures.accepted_tokens
+        return out, drafted, accepted
+
+    want, _, _ = pairs(plain, 0)
+    got, drafted, accepted = pairs(spec, 10_000)
+    assert drafted == n and 0.1 * n < accepted < 0.9 * n  # one draft token a request; both ways exercised
+    cells = sorted(set(want) | set(got))
+    a = np.array([want.count(c) for c in cells], float)
+    b = np.array([got.count(c) for c in cells], float)
+    big = (a + b) >= 10
+    a, b = np.append(a[big], a[~big].sum()), np.append(b[big], b[~big].sum())
+    a, b = a[(a + b) > 0], b[(a + b) > 0]
+    stat = float((((a - b) ** 2) / (a + b)).sum())  # two equal-size samples: sum (a - b)^2 / (a + b)
+    assert stat < chi2_999(len(a) - 1), (cells, a, b)
 
 
 def test_a_seeded_sampled_request_gives_the_same_text_with_speculation_alone_or_in_a_batch(tiny_bundle):
