@@ -3,6 +3,7 @@ model, on a repeat-heavy and an open workload, on the bundled SmolLM2; llama.cpp
 decoding on the same prompts (peer venv) where it is installed.
 
 Run: .venv/bin/python bench/speculative.py [--runs 5] [--tokens 128] [--write-docs]
+     .venv/bin/python bench/speculative.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b  (bench/spec_pair.py)
 Bundles are built (or reused) under ~/.cache/edge-llm/bench by bench/tps.py's builders.
 """
 from __future__ import annotations
@@ -153,7 +154,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--target", help="a draft/target pair instead (bench/spec_pair.py), e.g. qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", help="the pair's draft model, e.g. qwen2.5-coder-0.5b")
     args = ap.parse_args()
+    if args.target or args.draft:
+        import spec_pair
+
+        return spec_pair.main(args)
     paths = build_artifacts(fetch("smollm2-135m-instruct"), 2, rebuild=False)
     cfg = EngineConfig(threads=2, memory_budget_mb=4096, max_context=2048, speculative_max_batch=1)
     rows = []

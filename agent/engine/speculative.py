@@ -32,6 +32,7 @@ sampled from.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -66,55 +67,101 @@ def ngram_draft(ids: Sequence[int], k: int, max_ngram: int = 4, min_ngram: int =
 
 @dataclass
 class DraftLength:
-    """A draft model's draft length: adapts k to the acceptance rate, and turns speculation off while it does
-    not pay (prompt lookup has LookupLength).
+    """A draft model's draft length: the k that gives the most tokens per second from measured acceptance and
+    measured costs, and speculation turned off while it does not pay (prompt lookup has LookupLength).
 
-    A verify step costs more than a plain decode step (k+1 rows through the model, plus the draft model's
-    own steps), so speculation only pays while enough of each draft is accepted. Acceptance alone cannot
-    tell: a draft model nearly as slow as the target loses even when most of its tokens are accepted. So
-    the seconds per emitted token are measured both ways, and when speculating is the slower of the two
-    it pauses, for twice as long each time it fails again (plain steps refresh the plain figure).
+    A k-token draft emits 1 + p + ... + p^k tokens (each draft token accepted with probability p, the first
+    rejection ending the run) for one plain step plus k draft tokens (`draft_cost` of a plain step each) and k
+    extra verify rows (`row_cost` each), so k is the one that maximizes their ratio. On a CPU whose int8 matmul
+    kernels are compute-bound an extra row is not free (Qwen2.5-Coder 1.5B INT4: ~0.2 of a step a row, a 0.5B
+    draft token ~0.25-0.35; bench/draft_cost.py), so this k is short where acceptance alone would pick the
+    longest. All three figures are measured as it runs. A probe drafts at least one token a step for its first
+    PROBE_STEPS steps; after them, when no k beats a plain step, or speculating measures slower per emitted
+    token than plain steps, it pauses, for twice as long each time it fails again (plain
+    steps refresh the plain figure), and probes again with the prior.
     """
 
     k_max: int = 5
-    k: int = 3
-    acceptance: float = 0.6  # exponential moving average of accepted / drafted
+    hits: float = 1.5  # draft tokens accepted and rejected, decayed by DECAY a token: a prior p of 0.6
+    misses: float = 1.0
+    draft_cost: float = 0.3  # a draft token's seconds over a plain step's (moving average)
+    row_cost: float = 0.25  # an extra verify row's
     pause_steps: int = 3  # the first steps run plain: their cost is the yardstick
     spec_cost: float | None = None  # moving averages of seconds per emitted token
     plain_cost: float | None = None
     spec_steps: int = 0  # speculative steps since the last pause
     backoff: int = 16  # the next pause's length
+    draft_s: float = 0.0  # the last draft's seconds, part of the verify step's measured time
+
+    DECAY = 0.8
+    PROBE_STEPS = 4  # a probe drafts this many steps before its figures may stop it
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def best_k(self) -> int:
+        return best_draft_length(self.acceptance, self.draft_cost + self.row_cost, self.k_max)
 
     def current(self) -> int:
         if self.pause_steps > 0:
             self.pause_steps -= 1
             return 0
-        return self.k
+        k = self.best_k()
+        if self.spec_steps < self.PROBE_STEPS:  # too few measurements to judge by yet
+            return max(k, 1)
+        if k == 0:
+            self._pause()
+            return self.current()  # this step is the pause's first
+        return k
 
     def observe_plain(self, seconds: float, token: int | None = None) -> None:
         """A plain step took `seconds` (the token it produced matters to LookupLength only)."""
         self.plain_cost = _ema(self.plain_cost, seconds)
 
+    def observe_draft(self, seconds: float, k: int) -> None:
+        """Drafting k tokens took `seconds` (catching up on the last accepted ones included)."""
+        self.draft_s = seconds
+        if self.plain_cost:
+            self.draft_cost = _ema(self.draft_cost, min(seconds / k / self.plain_cost, 2.0))
+
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """A verify step of `drafted` tokens that took `seconds`, its draft included, accepted `accepted`."""
         if drafted == 0:
             return
-        self.acceptance = 0.7 * self.acceptance + 0.3 * (accepted / drafted)
+        decay = self.DECAY ** (accepted + int(accepted < drafted))  # per token checked
+        self.hits = decay * self.hits + accepted
+        self.misses = decay * self.misses + int(accepted < drafted)
         self.spec_steps += 1
         if seconds is not None:
             self.spec_cost = _ema(self.spec_cost, seconds / (accepted + 1))
-        slower = (self.spec_steps >= 4 and self.spec_cost is not None and self.plain_cost is not None
+            if self.plain_cost:
+                extra = ((seconds - self.draft_s) / self.plain_cost - 1) / drafted
+                self.row_cost = _ema(self.row_cost, min(max(extra, 0.02), 2.0))
+        slower = (self.spec_steps >= self.PROBE_STEPS and self.spec_cost is not None and self.plain_cost is not None
                   and self.spec_cost > self.plain_cost)
-        if self.acceptance < 0.25 or slower:
+        if slower:
             self._pause()
-            return
-        if self.spec_steps >= 4 and self.plain_cost is not None:
+        elif self.spec_steps >= self.PROBE_STEPS and self.plain_cost is not None:
             self.backoff = 16  # it pays: the next failure rests briefly again
-        self.k = max(1, min(self.k_max, round(1 + self.acceptance * self.k_max)))
 
     def _pause(self) -> None:
-        """Rest, then probe with short drafts."""
+        """Rest, then probe from the prior acceptance (the costs measured stay)."""
         self.pause_steps, self.backoff = self.backoff, min(2 * self.backoff, 256)
-        self.k, self.acceptance, self.spec_cost, self.spec_steps = 2, 0.5, None, 0
+        self.hits, self.misses = DraftLength.hits, DraftLength.misses
+        self.spec_cost, self.spec_steps = None, 0
+
+
+def best_draft_length(p: float, cost: float, k_max: int) -> int:
+    """The k in 0..k_max that maximizes the tokens a step emits, 1 + p + ... + p^k, over its cost, 1 + k * cost
+    plain steps (0: a plain step, when no draft beats it)."""
+    best, best_gain, emitted = 0, 1.0, 1.0
+    for k in range(1, k_max + 1):
+        emitted += p ** k
+        gain = emitted / (1 + k * cost)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
 
 
 def next_draft_length(mode: str, last_backoff: int | None) -> DraftLength | LookupLength:
@@ -165,13 +212,7 @@ class LookupLength:
         return self.hits / (self.hits + self.misses)
 
     def best_k(self) -> int:
-        p, best, best_gain, emitted = self.acceptance, 0, 1.0, 1.0
-        for k in range(1, self.k_max + 1):
-            emitted += p ** k
-            gain = emitted / (1 + k * self.row_cost)
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
+        return best_draft_length(self.acceptance, self.row_cost, self.k_max)
 
     def propose(self, ids: Sequence[int], room: int) -> list[int]:
         """This step's draft (at most `room` tokens), or [] for a plain step."""
@@ -335,12 +376,16 @@ class Speculation:
         k = min(seq.draft_length.current(), room)
         if k <= 0 or self.draft is None:
             return []
+        t0 = time.perf_counter()
         if seq.params.is_greedy or seq.constraint is not None:  # a grammar cuts drafts: one-hot rule (verify)
-            return self.draft.propose(seq.seq_id, seq.all_ids, k)
-        if seq.draft_rng is None:  # its own stream: the request's draws stay one per emitted token
-            seq.draft_rng = seq.rng.spawn(1)[0]
-        proposals = self.proposals[seq.seq_id] = []
-        return self.draft.propose(seq.seq_id, seq.all_ids, k, sampled_chooser(seq.params, seq.draft_rng, proposals))
+            draft = self.draft.propose(seq.seq_id, seq.all_ids, k)
+        else:
+            if seq.draft_rng is None:  # its own stream: the request's draws stay one per emitted token
+                seq.draft_rng = seq.rng.spawn(1)[0]
+            proposals = self.proposals[seq.seq_id] = []
+            draft = self.draft.propose(seq.seq_id, seq.all_ids, k, sampled_chooser(seq.params, seq.draft_rng, proposals))
+        seq.draft_length.observe_draft(time.perf_counter() - t0, k)
+        return draft
 
     def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float,
                  forced: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:

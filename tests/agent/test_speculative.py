@@ -25,14 +25,35 @@ def test_ngram_draft_follows_the_latest_match():
     assert ngram_draft([7, 1, 2, 8, 1, 2, 9, 1, 2], 2) == [9, 1]  # the most recent occurrence wins
 
 
-def test_draft_length_backs_off_and_grows():
-    dl = DraftLength(pause_steps=0)
+def test_draft_length_grows_with_acceptance_and_pauses_when_drafts_are_rejected():
+    dl = DraftLength(pause_steps=0, spec_steps=4)
     for _ in range(10):
         dl.update(4, 4)
     assert dl.current() == dl.k_max
     for _ in range(6):
         dl.update(4, 0)
-    assert dl.current() == 0  # paused
+    assert dl.current() == 0 and dl.pause_steps > 0  # paused
+
+
+def test_draft_length_is_short_when_extra_rows_and_draft_tokens_cost():
+    """p = 0.85: with free rows and drafts the longest draft is best; at Qwen 1.5B/0.5B's measured costs on
+    this box (a row ~0.2 of a step, a draft token ~0.3) two tokens are."""
+    cheap = DraftLength(hits=8.5, misses=1.5, draft_cost=0.02, row_cost=0.02, pause_steps=0)
+    assert cheap.current() == cheap.k_max
+    costly = DraftLength(hits=8.5, misses=1.5, draft_cost=0.3, row_cost=0.2, pause_steps=0)
+    assert costly.current() == 2
+    hopeless = DraftLength(hits=8.5, misses=1.5, draft_cost=0.6, row_cost=0.4, pause_steps=0, spec_steps=4)
+    assert hopeless.current() == 0 and hopeless.pause_steps == 15  # this step is the pause's first of 16
+
+
+def test_draft_length_measures_its_costs():
+    dl = DraftLength()
+    plain_steps(dl, 3, 0.010)
+    for _ in range(30):
+        k = dl.current()
+        dl.observe_draft(0.002 * k, k)  # a draft token: 0.2 of a plain step
+        dl.update(k, k, 0.002 * k + 0.010 + 0.001 * k)  # an extra verify row: 0.1
+    assert dl.draft_cost == pytest.approx(0.2, abs=0.01) and dl.row_cost == pytest.approx(0.1, abs=0.01)
 
 
 def plain_steps(dl: DraftLength, n: int, seconds: float) -> None:
@@ -47,19 +68,24 @@ def test_the_first_steps_run_plain_to_measure_the_yardstick():
     assert dl.current() > 0 and dl.plain_cost == pytest.approx(0.010)
 
 
+def probe_until_paused(dl: DraftLength, seconds: float, plain_s: float) -> int:
+    """Speculate with k - 1 of k tokens accepted, each step taking `seconds`, until dl pauses; its pause length
+    (then the pause's plain steps are run)."""
+    for _ in range(100):
+        k = dl.current()
+        if k == 0:
+            break
+        dl.update(k, k - 1, seconds)
+    pause = dl.pause_steps + 1  # current() took the first step of it
+    plain_steps(dl, dl.pause_steps, plain_s)
+    return pause
+
+
 def test_speculation_pauses_when_it_is_slower_even_if_mostly_accepted():
-    """A draft model nearly as slow as the target: 3 of 4 tokens accepted, but 5 plain steps' time per step."""
+    """A draft model nearly as slow as the target: most tokens accepted, but 5 plain steps' time per step."""
     dl = DraftLength()
     plain_steps(dl, 3, 0.010)
-    pauses = []
-    for _ in range(3):
-        for _ in range(4):
-            k = dl.current()
-            assert k > 0
-            dl.update(k, k - 1, 0.050)  # k accepted tokens cost 0.050 s: 0.0125 s a token, plain takes 0.010
-        pauses.append(dl.pause_steps)
-        plain_steps(dl, dl.pause_steps, 0.010)
-    assert pauses == [16, 32, 64]  # each failed probe rests twice as long
+    assert [probe_until_paused(dl, 0.050, 0.010) for _ in range(3)] == [16, 32, 64]  # each rests twice as long
 
 
 def test_speculation_that_pays_keeps_going():
@@ -68,18 +94,15 @@ def test_speculation_that_pays_keeps_going():
     for _ in range(50):
         k = dl.current()
         assert k > 0
-        dl.update(k, k - 1, 0.015)  # k tokens for 1.5 plain steps' time
-    assert dl.k == dl.k_max
+        dl.update(k, k, 0.010 + 0.001 * k)  # whole drafts accepted, an extra row 0.1 of a step
+    assert dl.current() == dl.k_max
 
 
 def test_a_new_sequence_starts_from_what_the_last_one_learned():
     failed = DraftLength()
     plain_steps(failed, 3, 0.010)
     for _ in range(2):  # two failed probes: paused 16, then 32 steps; the next pause would be 64
-        for _ in range(4):
-            k = failed.current()
-            failed.update(k, k - 1, 0.050)
-        plain_steps(failed, failed.pause_steps, 0.010)
+        probe_until_paused(failed, 0.050, 0.010)
     assert learned_backoff(failed, drafted=True) == 64
     nxt = next_draft_length("draft", 64)
     plain_steps(nxt, 32, 0.010)  # starts paused for half as long
