@@ -15,10 +15,11 @@ from collections.abc import Callable
 import numpy as np
 
 from agent.engine.bundle import Bundle
-from agent.engine.kv_cache import KVPool
+from agent.engine.kv_cache import KVPool, SlotPool
 from agent.engine.memory import kv_bytes_per_token
 from agent.engine.request import RequestError
 from agent.engine.runner import ModelRunner, open_runner
+from agent.engine.speculative import greedy
 
 
 def same_tokenizer(a: str, b: str) -> bool:
@@ -26,10 +27,6 @@ def same_tokenizer(a: str, b: str) -> bool:
     document is spaced depends on the quantizer that wrote the bundle (quantize.tokenizer writes it compact,
     earlier versions with spaces after separators)."""
     return a == b or json.loads(a) == json.loads(b)
-
-
-def greedy(row: np.ndarray) -> int:
-    return int(row.argmax())
 
 
 class DraftModel:
@@ -57,24 +54,52 @@ class DraftModel:
     def propose(self, seq_id: int, ids: list[int], k: int, choose: Callable[[np.ndarray], int] = greedy) -> list[int]:
         """k tokens after ids (ids = the sequence so far, including its last, not-yet-verified token), each
         chosen from its row of logits by `choose` (greedy by default)."""
-        pool = self.kv.where[seq_id]
-        slot = pool.slot_of(seq_id)
+        return self.propose_many({seq_id: (ids, k, choose)})[seq_id]
+
+    def propose_many(self, wants: dict[int, tuple[list[int], int, Callable[[np.ndarray], int]]]) -> dict[int, list[int]]:
+        """propose for several sequences (id -> (ids, k, choose)): per size class, one draft-model call per draft
+        position for all of them, so a batch's drafts cost about what one sequence's do."""
+        by_pool: dict[int, tuple[SlotPool, list[int]]] = {}
+        for seq_id in wants:
+            pool = self.kv.where[seq_id]
+            by_pool.setdefault(id(pool), (pool, []))[1].append(seq_id)
+        drafts: dict[int, list[int]] = {}
+        for pool, seq_ids in by_pool.values():
+            drafts |= self._propose_in(pool, {s: wants[s] for s in seq_ids})
+        return drafts
+
+    def _propose_in(self, pool: SlotPool, wants: dict) -> dict[int, list[int]]:
+        runs = {seq_id: self._catch_up(pool, seq_id, ids) for seq_id, (ids, _, _) in wants.items()}
+        # the batch is padded to its longest run, and every slot needs room for a whole padded row
+        room = max(pool.capacity - max(pool.lengths.get(o, 0) for o in pool.owners), 1)
+        for seq_id, (done, run) in list(runs.items()):
+            if len(run) > room:
+                self.runner.forward_slot(pool, pool.slot_of(seq_id), run[:len(run) - room], done, logits=False)
+                runs[seq_id] = (done + len(run) - room, run[len(run) - room:])
+        rows = {owner: row for row, owner in enumerate(pool.owners)}
+        drafts = {seq_id: [] for seq_id in wants}
+        held = {seq_id: len(ids) for seq_id, (ids, _, _) in wants.items()}  # ids + drafts but the last: cached
+        while runs:
+            logits = self.runner.forward_decode(pool, runs)
+            for seq_id, (_, run) in runs.items():
+                drafts[seq_id].append(wants[seq_id][2](logits[rows[seq_id], len(run) - 1]))
+            runs = {seq_id: (held[seq_id], drafts[seq_id][-1:]) for seq_id in runs
+                    if len(drafts[seq_id]) < wants[seq_id][1]}
+            for seq_id in runs:
+                held[seq_id] += 1
+        for seq_id, n in held.items():
+            self.computed[seq_id] = pool.lengths[seq_id] = n
+        return drafts
+
+    def _catch_up(self, pool: SlotPool, seq_id: int, ids: list[int]) -> tuple[int, list[int]]:
+        """(tokens cached, the rest of ids to run): a long catch-up (a new prompt, or after a preemption) runs
+        here in the target's prefill chunks, since one call over a 4,000-token prompt took ~20 MB past the
+        measured budget, and ONNX Runtime's arena kept it."""
         done = min(self.computed.get(seq_id, 0), len(ids) - 1)
-        # Catching up (a new prompt, or after a preemption) goes in the target's prefill chunks: one call over a
-        # 4,000-token prompt took ~20 MB past the measured budget, and ONNX Runtime's arena kept it.
         while len(ids) - done > self.chunk_tokens:
-            self.runner.forward_slot(pool, slot, ids[done:done + self.chunk_tokens], done, logits=False)
+            self.runner.forward_slot(pool, pool.slot_of(seq_id), ids[done:done + self.chunk_tokens], done, logits=False)
             done += self.chunk_tokens
-        logits = self.runner.forward_slot(pool, slot, ids[done:], done)
-        draft = [choose(logits[0, 0])]
-        n = len(ids)
-        while len(draft) < k:
-            logits = self.runner.forward_slot(pool, slot, [draft[-1]], n)
-            draft.append(choose(logits[0, 0]))
-            n += 1
-        self.computed[seq_id] = n  # ids + all drafts but the last are in the cache
-        pool.lengths[seq_id] = n
-        return draft
+        return done, ids[done:]
 
     def accepted(self, seq_id: int, num_valid: int) -> None:
         """After verification: only the first num_valid tokens of the draft's cache match the sequence."""

@@ -318,6 +318,11 @@ def _accept_or_resample(logits: np.ndarray, params: SamplingParams, prompt_ids: 
     return token, None if params.logprobs is None else token_logprobs(x, token, params)
 
 
+def greedy(row: np.ndarray) -> int:
+    """The draft model's choice for a greedy request: the argmax of its logits."""
+    return int(row.argmax())
+
+
 def sampled_chooser(params: SamplingParams, rng: np.random.Generator, proposals: list[Proposal]):
     """The draft model's choice for a sampled request: a draw from q, the draft's logits under the request's
     temperature and filters, each q appended to proposals. No penalties: any q keeps the output exact (they
@@ -344,6 +349,7 @@ class Speculation:
     draft: DraftModel | None = None
     backoff: dict[str, int] = field(default_factory=dict)  # mode -> the last finished sequence's backoff
     proposals: dict[int, list[Proposal]] = field(default_factory=dict)  # seq id -> its sampled draft's q's
+    prepared: dict[int, list[int]] = field(default_factory=dict)  # this step's drafts made by prepare()
 
     def mode_of(self, seq: Request) -> str:
         return seq.params.speculative or self.config.speculative
@@ -373,19 +379,47 @@ class Speculation:
         room = _room(seq, capacity)
         if mode == "ngram":
             return seq.draft_length.propose(seq.all_ids, room)
+        if seq.seq_id in self.prepared:  # prepare() consulted its controller and drafted this step
+            return self.prepared.pop(seq.seq_id)
         k = min(seq.draft_length.current(), room)
         if k <= 0 or self.draft is None:
             return []
         t0 = time.perf_counter()
-        if seq.params.is_greedy or seq.constraint is not None:  # a grammar cuts drafts: one-hot rule (verify)
-            draft = self.draft.propose(seq.seq_id, seq.all_ids, k)
-        else:
-            if seq.draft_rng is None:  # its own stream: the request's draws stay one per emitted token
-                seq.draft_rng = seq.rng.spawn(1)[0]
-            proposals = self.proposals[seq.seq_id] = []
-            draft = self.draft.propose(seq.seq_id, seq.all_ids, k, sampled_chooser(seq.params, seq.draft_rng, proposals))
+        draft = self.draft.propose(seq.seq_id, seq.all_ids, k, self._chooser(seq))
         seq.draft_length.observe_draft(time.perf_counter() - t0, k)
         return draft
+
+    def prepare(self, seqs: list[Request], capacity: int) -> None:
+        """Draft at once for a decode step's sequences that draft from the draft model without a grammar: one
+        draft-model call per draft position for all of them (DraftModel.propose_many), each charged the whole
+        drafting time, which is what its draft alone would have cost. propose() hands each its draft."""
+        self.prepared.clear()
+        if self.draft is None or len(seqs) > self.config.speculative_max_batch:
+            return
+        wants = {}
+        for seq in seqs:
+            if self.mode_of(seq) == "draft" and seq.constraint is None:
+                k = min(seq.draft_length.current(), _room(seq, capacity))
+                self.prepared[seq.seq_id] = []
+                if k > 0:
+                    wants[seq.seq_id] = (seq.all_ids, k, self._chooser(seq))
+        if not wants:
+            return
+        t0 = time.perf_counter()
+        self.prepared |= self.draft.propose_many(wants)
+        seconds = time.perf_counter() - t0
+        for seq_id, (_, k, _) in wants.items():
+            next(s for s in seqs if s.seq_id == seq_id).draft_length.observe_draft(seconds, k)
+
+    def _chooser(self, seq: Request):
+        """How the draft model picks seq's tokens: greedy for a greedy or constrained request (the one-hot rule
+        verifies it: a grammar cuts drafts), else a draw from q, kept for verify's p/q rule."""
+        if seq.params.is_greedy or seq.constraint is not None:
+            return greedy
+        if seq.draft_rng is None:  # its own stream: the request's draws stay one per emitted token
+            seq.draft_rng = seq.rng.spawn(1)[0]
+        proposals = self.proposals[seq.seq_id] = []
+        return sampled_chooser(seq.params, seq.draft_rng, proposals)
 
     def verified(self, seq: Request, draft: list[int], logits: np.ndarray, seconds: float,
                  forced: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:

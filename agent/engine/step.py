@@ -123,6 +123,7 @@ class Stepper:
         pool = self.scheduler.kv.classes[idx]
         decoding = {s.seq_id: s for s in seqs}
         t0 = time.perf_counter()
+        self.spec.prepare(seqs, pool.capacity)
         plans = {s.seq_id: self.spec.draft_for(s, len(seqs), pool.capacity) for s in seqs}  # (draft, forced)
         drafts = {k: d for k, (d, _) in plans.items()}
         # GQA needs room for the whole padded row in every slot: cached tokens + width <= capacity
