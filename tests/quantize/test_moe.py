@@ -252,3 +252,25 @@ def test_total_and_active_parameters_count_every_expert_and_the_routed_ones():
     assert active == total - experts // 2  # 2 of 4 experts idle per token
     dense = load_checkpoint(DATA / "qwen3" / "model.gguf")
     assert parameter_counts(dense.geometry) == (sum(w.size for w in dense.weights.values()),) * 2
+
+
+def test_a_moe_bundle_records_its_parameters_and_a_dense_one_keeps_its_manifest_keys(tmp_path):
+    """The bundle's manifest carries total and active counts; model_config.json the routing; the agent's bundle
+    reader opens it. A dense bundle's manifest has no parameters key (old agents forbid unknown keys)."""
+    import json
+
+    from agent import wire
+    from quantize.package import build_bundle
+
+    ckpt = load_checkpoint(DATA / "granitemoe" / "model.gguf")
+    bundle = build_bundle(ckpt, QuantSpec(precision="int4", method="rtn"), tmp_path / "moe", name="tiny-moe",
+                          progress=lambda s: None)
+    manifest = wire.Manifest.read(bundle.path)
+    assert (manifest.parameters.total, manifest.parameters.active) == parameter_counts(ckpt.geometry)
+    assert manifest.parameters.active < manifest.parameters.total
+    config = json.loads((bundle.path / wire.MODEL_CONFIG).read_text())
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_renormalize"]) == (4, 2, True)
+    dense = build_bundle(load_checkpoint(DATA / "granite" / "model.gguf"), QuantSpec(), tmp_path / "dense",
+                         name="tiny", progress=lambda s: None)
+    assert "parameters" not in json.loads((dense.path / wire.MANIFEST).read_text())
+    assert "num_experts" not in json.loads((dense.path / wire.MODEL_CONFIG).read_text())
