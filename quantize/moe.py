@@ -87,6 +87,8 @@ def moe_layer(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
     w2 = _stacked(b, f"{p}experts.fc2", quantize_experts(fc2, bits, block, spec.is_symmetric("down"), method))
     fallback = " (GPTQ and calibration importance are not applied to experts)" if spec.method != method or \
         b.importance else ""
+    if spec.keep_source_quant:  # a GGUF's stacked expert blocks are read dequantized and requantized here
+        fallback += " (the source's blocks are not kept for experts)"
     b.report.append(f"{n}: router fp32, experts int{bits} {method} block {block} {shape} (QMoE, top "
                     f"{g.num_experts_per_tok}){fallback}")
     inputs = [x, probs, w1[0], w1[1], "", w2[0], w2[1], "", "", "", "", w1[2], w2[2]]

@@ -130,6 +130,12 @@ def test_int8_experts_quantize_activations_per_block(x):
     assert "experts int8 search block 32" in b.report[0] and "GPTQ and calibration importance are not applied" in b.report[0]
 
 
+def test_keep_source_quant_says_the_experts_are_requantized(x):
+    ckpt = layer_checkpoint("olmoe", False)
+    _, b = run_layer(ckpt, QuantSpec(precision="int4", keep_source_quant=True, block_size=32), x)
+    assert "(the source's blocks are not kept for experts)" in b.report[0]
+
+
 def test_one_block_size_divides_hidden_and_expert_sizes():
     assert expert_block_size(QuantSpec(block_size=64, block_sizes={}), 64, 32) == 32
     assert expert_block_size(QuantSpec(block_size=128, block_sizes={"gate_up": 64}), 256, 768) == 64
@@ -167,6 +173,35 @@ def test_quantized_builds_of_each_moe_fixture_agree_with_the_reference(name, tmp
     assert mean_kl(ref, int8) < 0.02
     assert np.corrcoef(int4.ravel(), ref.ravel())[0, 1] > 0.8
     assert mean_kl(ref, int8) < mean_kl(ref, int4)
+
+
+def test_quantized_stacked_experts_in_a_gguf_are_read_expert_by_expert(tmp_path):
+    """A real MoE GGUF's experts are quantized 3-D tensors [E, rows, blocks]: each expert's rows dequantized, in
+    expert order."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize, quantize
+
+    model = archs.tiny_qwen3moe()
+    w = gguf.GGUFWriter(str(tmp_path / "q8.gguf"), "qwen3moe")
+    archs_gguf.ARCH_KEYS["qwen3moe"](w, model.config)
+    archs_gguf._tokenizer_keys(w, model)
+    expected = {}
+    for name, t in archs_gguf.gguf_tensors(model).items():
+        if "_exps" in name:
+            q = quantize(t, QT.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=QT.Q8_0)
+            expected[name] = dequantize(q, QT.Q8_0).reshape(t.shape)
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = load_checkpoint(tmp_path / "q8.gguf")
+    down = ckpt.weights["model.layers.1.mlp.experts.down_proj.weight"]
+    np.testing.assert_array_equal(down, expected["blk.1.ffn_down_exps.weight"])
+    gate = ckpt.weights["model.layers.0.mlp.experts.gate_proj.weight"][2]
+    assert 0 < np.abs(gate - model.weights["model.layers.0.mlp.experts.2.gate_proj.weight"]).max() < 0.01
 
 
 # ---- what is refused, naming it -----------------------------------------------------------------------
