@@ -1,14 +1,18 @@
 """A Mixture of Experts layer in the graph: a router MatMul, then one ONNX Runtime MoE (fp32) or QMoE (INT8/INT4)
 node that routes each token to its top k experts and sums their SwiGLU MLPs by routing weight.
 
-    x [B, S, H] ─┬─ MatMul(router^T) [B, S, E] ─ Reshape [B*S, E] ─┐  (router logits: kept fp32)
-                 └────────────────────────────────────────────── MoE / QMoE(k, renormalise) ─ y [B, S, H]
+    x [B, S, H] ─┬─ MatMul(router^T) [B, S, E] ─ Reshape [B*S, E] ─┬──────────────┐  (router logits: fp32)
+                 │                                   [QMoE, no renormalising: Softmax ─ router_weights]
+                 └──────────────────────────────────────────────── MoE / QMoE(k, renormalise) ─ y [B, S, H]
                       fc1 [E, 2I, H]: gate and up rows interleaved (g0 u0 g1 u1 ...), fc2 [E, H, I]
 
 What the CPU kernels compute, measured on onnxruntime 1.32 against numpy (tests/quantize/test_moe.py): a
 softmax over all E logits, the top k, weights divided by their sum when normalize_routing_weights=1, and
 SwiGLU silu(g) * u with activation_alpha 1 and activation_beta 0 from fc1's interleaved rows (swiglu_fusion=1:
-the only layout the CPU kernels take). Top-k-then-softmax routing (Mixtral, Granite-MoE) is the same as
+the only layout the CPU kernels take). QMoE, unlike MoE, renormalises the top k weights whatever
+normalize_routing_weights says, unless router_weights are given: then it picks the top k of router_probs and
+weighs them by router_weights' values as they are (renormalised only with normalize_routing_weights=1), so a
+model that does not renormalise (OLMoE) gives it the softmax as router_weights. Top-k-then-softmax routing (Mixtral, Granite-MoE) is the same as
 softmax-then-top-k renormalised. QMoE's 4-bit experts at accuracy_level 0 match the dequantized weights to fp32
 rounding; its block-wise 8-bit experts (and 4-bit at accuracy_level 4) quantize activations to int8 per block,
 as MatMulNBits does at accuracy_level 4.
@@ -91,7 +95,9 @@ def moe_layer(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
         fallback += " (the source's blocks are not kept for experts)"
     b.report.append(f"{n}: router fp32, experts int{bits} {method} block {block} {shape} (QMoE, top "
                     f"{g.num_experts_per_tok}){fallback}")
-    inputs = [x, probs, w1[0], w1[1], "", w2[0], w2[1], "", "", "", "", w1[2], w2[2]]
+    # QMoE's router_weights (input 14): the softmax, for a model whose top k weights are not renormalised
+    weights = "" if g.moe_renormalize else b.one("Softmax", [probs], f"{n}/router/Softmax", axis=-1)
+    inputs = [x, probs, w1[0], w1[1], "", w2[0], w2[1], "", "", "", "", w1[2], w2[2], "", weights]
     while not inputs[-1]:  # optional inputs left out at the end rather than named ""
         inputs.pop()
     return b.one("QMoE", inputs, f"{n}/QMoE",

@@ -108,14 +108,38 @@ def dequantized_experts(ckpt: Checkpoint, bits: int, block: int, method: str) ->
     return out
 
 
-def test_int4_experts_at_accuracy_level_0_compute_exactly_the_dequantized_weights(x):
-    """Packing, scales, zero points and the interleave are right: only fp32 rounding is left."""
-    ckpt = layer_checkpoint("qwen3moe", True)
+@pytest.mark.parametrize("architecture, renormalize", [("qwen3moe", True), ("olmoe", False)])
+def test_int4_experts_at_accuracy_level_0_compute_exactly_the_dequantized_weights(architecture, renormalize, x):
+    """Packing, scales, zero points, the interleave and the routing weights are right: only fp32 rounding is
+    left. (QMoE renormalises the top k whatever normalize_routing_weights says unless router_weights are given:
+    OLMoE's softmax weights go in as router_weights.)"""
+    ckpt = layer_checkpoint(architecture, renormalize)
     spec = QuantSpec(precision="int4", method="rtn", accuracy_level=0, block_size=32, block_sizes={})
     y, b = run_layer(ckpt, spec, x)
     assert rel_err(y, numpy_layer(ckpt, x, dequantized_experts(ckpt, 4, 32, "rtn"))) < 1e-5
     assert rel_err(y, numpy_layer(ckpt, x)) > 1e-3  # and the weights are 4-bit
     assert "experts int4 rtn block 32 [8x64x64] (QMoE, top 2)" in b.report[0]
+
+
+def test_qmoe_renormalises_unless_given_router_weights(x):
+    """The kernel behaviour quantize.moe works around: without router_weights, QMoE's top k weights sum to 1 even
+    with normalize_routing_weights=0 (onnxruntime 1.32, CPU); a layer built without the Softmax input computes
+    the renormalised model."""
+    ckpt = layer_checkpoint("olmoe", False)
+    spec = QuantSpec(precision="int4", method="rtn", accuracy_level=0, block_size=32, block_sizes={})
+    y, b = run_layer(ckpt, spec, x)
+    qmoe = next(node for node in b.nodes if node.op_type == "QMoE")
+    assert len(qmoe.input) == 15 and qmoe.input[14].endswith("router/Softmax/output_0")
+    del qmoe.input[13:]
+    graph = helper.make_graph(b.nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", H])],
+                              [helper.make_tensor_value_info(qmoe.output[0], TensorProto.FLOAT, None)], b.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+    model.ir_version = 10
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    dequantized = dequantized_experts(ckpt, 4, 32, "rtn")
+    renormalised = dataclasses.replace(ckpt, geometry=ckpt.geometry.model_copy(update={"moe_renormalize": True}))
+    assert rel_err(plain, numpy_layer(renormalised, x, dequantized)) < 1e-5
+    assert rel_err(y, numpy_layer(ckpt, x, dequantized)) < 1e-5
 
 
 def test_int8_experts_quantize_activations_per_block(x):
