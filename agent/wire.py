@@ -240,8 +240,8 @@ class AdapterManifest(_Frozen):
 
 
 class Geometry(_Frozen):
-    """A dense decoder's shape: what the quantizer reads from a checkpoint and builds the graph by, and what the
-    agent sizes its KV cache by (a bundle's model_config.json holds it, in ModelConfig)."""
+    """A decoder's shape (dense, or a Mixture of Experts): what the quantizer reads from a checkpoint and builds the
+    graph by, and what the agent sizes its KV cache by (a bundle's model_config.json holds it, in ModelConfig)."""
 
     architecture: str  # a row of quantize.architectures.ARCHITECTURES
     vocab_size: int

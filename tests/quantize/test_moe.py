@@ -313,9 +313,13 @@ def test_total_and_active_parameters_count_every_expert_and_the_routed_ones():
     assert parameter_counts(dense.geometry) == (sum(w.size for w in dense.weights.values()),) * 2
 
 
+CALIBRATION_TEXT = ("Experts are chosen per token by a router. " * 40)
+
+
 def test_a_moe_bundle_records_its_parameters_and_a_dense_one_keeps_its_manifest_keys(tmp_path):
     """The bundle's manifest carries total and active counts; model_config.json the routing; the agent's bundle
-    reader opens it. A dense bundle's manifest has no parameters key (old agents forbid unknown keys)."""
+    reader opens it. A GPTQ build calibrates the dense projections and says the experts were not. A dense
+    bundle's manifest has no parameters key (old agents forbid unknown keys)."""
     import json
 
     from agent import wire
@@ -329,6 +333,13 @@ def test_a_moe_bundle_records_its_parameters_and_a_dense_one_keeps_its_manifest_
     assert manifest.parameters.active < manifest.parameters.total
     config = json.loads((bundle.path / wire.MODEL_CONFIG).read_text())
     assert (config["num_experts"], config["num_experts_per_tok"], config["moe_renormalize"]) == (4, 2, True)
+    calibrated = build_bundle(load_checkpoint(DATA / "olmoe" / "model.gguf"), QuantSpec(precision="int4"),
+                              tmp_path / "gptq", name="tiny-olmoe", progress=lambda s: None,
+                              calibration_text=CALIBRATION_TEXT)
+    report = (calibrated.path / "quant_report.txt").read_text()
+    assert "/model/layers.1/attn/qkv_proj: int4 gptq" in report  # calibration reached the dense projections
+    assert ("/model/layers.1/moe: router fp32, experts int4 search block 32 [4x64x64] (QMoE, top 2) "
+            "(GPTQ and calibration importance are not applied to experts)") in report
     dense = build_bundle(load_checkpoint(DATA / "granite" / "model.gguf"), QuantSpec(), tmp_path / "dense",
                          name="tiny", progress=lambda s: None)
     assert "parameters" not in json.loads((dense.path / wire.MANIFEST).read_text())
