@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from agent.wire import Geometry
 from quantize import nbits
 from quantize.checkpoint import Checkpoint
 from quantize.linear import MS_DOMAIN, GraphBuilder
@@ -79,11 +80,21 @@ def moe_layer(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
     fc2 = ckpt.weights[p + "experts.down_proj.weight"]
     routing = dict(k=g.num_experts_per_tok, normalize_routing_weights=int(g.moe_renormalize),
                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0)
-    shape = f"[{g.num_experts}x{fc1.shape[1]}x{fc1.shape[2]}]"
     if spec.precision == "fp32":
-        b.report.append(f"{n}: router fp32, experts fp32 {shape} (MoE, top {g.num_experts_per_tok})")
+        b.report.append(f"{n}: router fp32, experts fp32 {_shape(fc1)} (MoE, top {g.num_experts_per_tok})")
         return b.one("MoE", [x, probs, b.const(f"{p}experts.fc1", fc1.astype(np.float32)), "",
                              b.const(f"{p}experts.fc2", fc2.astype(np.float32))], f"{n}/MoE", MS_DOMAIN, **routing)
+    return _qmoe(b, g, p, n, [x, probs], fc1, fc2, spec, routing)
+
+
+def _shape(fc1: np.ndarray) -> str:
+    return f"[{fc1.shape[0]}x{fc1.shape[1]}x{fc1.shape[2]}]"
+
+
+def _qmoe(b: GraphBuilder, g: Geometry, p: str, n: str, inputs: list[str], fc1: np.ndarray, fc2: np.ndarray,
+          spec: QuantSpec, routing: dict) -> str:
+    """The QMoE node over [x, router logits], its experts quantized per expert as the spec asks."""
+    x, probs = inputs
     bits = spec.bits
     block = expert_block_size(spec, g.hidden_size, g.intermediate_size)
     method = "rtn" if spec.method == "rtn" else "search"
@@ -93,13 +104,12 @@ def moe_layer(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
         b.importance else ""
     if spec.keep_source_quant:  # a GGUF's stacked expert blocks are read dequantized and requantized here
         fallback += " (the source's blocks are not kept for experts)"
-    b.report.append(f"{n}: router fp32, experts int{bits} {method} block {block} {shape} (QMoE, top "
+    b.report.append(f"{n}: router fp32, experts int{bits} {method} block {block} {_shape(fc1)} (QMoE, top "
                     f"{g.num_experts_per_tok}){fallback}")
     # QMoE's router_weights (input 14): the softmax, for a model whose top k weights are not renormalised
     weights = "" if g.moe_renormalize else b.one("Softmax", [probs], f"{n}/router/Softmax", axis=-1)
     inputs = [x, probs, w1[0], w1[1], "", w2[0], w2[1], "", "", "", "", w1[2], w2[2], "", weights]
     while not inputs[-1]:  # optional inputs left out at the end rather than named ""
         inputs.pop()
-    return b.one("QMoE", inputs, f"{n}/QMoE",
-                 MS_DOMAIN, expert_weight_bits=bits, block_size=block, weights_prepacked=0,
+    return b.one("QMoE", inputs, f"{n}/QMoE", MS_DOMAIN, expert_weight_bits=bits, block_size=block, weights_prepacked=0,
                  accuracy_level=spec.accuracy_level, **routing)
