@@ -7,6 +7,7 @@ undo that so the checkpoint is in Hugging Face's half-split order, the order the
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -304,7 +305,7 @@ def _load(path: Path) -> Checkpoint:
         names = hf_names(arch, t.name)
         if names is None:  # a bias, say: building the model without it would give a wrong model, silently
             raise CheckpointError(f"{path}: tensor {t.name} is not supported for architecture {arch.name!r} "
-                                  "(the graph has no place for it)")
+                                  f"({_why_unsupported(t.name)})")
         w, shape = _tensor_rows(t, path)
         raw = np.asarray(t.data).reshape(shape[0], -1) if t.tensor_type in KEPT_BLOCK_TYPES and len(shape) == 2 else None
         parts = zip(names, _split_rows(names, w, geometry),
@@ -323,6 +324,13 @@ def _load(path: Path) -> Checkpoint:
         source_name=path.name,
         source_blocks=blocks,
     )
+
+
+def _why_unsupported(name: str) -> str:
+    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
+        return ("one expert's tensor, as old converters wrote Mixtral; llama.cpp's convert_hf_to_gguf.py now stacks "
+                "them as ffn_*_exps: convert the model again")
+    return "the graph has no place for it"
 
 
 def _permuted_heads(arch: Architecture, name: str, g: Geometry) -> int | None:

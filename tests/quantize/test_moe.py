@@ -256,6 +256,26 @@ def test_a_router_bias_is_refused_naming_the_tensor(monkeypatch, tmp_path):
         load_checkpoint(path)
 
 
+def test_an_old_converters_per_expert_tensors_are_refused_saying_so(monkeypatch, tmp_path):
+    stacked = archs_gguf.moe_tensors
+
+    def per_expert(model):
+        tensors, used = stacked(model)
+        out = {}
+        for name, w in tensors.items():
+            if "_exps" in name:
+                out |= {name.replace("_exps.weight", f".{e}.weight"): w[e] for e in range(w.shape[0])}
+            else:
+                out[name] = w
+        return out, used
+
+    monkeypatch.setattr(archs_gguf, "moe_tensors", per_expert)
+    path = archs_gguf.write_gguf(archs.tiny_mixtral(), tmp_path / "old.gguf")
+    with pytest.raises(CheckpointError, match=r"tensor blk\.\d\.ffn_(gate|up|down)\.0\.weight is not supported for "
+                                              r"architecture 'mixtral' \(one expert's tensor"):
+        load_checkpoint(path)
+
+
 def test_a_dense_architectures_gguf_with_experts_is_refused(monkeypatch, tmp_path):
     model = archs.tiny_qwen3()
     write_keys = archs_gguf.ARCH_KEYS["qwen3"]
