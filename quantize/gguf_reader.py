@@ -108,7 +108,8 @@ def _experts(reader: GGUFReader, arch: Architecture, path: Path) -> dict:
     a = arch.key_prefix
     if arch.moe is None:
         if _field(reader, a + "expert_count", 0):
-            raise CheckpointError(f"{path}: {a}expert_count is set, but {arch.name} is not read as a Mixture of Experts")
+            raise CheckpointError(f"{path}: {a}expert_count is set, but {arch.name} is not read as a Mixture of "
+                                  "Experts")
         return {}
     unsupported = {
         "expert_shared_count": (_field(reader, a + "expert_shared_count", 0), 0),  # shared experts

@@ -2,9 +2,9 @@
 
 `load(folder)` turns a folder of any architecture in quantize.architectures into the internal Checkpoint form
 (HF naming and [out, in] layout are already ours, so tensors are converted to float32 — F16 by numpy, BF16 by
-bit shifts because safetensors' numpy backend has no bfloat16 — fused ones split and experts stacked). `save_hf(ckpt, folder)` writes a Checkpoint
-back out as such a folder, so a GGUF model can be fed to tools that only read HF folders (the benchmarks
-give it to onnxruntime-genai's model builder).
+bit shifts because safetensors' numpy backend has no bfloat16 — fused ones split and experts stacked).
+`save_hf(ckpt, folder)` writes a Checkpoint back out as such a folder, so a GGUF model can be fed to tools that
+only read HF folders (the benchmarks give it to onnxruntime-genai's model builder).
 
 Run: python -m quantize.hf MODEL_DIR_OR_GGUF OUT_DIR   # re-save any checkpoint as an fp32 HF folder
 """

@@ -12,8 +12,9 @@ SwiGLU silu(g) * u with activation_alpha 1 and activation_beta 0 from fc1's inte
 the only layout the CPU kernels take). QMoE, unlike MoE, renormalises the top k weights whatever
 normalize_routing_weights says, unless router_weights are given: then it picks the top k of router_probs and
 weighs them by router_weights' values as they are (renormalised only with normalize_routing_weights=1), so a
-model that does not renormalise (OLMoE) gives it the softmax as router_weights. Top-k-then-softmax routing (Mixtral, Granite-MoE) is the same as
-softmax-then-top-k renormalised. QMoE's 4-bit experts at accuracy_level 0 match the dequantized weights to fp32
+model that does not renormalise (OLMoE) gives it the softmax as router_weights. Top-k-then-softmax routing
+(Mixtral, Granite-MoE) is the same as softmax-then-top-k renormalised. Tied logits pick the highest-numbered
+experts. QMoE's 4-bit experts at accuracy_level 0 match the dequantized weights to fp32
 rounding; its block-wise 8-bit experts (and 4-bit at accuracy_level 4) quantize activations to int8 per block,
 as MatMulNBits does at accuracy_level 4.
 
@@ -53,7 +54,8 @@ def expert_block_size(spec: QuantSpec, hidden: int, inter: int) -> int:
                         f"intermediate size {inter}")
 
 
-def quantize_experts(w: np.ndarray, bits: int, block_size: int, symmetric: bool, method: str) -> list[nbits.BlockQuantized]:
+def quantize_experts(w: np.ndarray, bits: int, block_size: int, symmetric: bool,
+                     method: str) -> list[nbits.BlockQuantized]:
     """Each expert's [N, K] weight quantized on its own: rounding to nearest, or the error-searched scales."""
     quantize = nbits.quantize_rtn if method == "rtn" else nbits.quantize_search
     return [quantize(w[e], bits, block_size, symmetric) for e in range(w.shape[0])]

@@ -296,8 +296,8 @@ def tiny_olmoe() -> TinyArch:
     weights = _moe_weights(config, 41, "qwen")
     for i in range(2):  # full-width norms
         p = f"model.layers.{i}.self_attn."
-        weights[p + "q_norm.weight"] = (1 + np.random.default_rng(410 + i).standard_normal(HIDDEN) * 0.1).astype(np.float32)
-        weights[p + "k_norm.weight"] = (1 + np.random.default_rng(420 + i).standard_normal(HIDDEN) * 0.1).astype(np.float32)
+        for n, seed in (("q_norm", 410 + i), ("k_norm", 420 + i)):
+            weights[p + n + ".weight"] = (1 + np.random.default_rng(seed).standard_normal(HIDDEN) * 0.1).astype(np.float32)
     return TinyArch("olmoe", "olmoe", config, weights, pre="gpt-2")
 
 

@@ -34,7 +34,8 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: [gate; up] rows, split by llama.cpp's SWIGLU as transformers' chunk(2)
     # Mixtures of Experts, once per-expert tensors are stacked (stack_experts)
-    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp", "block_sparse_moe.router.layer": "ffn_gate_inp",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.router.layer": "ffn_gate_inp",
     "experts.gate": "ffn_gate_exps", "experts.up": "ffn_up_exps", "experts.down": "ffn_down_exps",
 }
 # transformers' per-expert (or Granite's stacked) expert tensors -> the stacked module names above
@@ -54,7 +55,8 @@ def stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             parts.setdefault(f"model.layers.{layer}.{EXPERT_PARTS[part]}.weight", {})[expert] = w
         elif name.endswith("input_linear.weight"):
             gate, up = np.split(w, 2, axis=1)
-            out[f"model.layers.{pieces[2]}.experts.gate.weight"], out[f"model.layers.{pieces[2]}.experts.up.weight"] = gate, up
+            out[f"model.layers.{pieces[2]}.experts.gate.weight"] = gate
+            out[f"model.layers.{pieces[2]}.experts.up.weight"] = up
         elif name.endswith("output_linear.weight"):
             out[f"model.layers.{pieces[2]}.experts.down.weight"] = w
         else:

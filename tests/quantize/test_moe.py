@@ -151,7 +151,8 @@ def test_int8_experts_quantize_activations_per_block(x):
     assert rel_err(y, numpy_layer(ckpt, x, dequantized_experts(ckpt, 8, 32, "search"))) < 3e-2
     assert "(GPTQ and calibration importance are not applied to experts)" not in b.report[0]
     _, b = run_layer(ckpt, spec.model_copy(update={"method": "gptq"}), x)
-    assert "experts int8 search block 32" in b.report[0] and "GPTQ and calibration importance are not applied" in b.report[0]
+    assert "experts int8 search block 32" in b.report[0]
+    assert "GPTQ and calibration importance are not applied" in b.report[0]
 
 
 def test_keep_source_quant_says_the_experts_are_requantized(x):
