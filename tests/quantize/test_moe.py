@@ -84,6 +84,18 @@ def test_the_fp32_moe_kernel_routes_as_the_architecture_does(architecture, renor
     assert rel_err(y, numpy_layer(ckpt, x)) < 1e-5
 
 
+def test_tied_router_logits_pick_the_highest_numbered_experts(x):
+    """Why tests/expert_split.py's speed proxy (k < E) routes by a random router: an all-zero one would send every
+    token to the same k experts."""
+    ckpt = layer_checkpoint("mixtral", True)
+    ckpt.weights["model.layers.0.mlp.gate.weight"][:] = 0
+    y, _ = run_layer(ckpt, QuantSpec(), x)
+    gate, up, down = (ckpt.weights[f"model.layers.0.mlp.experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    flat = x.reshape(-1, H).astype(np.float64)
+    last_two = sum(0.5 * reference.gated_mlp(flat, gate[e], up[e], down[e], "silu") for e in (E - 2, E - 1))
+    assert rel_err(y.reshape(-1, H), last_two) < 1e-5
+
+
 def test_renormalising_the_top_k_weights_changes_the_layer(x):
     """The test above cannot pass with the flag ignored on both sides."""
     on, off = layer_checkpoint("qwen3moe", True), layer_checkpoint("qwen3moe", False)
