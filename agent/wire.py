@@ -145,7 +145,15 @@ def canonical_json(model: BaseModel, exclude: frozenset[str] = frozenset()) -> b
                       separators=(",", ":")).encode()
 
 
-OPTIONAL_MANIFEST_FIELDS = ("draft", "lora")  # Manifest fields left out of its JSON while None
+OPTIONAL_MANIFEST_FIELDS = ("draft", "lora", "parameters")  # Manifest fields left out of its JSON while None
+
+
+class Parameters(_Frozen):
+    """A model's parameter counts: every weight (what memory holds: a Mixture of Experts keeps all its experts
+    resident) and those one token's forward pass reads (what decode speed follows)."""
+
+    total: int = Field(ge=0)
+    active: int = Field(ge=0)
 
 
 class DraftRef(_Frozen):
@@ -177,6 +185,7 @@ class Manifest(_Frozen):
     golden: Golden
     draft: DraftRef | None = None
     lora: LoraCapacity | None = None  # set for an adapter-ready bundle (edge-quantize build --lora-targets)
+    parameters: Parameters | None = None  # set for a Mixture of Experts (None: dense, every parameter active)
 
     @model_serializer(mode="wrap")
     def _optional_fields_only_when_set(self, handler):
@@ -231,8 +240,8 @@ class AdapterManifest(_Frozen):
 
 
 class Geometry(_Frozen):
-    """A dense decoder's shape: what the quantizer reads from a checkpoint and builds the graph by, and what the
-    agent sizes its KV cache by (a bundle's model_config.json holds it, in ModelConfig)."""
+    """A decoder's shape (dense, or a Mixture of Experts): what the quantizer reads from a checkpoint and builds the
+    graph by, and what the agent sizes its KV cache by (a bundle's model_config.json holds it, in ModelConfig)."""
 
     architecture: str  # a row of quantize.architectures.ARCHITECTURES
     vocab_size: int
@@ -261,6 +270,19 @@ class Geometry(_Frozen):
     attention_scale: float | None = None  # softmax scale, None: 1/sqrt(head_dim)
     residual_multiplier: float = 1.0  # on each block's output before the residual add (Granite)
     logit_multiplier: float = 1.0  # on the logits (Granite's 1/logits_scaling)
+    # Mixture of Experts (quantize.architectures' MoE rows): each layer's MLP is num_experts experts of
+    # intermediate_size, num_experts_per_tok of them run per token, their weights renormalised to sum to 1 when
+    # moe_renormalize. 0 experts: a dense model.
+    num_experts: int = Field(0, ge=0)
+    num_experts_per_tok: int = Field(0, ge=0)
+    moe_renormalize: bool = False
+
+    @model_validator(mode="after")
+    def _experts_per_token_fit(self):
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is not in 1..num_experts "
+                             f"({self.num_experts})")
+        return self
 
 
 class ModelConfig(Geometry):

@@ -5,6 +5,7 @@
               a = GQA(qkv, past_i, seqlens_k, query_seqlens; RoPE, window)   @ Wo  [sandwich: RMSNorm(a)] [* m_res]
               h, residual = SkipSimplifiedLN(a, residual)
               gate, up = split(h @ Wgate_up);  out = act(gate) * up @ Wdown  [sandwich: RMSNorm(out)] [* m_res]
+                        (a Mixture of Experts: router and experts in one MoE / QMoE node, quantize.moe)
 
 Per layer, the geometry picks the RoPE tables (the global base, or the windowed layers' own base), none at all
 for a NoPE layer, and GroupQueryAttention's local window. GroupQueryAttention takes q, k and v packed, except
@@ -21,6 +22,7 @@ from quantize import lora, rope
 from quantize.architectures import by_name
 from quantize.checkpoint import Checkpoint
 from quantize.linear import MS_DOMAIN, GraphBuilder, linear
+from quantize.moe import MoEBuildError, moe_layer
 from quantize.precision import QuantSpec
 
 GLOBAL_ROPE = ("cos_cache", "sin_cache")
@@ -95,11 +97,15 @@ def _qkv(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, pla
         bias = np.concatenate([ckpt.weights[p + x + ".bias"] for x in ("q_proj", "k_proj", "v_proj")])
         qkv = b.one("Add", [qkv, b.const(f"{p}qkv_proj.bias", bias.astype(np.float32))], f"{n}/qkv_proj/Add")
     qkv = lora.branch(b, plans["qkv"][i], i, "qkv", x, qkv, wqkv.shape)
-    if not by_name(g.architecture).qk_norm:
+    arch = by_name(g.architecture)
+    if not arch.qk_norm:
         return [qkv, "", ""]
     q_dim, kv_dim = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     q, k, v = b.node("Split", [qkv, b.const(f"{p}qkv_split", np.array([q_dim, kv_dim, kv_dim], np.int64))],
                      f"{n}/Split", 3, axis=-1)
+    if arch.qk_norm_full_width:  # OLMoE: over all of q's channels, and all of k's
+        return [rms_norm(b, f"{p}q_norm", q, ckpt.weights[p + "q_norm.weight"], g.rms_norm_eps),
+                rms_norm(b, f"{p}k_norm", k, ckpt.weights[p + "k_norm.weight"], g.rms_norm_eps), v]
     return [_head_norm(b, f"{p}q_norm", q, ckpt.weights[p + "q_norm.weight"], g),
             _head_norm(b, f"{p}k_norm", k, ckpt.weights[p + "k_norm.weight"], g), v]
 
@@ -124,6 +130,11 @@ def attention(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec
 
 
 def mlp(b: GraphBuilder, ckpt: Checkpoint, i: int, x: str, spec: QuantSpec, plans: dict) -> str:
+    if ckpt.geometry.num_experts:
+        if plans["gate_up"][i].lora or plans["down"][i].lora:
+            raise MoEBuildError("LoRA on gate, up or down of a Mixture of Experts is not supported (its experts "
+                                "run inside one QMoE node); adapt q, k, v or o")
+        return moe_layer(b, ckpt, i, x, spec)
     p, n = f"model.layers.{i}.mlp.", f"/model/layers.{i}/mlp"
     inter = ckpt.geometry.intermediate_size
     w = np.concatenate([ckpt.weights[p + "gate_proj.weight"], ckpt.weights[p + "up_proj.weight"]], axis=0)

@@ -94,19 +94,35 @@ def expected_weight_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_dim, g.hidden_size),
             p + "self_attn.v_proj.weight": (kv_dim, g.hidden_size),
             p + "self_attn.o_proj.weight": (g.hidden_size, q_dim),
-            p + "mlp.gate_proj.weight": (g.intermediate_size, g.hidden_size),
-            p + "mlp.up_proj.weight": (g.intermediate_size, g.hidden_size),
-            p + "mlp.down_proj.weight": (g.hidden_size, g.intermediate_size),
         }
+        shapes |= {p + n: shape for n, shape in mlp_shapes(g).items()}
         if g.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_dim,),
                 p + "self_attn.k_proj.bias": (kv_dim,),
                 p + "self_attn.v_proj.bias": (kv_dim,),
             }
-        if arch.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (g.head_dim,), p + "self_attn.k_norm.weight": (g.head_dim,)}
+        if arch.qk_norm:  # per head, or over all of q's and k's channels (OLMoE)
+            q_norm, k_norm = (q_dim, kv_dim) if arch.qk_norm_full_width else (g.head_dim, g.head_dim)
+            shapes |= {p + "self_attn.q_norm.weight": (q_norm,), p + "self_attn.k_norm.weight": (k_norm,)}
     return shapes
+
+
+def mlp_shapes(g: Geometry) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP tensors (after "model.layers.{i}."): the dense gated MLP, or the router and stacked experts."""
+    h, i, e = g.hidden_size, g.intermediate_size, g.num_experts
+    if not e:
+        return {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    return {"mlp.gate.weight": (e, h), "mlp.experts.gate_proj.weight": (e, i, h),
+            "mlp.experts.up_proj.weight": (e, i, h), "mlp.experts.down_proj.weight": (e, h, i)}
+
+
+def parameter_counts(g: Geometry) -> tuple[int, int]:
+    """(total, active): every weight of a model of geometry g, and those one token reads (the experts it is not
+    routed to left out; the embedding counted once even when the lm_head is the same table)."""
+    total = sum(int(np.prod(s)) for s in expected_weight_shapes(g).values())
+    idle_experts = g.num_experts - g.num_experts_per_tok if g.num_experts else 0
+    return total, total - g.num_layers * idle_experts * 3 * g.hidden_size * g.intermediate_size
 
 
 def validate(ckpt: Checkpoint) -> None:

@@ -7,6 +7,7 @@ undo that so the checkpoint is in Hugging Face's half-split order, the order the
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from gguf.quants import dequantize
 from agent.engine.bundle import file_sha256
 from agent.wire import Geometry
 from quantize import rope
-from quantize.architectures import BY_GGUF, GLOBAL_NAMES, Architecture, supported
+from quantize.architectures import BY_GGUF, GLOBAL_NAMES, WITH_EXPERTS, Architecture, supported
 from quantize.checkpoint import Checkpoint, CheckpointError, SourceBlocks, finite
 from quantize.gguf_layout import check_layout
 from quantize.tokenizer import tokenizer_from_gguf
@@ -91,7 +92,40 @@ def architecture_of(reader: GGUFReader, path: Path) -> Architecture:
     name = _field(reader, "general.architecture", None)
     if name not in BY_GGUF:
         raise CheckpointError(f"{path}: unsupported GGUF architecture {name!r} (supported: {supported('gguf')})")
+    if name in WITH_EXPERTS and _field(reader, f"{name}.expert_count", 0):
+        return WITH_EXPERTS[name]
     return BY_GGUF[name]
+
+
+# Routing that llama.cpp computes and ONNX Runtime's MoE/QMoE kernels cannot (they take softmax over the router
+# logits, the top k, and optionally renormalise): refused by the key that asks for it
+_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (2 is sigmoid)
+
+
+def _experts(reader: GGUFReader, arch: Architecture, path: Path) -> dict:
+    """The Geometry fields of a Mixture of Experts, as llama.cpp reads them (renormalisation is hard-coded per
+    architecture there); any routing the kernel cannot compute is refused, naming its key."""
+    a = arch.key_prefix
+    if arch.moe is None:
+        if _field(reader, a + "expert_count", 0):
+            raise CheckpointError(f"{path}: {a}expert_count is set, but {arch.name} is not read as a Mixture of "
+                                  "Experts")
+        return {}
+    unsupported = {
+        "expert_shared_count": (_field(reader, a + "expert_shared_count", 0), 0),  # shared experts
+        "expert_gating_func": (_field(reader, a + "expert_gating_func", _GATING_SOFTMAX), _GATING_SOFTMAX),
+        "expert_weights_scale": (_field(reader, a + "expert_weights_scale", 1.0) or 1.0, 1.0),
+        "leading_dense_block_count": (_field(reader, a + "leading_dense_block_count", 0), 0),
+    }
+    wrong = [f"{a}{k}={v!r}" for k, (v, ok) in unsupported.items() if v != ok]
+    if wrong:
+        raise CheckpointError(f"{path}: unsupported Mixture of Experts routing ({', '.join(wrong)}): ONNX Runtime's "
+                              "MoE kernel takes a softmax over the router's logits and the top k of every layer's "
+                              "experts only")
+    experts = _bounded("expert_count", _field(reader, a + "expert_count"), 1 << 12)
+    return {"num_experts": experts,
+            "num_experts_per_tok": _bounded("expert_used_count", _field(reader, a + "expert_used_count"), experts),
+            "moe_renormalize": arch.moe.gguf_renormalize}
 
 
 def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
@@ -106,11 +140,14 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
     if not any(n.startswith(f"blk.{layers - 1}.") for n in names) or any(n.startswith(f"blk.{layers}.") for n in names):
         raise CheckpointError(f"block_count {layers} does not match the tensors in the file")
     head_dim = _bounded("key_length", _field(reader, a + "attention.key_length", hidden // heads), 1 << 16)
+    # a Mixture of Experts' expert size: Qwen3-MoE writes it apart from its (unused) dense feed_forward_length
+    ffn_key = a + ("expert_feed_forward_length" if _field(reader, a + "expert_feed_forward_length", None)
+                   else "feed_forward_length")
     return Geometry(
         architecture=arch.name,
         vocab_size=_bounded("vocab_size", _vocab_size(reader, a, path), 1 << 22),
         hidden_size=hidden,
-        intermediate_size=_bounded("feed_forward_length", _field(reader, a + "feed_forward_length"), 1 << 18),
+        intermediate_size=_bounded(ffn_key, _field(reader, ffn_key), 1 << 18),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_bounded("head_count_kv", _field(reader, a + "attention.head_count_kv", heads), heads),
@@ -122,6 +159,7 @@ def read_geometry(reader: GGUFReader, path: Path) -> Geometry:
         attention_bias=arch.qkv_bias,
         **_rope_scaling(reader, a, head_dim, path),
         **_variant(reader, arch, hidden, head_dim, layers),
+        **_experts(reader, arch, path),
     )
 
 
@@ -268,7 +306,7 @@ def _load(path: Path) -> Checkpoint:
         names = hf_names(arch, t.name)
         if names is None:  # a bias, say: building the model without it would give a wrong model, silently
             raise CheckpointError(f"{path}: tensor {t.name} is not supported for architecture {arch.name!r} "
-                                  "(the graph has no place for it)")
+                                  f"({_why_unsupported(t.name)})")
         w, shape = _tensor_rows(t, path)
         raw = np.asarray(t.data).reshape(shape[0], -1) if t.tensor_type in KEPT_BLOCK_TYPES and len(shape) == 2 else None
         parts = zip(names, _split_rows(names, w, geometry),
@@ -287,6 +325,13 @@ def _load(path: Path) -> Checkpoint:
         source_name=path.name,
         source_blocks=blocks,
     )
+
+
+def _why_unsupported(name: str) -> str:
+    if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", name):
+        return ("one expert's tensor, as old converters wrote Mixtral; llama.cpp's convert_hf_to_gguf.py now stacks "
+                "them as ffn_*_exps: convert the model again")
+    return "the graph has no place for it"
 
 
 def _permuted_heads(arch: Architecture, name: str, g: Geometry) -> int | None:

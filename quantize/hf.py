@@ -1,10 +1,10 @@
 """Read and write Hugging Face checkpoint folders (config.json + *.safetensors + tokenizer files).
 
-`load(folder)` turns a Llama, Mistral or Qwen2 folder into the internal Checkpoint form (HF naming and
-[out, in] layout are already ours, so tensors are only converted to float32: F16 by numpy, BF16 by bit
-shifts because safetensors' numpy backend has no bfloat16). `save_hf(ckpt, folder)` writes a Checkpoint
-back out as such a folder, so a GGUF model can be fed to tools that only read HF folders (the benchmarks
-give it to onnxruntime-genai's model builder).
+`load(folder)` turns a folder of any architecture in quantize.architectures into the internal Checkpoint form
+(HF naming and [out, in] layout are already ours, so tensors are converted to float32 — F16 by numpy, BF16 by
+bit shifts because safetensors' numpy backend has no bfloat16 — fused ones split and experts stacked).
+`save_hf(ckpt, folder)` writes a Checkpoint back out as such a folder, so a GGUF model can be fed to tools that
+only read HF folders (the benchmarks give it to onnxruntime-genai's model builder).
 
 Run: python -m quantize.hf MODEL_DIR_OR_GGUF OUT_DIR   # re-save any checkpoint as an fp32 HF folder
 """
@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from agent import durable
 from agent.wire import Geometry
-from quantize import rope
+from quantize import experts, rope
 from quantize.architectures import BY_HF_CLASS, Architecture, by_name, supported
 from quantize.checkpoint import Checkpoint, CheckpointError, expected_weight_shapes, finite
 from quantize.tokenizer import tokenizer_from_hf_folder
@@ -99,13 +99,13 @@ def _sliding_window(config: dict, arch: Architecture, num_layers: int, folder: P
     `sliding_window_pattern`-th.
     """
     window = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW if arch.name == "mistral" else None)
-    if arch.name in ("llama", "granite", "smollm3", "phi3") or window is None:
+    if arch.name in ("llama", "granite", "smollm3", "phi3", "olmoe", "granitemoe") or window is None:
         return {}
     windowed = [True] * num_layers
     if arch.swa_period:
         period = int(config.get("sliding_window_pattern") or arch.swa_period)
         windowed = _layer_kinds(config, num_layers, lambda i: (i + 1) % period)
-    elif arch.name in ("qwen2", "qwen3"):
+    elif arch.name in ("qwen2", "qwen3", "qwen3moe"):
         if not config.get("use_sliding_window", False):
             return {}
         first = int(config.get("max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS))
@@ -197,6 +197,8 @@ def geometry_from_config(config: dict, folder: Path, has_lm_head: bool) -> Geome
             **_sliding_window(config, arch, layers, folder),
             **_variant(config, arch, hidden, layers, head_dim, where),
         )
+        if arch.moe is not None:  # a Mixture of Experts' intermediate_size is its experts'
+            geometry = Geometry(**(geometry.model_dump() | experts.hf_fields(config, arch, where)))
     except KeyError as e:
         raise CheckpointError(f"{where}: missing required key {e.args[0]!r}") from e
     except CheckpointError:  # a refusal that already says what is wrong (a RoPE type, a split window)
@@ -294,12 +296,12 @@ def _tensors(path: Path, header: dict, data_start: int) -> dict[str, np.ndarray]
     return {name: finite(w, name, path) for name, w in tensors.items()}
 
 
-def _internal_form(tensors: dict[str, np.ndarray], g: Geometry) -> dict[str, np.ndarray]:
-    """transformers' tensors in the internal form (quantize.architectures): fused tensors split, and norm weights
-    holding the factor the model multiplies by."""
+def _internal_form(tensors: dict[str, np.ndarray], g: Geometry, folder: Path) -> dict[str, np.ndarray]:
+    """transformers' tensors in the internal form (quantize.architectures): fused tensors split, experts stacked,
+    and norm weights holding the factor the model multiplies by."""
     arch = by_name(g.architecture)
     out = {}
-    for name, w in tensors.items():
+    for name, w in experts.stack_hf_experts(tensors, arch, g.num_experts, str(folder)).items():
         if name.endswith("qkv_proj.weight"):
             q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
             parts = np.split(w, [q, q + kv], axis=0)
@@ -343,7 +345,7 @@ def load(folder: Path) -> Checkpoint:
     geometry = geometry_from_config(config, folder, has_lm_head="lm_head.weight" in tensors)
     return Checkpoint(
         geometry=geometry,
-        weights=_select_weights(_internal_form(tensors, geometry), geometry, folder),
+        weights=_select_weights(_internal_form(tensors, geometry, folder), geometry, folder),
         tokenizer=tokenizer_from_hf_folder(folder),
         source_sha256=source_sha256(files, config),
         source_name=folder.name,

@@ -24,7 +24,7 @@ from agent.engine.draft import same_tokenizer
 from agent.engine.runner import open_runner
 from agent.engine.tokenizer import TextTokenizer
 from quantize.calibrate import HESSIAN_BUDGET_MB, Calibration, calibration
-from quantize.checkpoint import Checkpoint, file_kind
+from quantize.checkpoint import Checkpoint, file_kind, parameter_counts
 from quantize.evaluate import compare, greedy
 from quantize.graph import build_graph
 from quantize.kv_int8 import int8_kv_graph, kv_absmax
@@ -331,8 +331,17 @@ def _write_contents(ckpt, spec, tmp, name, eval_text, calib_ids, threads, progre
         created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         files=files, quality=quality, golden=golden,
         draft=None if draft is None else wire.DraftRef(name=draft.manifest.name, version=draft.manifest.version),
-        lora=lora.capacity() if lora else None)
+        lora=lora.capacity() if lora else None, parameters=parameters(ckpt))
     (tmp / wire.MANIFEST).write_text(manifest.model_dump_json(indent=2))
+
+
+def parameters(ckpt: Checkpoint) -> wire.Parameters | None:
+    """A Mixture of Experts' total and active parameter counts for its manifest; None for a dense model (left
+    out of the manifest, whose bytes stay what they were)."""
+    if not ckpt.geometry.num_experts:
+        return None
+    total, active = parameter_counts(ckpt.geometry)
+    return wire.Parameters(total=total, active=active)
 
 
 def _evaluate(ckpt, spec, runner, tmp, eval_text, threads, progress) -> wire.Quality:

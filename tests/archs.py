@@ -241,8 +241,91 @@ def tiny_granite() -> TinyArch:
     return TinyArch("granite", "granite", config, _dense_weights(config, seed=36), pre="gpt-2")
 
 
+# ---- Mixture of Experts: 4 experts of 32 intermediate neurons, 2 per token ----------------------------------
+
+EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE = 4, 2, 32
+ROUTER_SCALE = 0.6  # router logits spread over a few units: the top 2 of 4 are chosen decisively, not by rounding
+
+
+def _moe_weights(config: dict, seed: int, layout: str, **dense) -> dict[str, np.ndarray]:
+    """A decoder's tensors with each MLP replaced by a router and experts, named as transformers names them:
+    layout "qwen" (mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj), "mixtral" (block_sparse_moe.gate,
+    experts.{e}.w1 gate / w3 up / w2 down) or "granite" (block_sparse_moe.router.layer, input_linear [E, 2I, H]
+    holding gate then up, output_linear [E, H, I])."""
+    weights = {n: w for n, w in _dense_weights(config, seed, **dense).items() if ".mlp." not in n}
+    w = _Weights(seed + 1000)
+    hidden, inter = config["hidden_size"], EXPERT_INTERMEDIATE
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        router = {"qwen": "mlp.gate", "mixtral": "block_sparse_moe.gate", "granite": "block_sparse_moe.router.layer"}
+        w.rand(p + router[layout] + ".weight", EXPERTS, hidden, scale=ROUTER_SCALE)
+        if layout == "granite":
+            w.rand(p + "block_sparse_moe.input_linear.weight", EXPERTS, 2 * inter, hidden)
+            w.rand(p + "block_sparse_moe.output_linear.weight", EXPERTS, hidden, inter)
+            continue
+        for e in range(EXPERTS):
+            q = f"{p}mlp.experts.{e}." if layout == "qwen" else f"{p}block_sparse_moe.experts.{e}."
+            names = ("gate_proj", "up_proj", "down_proj") if layout == "qwen" else ("w1", "w3", "w2")
+            w.rand(q + names[0] + ".weight", inter, hidden)
+            w.rand(q + names[1] + ".weight", inter, hidden)
+            w.rand(q + names[2] + ".weight", hidden, inter)
+    return weights | w.tensors
+
+
+def tiny_qwen3moe() -> TinyArch:
+    """Qwen3-MoE (as Qwen3-30B-A3B): QK-norm per head, head_dim 32 given, softmax then top 2 of 4 experts,
+    renormalised (norm_topk_prob); the dense intermediate_size is present and unused."""
+    config = _base_config("Qwen3MoeForCausalLM", "qwen3_moe", layers=2, tied=False, rope_theta=1000000.0,
+                          attention_bias=False, head_dim=32, max_window_layers=2, sliding_window=None,
+                          use_sliding_window=False, decoder_sparse_step=1, mlp_only_layers=[],
+                          moe_intermediate_size=EXPERT_INTERMEDIATE, norm_topk_prob=True, num_experts=EXPERTS,
+                          num_experts_per_tok=EXPERTS_PER_TOKEN, output_router_logits=False,
+                          router_aux_loss_coef=0.001)
+    return TinyArch("qwen3moe", "qwen3moe", config, _moe_weights(config, 40, "qwen", qk_norm=True), pre="qwen2",
+                    tokenizer_class="Qwen2Tokenizer")
+
+
+def tiny_olmoe() -> TinyArch:
+    """OLMoE: QK-norm over all of q's and k's channels (not per head), softmax then top 2 of 4 without
+    renormalising, untied head. 4 KV heads: llama.cpp sizes the k-norm n_embd wide, so no GQA."""
+    config = _base_config("OlmoeForCausalLM", "olmoe", layers=2, tied=False, rope_theta=10000.0, rms_eps=1e-5,
+                          num_key_value_heads=HEADS, intermediate_size=EXPERT_INTERMEDIATE, attention_bias=False,
+                          clip_qkv=None, norm_topk_prob=False, num_experts=EXPERTS,
+                          num_experts_per_tok=EXPERTS_PER_TOKEN, output_router_logits=False,
+                          router_aux_loss_coef=0.01, pad_token_id=1)
+    weights = _moe_weights(config, 41, "qwen")
+    for i in range(2):  # full-width norms
+        p = f"model.layers.{i}.self_attn."
+        for n, seed in (("q_norm", 410 + i), ("k_norm", 420 + i)):
+            weights[p + n + ".weight"] = (1 + np.random.default_rng(seed).standard_normal(HIDDEN) * 0.1).astype(np.float32)
+    return TinyArch("olmoe", "olmoe", config, weights, pre="gpt-2")
+
+
+def tiny_granitemoe() -> TinyArch:
+    """Granite-MoE (3.x 1B-A400M style): Granite's four multipliers, top 2 of 4 logits then a softmax over them,
+    stacked experts with gate and up in one input_linear, tied head."""
+    config = _base_config(
+        "GraniteMoeForCausalLM", "granitemoe", layers=2, tied=True, rope_theta=10000.0, rms_eps=1e-6,
+        intermediate_size=EXPERT_INTERMEDIATE, attention_bias=False, attention_multiplier=0.0625,
+        embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, num_local_experts=EXPERTS,
+        num_experts_per_tok=EXPERTS_PER_TOKEN, output_router_logits=False, router_aux_loss_coef=0.0, pad_token_id=0)
+    return TinyArch("granitemoe", "granitemoe", config, _moe_weights(config, 42, "granite"), pre="gpt-2")
+
+
+def tiny_mixtral() -> TinyArch:
+    """Mixtral: a Llama block with top 2 of 4 logits then a softmax over them; llama.cpp's GGUF says "llama"
+    with llama.expert_count."""
+    config = _base_config("MixtralForCausalLM", "mixtral", layers=2, tied=False, rope_theta=1000000.0, rms_eps=1e-5,
+                          intermediate_size=EXPERT_INTERMEDIATE, num_local_experts=EXPERTS,
+                          num_experts_per_tok=EXPERTS_PER_TOKEN, output_router_logits=False,
+                          router_aux_loss_coef=0.02, router_jitter_noise=0.0, sliding_window=None)
+    return TinyArch("mixtral", "llama", config, _moe_weights(config, 43, "mixtral"), pre="llama-bpe")
+
+
+MOE_BUILDERS = {"qwen3moe": tiny_qwen3moe, "olmoe": tiny_olmoe, "granitemoe": tiny_granitemoe,
+                "mixtral": tiny_mixtral}
 BUILDERS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "smollm3": tiny_smollm3,
-            "granite": tiny_granite, "llama3.2": tiny_llama32, "phi3": tiny_phi3}
+            "granite": tiny_granite, "llama3.2": tiny_llama32, "phi3": tiny_phi3, **MOE_BUILDERS}
 
 
 # ---- Hugging Face folder ----------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from gguf import GGUFWriter
 from archs import TinyArch, llama3_rope_factors
 from tiny import CHAT_TEMPLATE, MERGES, vocab
 
-PERMUTED_ARCHS = ("llama", "smollm3", "granite")  # converters derived from LlamaModel (undo_permute = True)
+# converters derived from LlamaModel (undo_permute = True): Mixtral's is LlamaModel, Granite-MoE's GraniteModel's
+PERMUTED_ARCHS = ("llama", "smollm3", "granite", "granitemoe")
 
 
 def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -104,8 +105,27 @@ def phi3_attn_factor(c: dict) -> float:
     return math.sqrt(1 + math.log(scale) / math.log(c["original_max_position_embeddings"])) if scale > 1 else 1.0
 
 
-ARCH_KEYS = {"llama": _llama_keys, "smollm3": _llama_keys, "granite": _granite_keys, "qwen2": _text_model_keys,
-             "qwen3": _text_model_keys, "gemma3": _gemma3_keys, "phi3": _phi3_keys}
+def _expert_keys(w: GGUFWriter, c: dict) -> None:
+    """TextModel.set_gguf_parameters' expert keys (num_experts or num_local_experts, num_experts_per_tok), and
+    Qwen3-MoE's expert size (Qwen2MoeModel: moe_intermediate_size)."""
+    w.add_expert_count(c.get("num_experts") or c["num_local_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    if "moe_intermediate_size" in c:
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+
+
+def _with_experts(keys):
+    def write(w: GGUFWriter, c: dict) -> None:
+        keys(w, c)
+        if "num_experts_per_tok" in c:
+            _expert_keys(w, c)
+    return write
+
+
+ARCH_KEYS = {"llama": _with_experts(_llama_keys), "smollm3": _llama_keys, "granite": _granite_keys,
+             "qwen2": _text_model_keys, "qwen3": _text_model_keys, "gemma3": _gemma3_keys, "phi3": _phi3_keys,
+             "qwen3moe": _with_experts(_text_model_keys), "olmoe": _with_experts(_text_model_keys),
+             "granitemoe": _with_experts(_granite_keys)}
 
 
 def _tokenizer_keys(w: GGUFWriter, model: TinyArch) -> None:
@@ -136,13 +156,53 @@ def extra_tensors(model: TinyArch) -> dict[str, np.ndarray]:
     return {}
 
 
+# transformers' MoE tensor (after "model.layers.{i}.", "{e}": per expert) -> llama.cpp's stacked tensor
+_MOE_GGUF = {
+    "mlp.gate.weight": "ffn_gate_inp", "block_sparse_moe.gate.weight": "ffn_gate_inp",
+    "block_sparse_moe.router.layer.weight": "ffn_gate_inp",
+    "mlp.experts.{e}.gate_proj.weight": "ffn_gate_exps", "mlp.experts.{e}.up_proj.weight": "ffn_up_exps",
+    "mlp.experts.{e}.down_proj.weight": "ffn_down_exps", "block_sparse_moe.experts.{e}.w1.weight": "ffn_gate_exps",
+    "block_sparse_moe.experts.{e}.w3.weight": "ffn_up_exps", "block_sparse_moe.experts.{e}.w2.weight": "ffn_down_exps",
+    "block_sparse_moe.output_linear.weight": "ffn_down_exps",
+}
+
+
+def moe_tensors(model: TinyArch) -> tuple[dict[str, np.ndarray], set[str]]:
+    """(the stacked expert and router tensors as the converters write them, the HF names they came from).
+    Per-expert tensors are stacked [E, out, in] in expert order; Granite's input_linear is split into gate (first
+    half of its rows) and up."""
+    out: dict[str, np.ndarray] = {}
+    used: set[str] = set()
+    for i in range(model.num_layers):
+        p = f"model.layers.{i}."
+        for pattern, gguf_name in _MOE_GGUF.items():
+            if "{e}" in pattern:
+                parts = [model.weights.get(p + pattern.format(e=e)) for e in range(64)]
+                parts = [x for x in parts if x is not None]
+                if parts:
+                    out[f"blk.{i}.{gguf_name}.weight"] = np.stack(parts)
+                    used |= {p + pattern.format(e=e) for e in range(len(parts))}
+            elif p + pattern in model.weights:
+                out[f"blk.{i}.{gguf_name}.weight"] = model.weights[p + pattern]
+                used.add(p + pattern)
+        fused = model.weights.get(p + "block_sparse_moe.input_linear.weight")
+        if fused is not None:
+            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = np.split(fused, 2, axis=1)
+            used.add(p + "block_sparse_moe.input_linear.weight")
+    return out, used
+
+
 def gguf_tensors(model: TinyArch) -> dict[str, np.ndarray]:
     """Every tensor of the GGUF, named and transformed as the converter does."""
     c = model.config
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == model.gguf_arch)
     names = gguf.get_tensor_name_map(arch, model.num_layers)
     out = extra_tensors(model)
+    experts, used = moe_tensors(model)
+    out |= {n: np.ascontiguousarray(w, np.float32) for n, w in experts.items()}
     for hf_name, w in model.weights.items():
+        if hf_name in used:
+            continue
         if model.gguf_arch in PERMUTED_ARCHS and hf_name.endswith("q_proj.weight"):
             w = permute_rows(w, c["num_attention_heads"])
         elif model.gguf_arch in PERMUTED_ARCHS and hf_name.endswith("k_proj.weight"):

@@ -2,8 +2,8 @@
 
 Full recomputation, no KV cache, float64 accumulation: RMSNorm, half-split RoPE, grouped-query attention
 with a causal (and, per layer, sliding-window) mask, a gated MLP, and each architecture's variants (QK-norm,
-Gemma's norms after attention and MLP, partial and per-layer RoPE, multipliers). Slow, obvious and
-independent of ONNX Runtime on purpose.
+Gemma's norms after attention and MLP, partial and per-layer RoPE, multipliers, a Mixture of Experts' routing
+in its architecture's own order). Slow, obvious and independent of ONNX Runtime on purpose.
 """
 from __future__ import annotations
 
@@ -52,9 +52,12 @@ def attention(ckpt: Checkpoint, i: int, x: np.ndarray) -> np.ndarray:
         y = x @ ckpt.layer(i, f"self_attn.{name}.weight").T.astype(np.float64)
         if g.attention_bias:
             y = y + ckpt.layer(i, f"self_attn.{name}.bias")
-        y = y.reshape(t, heads, g.head_dim).transpose(1, 0, 2)  # [H, T, D]
         norm = f"self_attn.{name[0]}_norm.weight"
-        if name != "v_proj" and f"model.layers.{i}.{norm}" in ckpt.weights:  # QK-norm, per head
+        qk_norm = name != "v_proj" and f"model.layers.{i}.{norm}" in ckpt.weights
+        if qk_norm and by_name(g.architecture).qk_norm_full_width:  # OLMoE: over all heads' channels at once
+            y = rms_norm(y, ckpt.layer(i, norm), g.rms_norm_eps)
+        y = y.reshape(t, heads, g.head_dim).transpose(1, 0, 2)  # [H, T, D]
+        if qk_norm and not by_name(g.architecture).qk_norm_full_width:  # QK-norm, per head
             y = rms_norm(y, ckpt.layer(i, norm), g.rms_norm_eps)
         return y
 
@@ -74,14 +77,38 @@ def attention(ckpt: Checkpoint, i: int, x: np.ndarray) -> np.ndarray:
     return out @ ckpt.layer(i, "self_attn.o_proj.weight").T
 
 
-def mlp(ckpt: Checkpoint, i: int, x: np.ndarray) -> np.ndarray:
-    gate = x @ ckpt.layer(i, "mlp.gate_proj.weight").T
-    up = x @ ckpt.layer(i, "mlp.up_proj.weight").T
-    if by_name(ckpt.geometry.architecture).activation == "gelu_tanh":
+def gated_mlp(x: np.ndarray, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, activation: str) -> np.ndarray:
+    gate, up = x @ gate_w.T, x @ up_w.T
+    if activation == "gelu_tanh":
         act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3)))
     else:
         act = gate / (1 + np.exp(-gate))
-    return (act * up) @ ckpt.layer(i, "mlp.down_proj.weight").T
+    return (act * up) @ down_w.T
+
+
+def route(logits: np.ndarray, k: int, softmax_first: bool, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One token's (experts, weights) from its router logits [E], in the architecture's order: softmax over all
+    then the top k (renormalised when asked), or the top k logits then a softmax over those."""
+    top = np.argsort(-logits, kind="stable")[:k]
+    if softmax_first:
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        w = p[top]
+        return top, w / w.sum() if renormalize else w
+    w = np.exp(logits[top] - logits[top].max())
+    return top, w / w.sum()
+
+
+def mlp(ckpt: Checkpoint, i: int, x: np.ndarray) -> np.ndarray:
+    g, arch = ckpt.geometry, by_name(ckpt.geometry.architecture)
+    if not g.num_experts:
+        return gated_mlp(x, *(ckpt.layer(i, f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")), arch.activation)
+    gate, up, down = (ckpt.layer(i, f"mlp.experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+    out = np.zeros_like(x)
+    for t, logits in enumerate(x @ ckpt.layer(i, "mlp.gate.weight").T):
+        for e, w in zip(*route(logits, g.num_experts_per_tok, arch.moe.softmax_first, g.moe_renormalize)):
+            out[t] += w * gated_mlp(x[t], gate[e], up[e], down[e], arch.activation)
+    return out
 
 
 def forward(ckpt: Checkpoint, ids: list[int]) -> np.ndarray:

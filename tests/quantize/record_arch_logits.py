@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 TESTS = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data" / "arch_logits"
-NAMES = ("qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3")
+NAMES = ("qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral")
 VOCAB = 269
 # 48 ids: six of Gemma 3's 8-token windows. Specials (0-2) left out so that no tokenizer rule matters.
 TOKEN_IDS = [int(i) for i in np.random.default_rng(20261206).integers(3, VOCAB, 48)]

@@ -19,8 +19,10 @@ from gguf import GGUFReader
 from safetensors.numpy import load_file
 
 DATA = Path(__file__).parent / "data" / "arch_logits"
-NAMES = ("qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3")
-PERMUTED = ("llama3.2", "smollm3", "granite")  # converters derived from LlamaModel permute Q and K rows
+NAMES = ("qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3", "qwen3moe", "olmoe", "granitemoe",
+         "mixtral")
+# converters derived from LlamaModel permute Q and K rows (Mixtral's is LlamaModel, Granite-MoE's GraniteModel)
+PERMUTED = ("llama3.2", "smollm3", "granite", "granitemoe", "mixtral")
 
 # transformers' per-layer tensor names -> llama.cpp's (blk.N.<name>); Gemma 3 overrides one below.
 LAYER_NAMES = {
@@ -31,7 +33,35 @@ LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "mlp.gate_up_proj": "ffn_up",  # Phi-3: [gate; up] rows, split by llama.cpp's SWIGLU as transformers' chunk(2)
+    # Mixtures of Experts, once per-expert tensors are stacked (stack_experts)
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.router.layer": "ffn_gate_inp",
+    "experts.gate": "ffn_gate_exps", "experts.up": "ffn_up_exps", "experts.down": "ffn_down_exps",
 }
+# transformers' per-expert (or Granite's stacked) expert tensors -> the stacked module names above
+EXPERT_PARTS = {"gate_proj": "experts.gate", "up_proj": "experts.up", "down_proj": "experts.down", "w1": "experts.gate",
+                "w3": "experts.up", "w2": "experts.down", "output_linear": "experts.down"}
+
+
+def stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The HF tensors as llama.cpp's converters stack them: experts.{e}.<part> along a new first axis in expert
+    order, Granite's input_linear split into its gate and up halves."""
+    out, parts = {}, {}
+    for name, w in weights.items():
+        pieces = name.split(".")
+        if "experts" in pieces:
+            at = pieces.index("experts")
+            layer, expert, part = pieces[2], int(pieces[at + 1]), pieces[at + 2]
+            parts.setdefault(f"model.layers.{layer}.{EXPERT_PARTS[part]}.weight", {})[expert] = w
+        elif name.endswith("input_linear.weight"):
+            gate, up = np.split(w, 2, axis=1)
+            out[f"model.layers.{pieces[2]}.experts.gate.weight"] = gate
+            out[f"model.layers.{pieces[2]}.experts.up.weight"] = up
+        elif name.endswith("output_linear.weight"):
+            out[f"model.layers.{pieces[2]}.experts.down.weight"] = w
+        else:
+            out[name] = w
+    return out | {name: np.stack([by[e] for e in sorted(by)]) for name, by in parts.items()}
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
@@ -82,7 +112,7 @@ def test_the_gguf_is_the_one_the_logits_were_recorded_from(fixture):
 
 def test_the_gguf_holds_the_hf_weights_after_undoing_the_converter_transforms(fixture):
     c, tensors = fixture.config, fixture.tensors()
-    for hf_name, hf in fixture.weights.items():
+    for hf_name, hf in stack_experts(fixture.weights).items():
         w = tensors.pop(gguf_name(fixture.name, hf_name))
         assert w.dtype == np.float32 and w.shape == hf.shape, hf_name
         if fixture.name in PERMUTED and hf_name.endswith("q_proj.weight"):
@@ -147,21 +177,29 @@ def test_rope_factor_tensors_hold_the_config_scaling():
     np.testing.assert_array_equal(tensors["rope_factors_short.weight"], np.float32(scaling["short_factor"]))
 
 
+GGUF_ARCH = {"llama3.2": "llama", "mixtral": "llama"}  # general.architecture, where not the fixture's name
+
+
 def expected_metadata(name: str, c: dict) -> dict:
     """The GGUF keys llama.cpp's loader reads, as the converter derives them from config.json."""
-    arch = {"llama3.2": "llama"}.get(name, name)
+    arch = GGUF_ARCH.get(name, name)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     keys = {"block_count": c["num_hidden_layers"], "context_length": c["max_position_embeddings"],
             "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
             "attention.head_count": c["num_attention_heads"], "attention.head_count_kv": c["num_key_value_heads"],
             "rope.freq_base": c["rope_theta"], "attention.layer_norm_rms_epsilon": c["rms_norm_eps"]}
-    if name in ("llama3.2", "qwen3", "gemma3"):  # head_dim given in config.json
+    if name in ("llama3.2", "qwen3", "gemma3", "qwen3moe"):  # head_dim given in config.json
         keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
-    if name in ("llama3.2", "smollm3", "granite"):
+    if name in ("llama3.2", "smollm3", "granite", "granitemoe", "mixtral"):
         keys |= {"vocab_size": c["vocab_size"], "rope.dimension_count": head_dim}
+    if name in ("qwen3moe", "olmoe", "granitemoe", "mixtral"):
+        keys |= {"expert_count": c.get("num_experts") or c["num_local_experts"],
+                 "expert_used_count": c["num_experts_per_tok"]}
+    if name == "qwen3moe":  # its expert size apart from the (unused) dense feed_forward_length
+        keys["expert_feed_forward_length"] = c["moe_intermediate_size"]
     if name == "gemma3":
         keys |= {"attention.sliding_window": c["sliding_window"]}  # the global base is rope.freq_base
-    if name == "granite":
+    if name in ("granite", "granitemoe"):
         keys |= {"attention.scale": c["attention_multiplier"], "embedding_scale": c["embedding_multiplier"],
                  "residual_scale": c["residual_multiplier"], "logit_scale": c["logits_scaling"]}
     if name == "phi3":
@@ -174,7 +212,7 @@ def expected_metadata(name: str, c: dict) -> dict:
 
 
 def test_gguf_metadata_follows_the_config(fixture):
-    assert fixture.arch == {"llama3.2": "llama"}.get(fixture.name, fixture.name)
+    assert fixture.arch == GGUF_ARCH.get(fixture.name, fixture.name)
     for key, value in expected_metadata(fixture.name, fixture.config).items():
         assert fixture.field(key) == pytest.approx(value, rel=1e-6), key
     assert fixture.field("general.file_type") == 0  # all F32

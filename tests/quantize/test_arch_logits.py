@@ -17,7 +17,8 @@ from quantize.graph import build_graph
 from quantize.precision import QuantSpec
 
 DATA = Path(__file__).parent / "data" / "arch_logits"
-ARCHS = ["qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3"]
+ARCHS = ["qwen2", "qwen3", "gemma3", "smollm3", "granite", "llama3.2", "phi3", "qwen3moe", "olmoe", "granitemoe",
+         "mixtral"]
 # llama.cpp computes GELU through an fp16 table: Gemma's logits differ from exact GELU by ~1e-4 of their scale
 TOLERANCE = {"gemma3": 3e-4}
 
