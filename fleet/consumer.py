@@ -46,6 +46,9 @@ REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 de
 # server does not know would write 300 lines a minute; ids that change with every message, 2,900)
 MAX_WHERE_CHARS = 120  # of the field a logged schema rejection names (an unknown field's name is the sender's)
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
+# How often the writer makes the telemetry tables' day partitions due (PostgreSQL, fleet.partitions.upkeep: days
+# ahead are made AHEAD_DAYS early, so hourly leaves days of slack), and how soon it tries again after a failure
+PARTITIONS_EVERY_S, PARTITIONS_RETRY_S = 3600.0, 60.0
 # How often the writer refreshes the request rollups of ended hours (fleet.rollups.refresh_step, a batch between
 # two commits until none is left): the rollups of an ended hour trail its raw rows by about this plus one
 # pass. Queries do not wait for it (stale hours are read raw); a shorter period re-rolls a late-written hour
@@ -217,7 +220,8 @@ class Consumer:
     # ---- writer thread -------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         last_log = (time.monotonic(), 0)
-        next_prune = next_refresh = time.monotonic()  # at start too: a fleet restarted after months prunes at once
+        # at start too: a fleet restarted after months prunes at once, and has its partitions for today on
+        next_prune = next_refresh = next_partitions = time.monotonic()
         prune: _Prune | None = None  # retention under way: one batch between commits
         refreshing = False  # a rollup refresh pass under way: one batch between commits
         while not self._stopping.is_set():
@@ -225,6 +229,8 @@ class Consumer:
             if batch:
                 self._handle(batch)
             last_log = self._maybe_log_rate(last_log)
+            if time.monotonic() >= next_partitions:
+                next_partitions = time.monotonic() + self._prepare_partitions()
             if prune is None and self.keep_s and time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + PRUNE_EVERY_S
                 now = time.time()
@@ -251,6 +257,18 @@ class Consumer:
             return False
         self.stats.rollup_backlog_buckets, self.stats.rollup_lag_s = backlog.buckets, backlog.lag_s
         return False
+
+    def _prepare_partitions(self) -> float:
+        """The day partitions due (PostgreSQL), in the writer thread; returns the seconds until the next try."""
+        try:
+            made = self.store.prepare_partitions()
+        except database_errors() as e:
+            log.error("making the telemetry tables' next day partitions failed (rows past the last one go to the "
+                      "default partition meanwhile); trying again in %.0f s: %s", PARTITIONS_RETRY_S, e)
+            return PARTITIONS_RETRY_S
+        if made:
+            log.info("made %d day partitions of the telemetry tables", made)
+        return PARTITIONS_EVERY_S
 
     def _prune_step(self, prune: "_Prune") -> bool:
         """One batch of retention, in the writer thread (the store's owner), so that ingest waits for one
