@@ -60,6 +60,10 @@ BUCKET = ("start_ts", "device_id", "model", "version")  # a mark's hour bucket: 
 # refresh holds the SQLite write lock (every replica's ingest commits wait for it), its memory, and each
 # PostgreSQL transaction's work.
 REFRESH_BATCH_BUCKETS, REFRESH_BATCH_ROWS = 200, 50_000  # an hour of 400,000 rows: 8 transactions of <= 0.2 s
+# How often the consumer's writer runs a refresh pass (refresh_step, a batch between two commits until none is
+# left; `edge-fleet serve --rollup-refresh`): the rollups of an ended hour trail its raw rows by about this plus one
+# pass. Queries do not wait for it (stale hours are read raw); a shorter period re-rolls a late-written hour more often.
+ROLLUP_REFRESH_EVERY_S = 5.0
 CLAIM_LOCK_TIMEOUT_MS = 500  # PostgreSQL: a claim that cannot lock the marks by then tries again next pass
 REFRESH_LOCK_KEY = 0x726F6C6C7570  # pg_advisory_xact_lock key of the refresh ("rollup"): one replica at a time
 
