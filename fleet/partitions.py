@@ -38,7 +38,7 @@ from fleet.migrations import UNSET_CLOCK_BEFORE_TS
 log = logging.getLogger(__name__)
 
 KEY_COLUMN = "sent_ts"
-PARTITION_S = 86400
+PARTITION_S = 86400  # a UTC day (why not a week: the docstring)
 AHEAD_DAYS = 3  # partitions made past today: rows keep landing in their own while upkeep fails for this long
 # DDL on a partitioned table waits for the queries reading it and holds up every commit behind it in the lock
 # queue: past this it gives up, and the next pass tries again

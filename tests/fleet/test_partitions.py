@@ -17,6 +17,7 @@ from fleet.partitions import PARTITION_S as DAY
 from fleet.partitions import day_of, partition_name
 from fleet.store import ROW_WRITERS, FleetStore, Ingest
 from simdevice import event_record, request_record, sample_record
+from fleet_support import wait_until
 from test_queries import request
 
 RNG = random.Random(3)
@@ -56,6 +57,25 @@ def test_a_replay_is_stored_once_across_a_day_boundary_however_its_rows_are_rest
         assert rows_by_partition(store.db) == {partition_name("requests", T0): 30,
                                                partition_name("requests", midnight): 31, "requests_default": 1}
     store.close()
+
+
+def test_a_batch_sent_twice_through_the_broker_is_stored_once_with_its_restamped_rows(fleet_target, consumers,
+                                                                                       devices):
+    """The whole path (device, Mosquitto, consumer, store): a device resends a batch it saw no acknowledgement
+    for; its rows of a clock never set and of a clock ahead are restamped with each arrival."""
+    consumer = consumers(store=FleetStore(fleet_target))
+    device = devices("dev-1")
+    recs = device.make_records(20) + [request_record(device.boot_id, 1000, 1000.0, RNG),
+                                      request_record(device.boot_id, 1001, time.time() + 3 * 3600, RNG)]
+    device.send(recs)
+    wait_until(lambda: consumer.stats.inserted == 22, message="the first delivery stored")
+    time.sleep(1.1)  # the second arrival is a second later: its restamps differ
+    device.send(recs)
+    wait_until(lambda: consumer.stats.duplicates == 22, message="the second delivery dropped")
+    with open_database(fleet_target) as db:
+        assert sum(db[t].count for t in TELEMETRY_TABLES) == 22 and consumer.stats.inserted == 22
+        first, second = db.execute("select ts from requests where seq >= 1000 order by seq").fetchall()
+        assert first == second and abs(first[0] - time.time()) < 30  # both restamped, at the first arrival
 
 
 def _with_days(postgres_url):
