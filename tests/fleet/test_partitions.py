@@ -261,3 +261,29 @@ def test_the_pruning_condition_is_a_literal_float(since_ts):
     assert partitions.from_ts(SQLITE, since_ts) == ""
     assert partitions.from_ts(POSTGRESQL, since_ts) == (f" and (sent_ts >= {since_ts!r} or "
                                                         "sent_ts < 1577836800.0)")
+
+
+def test_making_a_partition_behind_a_long_lock_gives_up_with_an_error_and_makes_it_later(postgres_url):
+    """Attaching locks the default partition: behind a reader holding it, upkeep waits LOCK_TIMEOUT_MS, not for
+    the reader, and raises (the consumer logs it and tries again in PARTITIONS_RETRY_S)."""
+    store = FleetStore(postgres_url)
+    store.prepare_partitions(T0)
+    day = T0 + partitions.AHEAD_DAYS * DAY + DAY  # the first day not made yet
+    raised = []
+
+    def attempt():
+        try:
+            store.prepare_partitions(day)
+        except psycopg.errors.LockNotAvailable as e:
+            raised.append(e)
+
+    with psycopg.connect(postgres_url) as reader:
+        reader.execute("select count(*) from requests_default")
+        upkeep = threading.Thread(target=attempt)
+        upkeep.start()
+        upkeep.join(10)
+        assert not upkeep.is_alive(), "upkeep waited for the reader"
+    upkeep.join()
+    assert raised and not exists(store.db, partition_name("requests", day))
+    assert store.prepare_partitions(day) == 4 * len(TELEMETRY_TABLES)  # the first failed: none made before
+    store.close()
