@@ -28,6 +28,7 @@ from fleet import queries
 from fleet.commands import CommandError
 from fleet.db import database_errors, has_password, is_url
 from fleet.queries import QueryError
+from fleet.rollups import ROLLUP_REFRESH_EVERY_S
 
 USER_ERRORS = (QueryError, CommandError, LinkError, OSError, ValueError)  # BundleError, StoreError: ValueErrors
 DEFAULT_DB = "fleet.db"
@@ -179,10 +180,12 @@ def retention(keep: str, keep_samples: str) -> dict[str, float]:
 @click.option("--keep-samples", default="14d", show_default=True,
               help="Delete samples (RSS, CPU, KV use every few seconds) older than this, or than --keep if "
                    "sooner; 'forever' keeps them as long as --keep.")
+@click.option("--rollup-refresh", "rollup_refresh_s", type=Seconds(min=0.1), default=ROLLUP_REFRESH_EVERY_S,
+              help="Seconds between refreshes of ended hours' request rollups (queries read the rest raw).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @user_errors
 def serve(url, username, password_file, ca_file, db_path, client_id, shared_group, artifacts_http, artifacts_dir,
-          artifacts_url, jobs_username, jobs_password_file, job_key, keep, keep_samples, verbose):
+          artifacts_url, jobs_username, jobs_password_file, job_key, keep, keep_samples, rollup_refresh_s, verbose):
     """Consume device state and telemetry into the database until SIGINT/SIGTERM.
 
     Example: edge-fleet serve --mqtt mqtt://127.0.0.1:1883 --db fleet.db --client-id fleet-a --shared-group fleet
@@ -222,7 +225,7 @@ def serve(url, username, password_file, ca_file, db_path, client_id, shared_grou
                               load_private_key(job_key) if job_key else None)
     elif job_key is not None:
         raise click.BadParameter("--job-key signs rollout jobs: it needs --artifacts-http")
-    stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts, keep_s)
+    stats = run(db_path, url, client_id, shared_group, stop, auth, artifacts, keep_s, rollup_refresh_s)
     click.echo(f"edge-fleet serve: stored {stats.inserted} records, dropped {stats.duplicates} duplicates, "
                f"rejected {stats.rejected} messages in {time.monotonic() - started:.1f} s")
 

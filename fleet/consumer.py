@@ -32,6 +32,7 @@ from agent.wire import MAX_PAYLOAD_BYTES, DeviceState, TelemetryBatch, Telemetry
 from fleet.mqtt import Inbound, Link, Session
 from fleet.db import database_errors
 from fleet.shards import Links, Routes
+from fleet.rollups import ROLLUP_REFRESH_EVERY_S
 from fleet.store import EXPIRED, TELEMETRY_TABLES, Committed, FleetStore, Ingest
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,9 @@ REJECTION_LINES = 20  # ...and at most this many lines per period in all (300 de
 # server does not know would write 300 lines a minute; ids that change with every message, 2,900)
 MAX_WHERE_CHARS = 120  # of the field a logged schema rejection names (an unknown field's name is the sender's)
 PRUNE_EVERY_S = 3600.0  # how often the writer deletes telemetry older than the retention period
-# How often the writer refreshes the request rollups of ended hours (fleet.rollups.refresh_step, a batch between
-# two commits until none is left): the rollups of an ended hour trail its raw rows by about this plus one
-# pass. Queries do not wait for it (stale hours are read raw); a shorter period re-rolls a late-written hour
-# more often.
-ROLLUP_REFRESH_EVERY_S = 5.0
+# How often the writer makes the telemetry tables' day partitions due (PostgreSQL, fleet.partitions.upkeep: days
+# ahead are made AHEAD_DAYS early, so hourly leaves days of slack), and how soon it tries again after a failure
+PARTITIONS_EVERY_S, PARTITIONS_RETRY_S = 3600.0, 60.0
 IDLE_WAIT_S = 0.2  # the writer's wait for a first message (it checks for stop and retention in between)
 PUBACK_WAIT_S = 5.0  # a rollout notice without the broker's PUBACK by then goes again next pass
 # Messages received and not yet written. Bounded: QoS 0 is outside the broker's flow control (Receive
@@ -217,7 +216,8 @@ class Consumer:
     # ---- writer thread -------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         last_log = (time.monotonic(), 0)
-        next_prune = next_refresh = time.monotonic()  # at start too: a fleet restarted after months prunes at once
+        # at start too: a fleet restarted after months prunes at once, and has its partitions for today on
+        next_prune = next_refresh = next_partitions = time.monotonic()
         prune: _Prune | None = None  # retention under way: one batch between commits
         refreshing = False  # a rollup refresh pass under way: one batch between commits
         while not self._stopping.is_set():
@@ -225,6 +225,8 @@ class Consumer:
             if batch:
                 self._handle(batch)
             last_log = self._maybe_log_rate(last_log)
+            if time.monotonic() >= next_partitions:
+                next_partitions = time.monotonic() + self._prepare_partitions()
             if prune is None and self.keep_s and time.monotonic() >= next_prune:
                 next_prune = time.monotonic() + PRUNE_EVERY_S
                 now = time.time()
@@ -251,6 +253,18 @@ class Consumer:
             return False
         self.stats.rollup_backlog_buckets, self.stats.rollup_lag_s = backlog.buckets, backlog.lag_s
         return False
+
+    def _prepare_partitions(self) -> float:
+        """The day partitions due (PostgreSQL), in the writer thread; returns the seconds until the next try."""
+        try:
+            made = self.store.prepare_partitions()
+        except database_errors() as e:
+            log.error("making the telemetry tables' next day partitions failed (rows past the last one go to the "
+                      "default partition meanwhile); trying again in %.0f s: %s", PARTITIONS_RETRY_S, e)
+            return PARTITIONS_RETRY_S
+        if made:
+            log.info("made %d day partitions of the telemetry tables", made)
+        return PARTITIONS_EVERY_S
 
     def _prune_step(self, prune: "_Prune") -> bool:
         """One batch of retention, in the writer thread (the store's owner), so that ingest waits for one
@@ -424,16 +438,32 @@ def _start_rollouts(db_path: Path, url: str | Sequence[str], client_id: str, cre
     return driver, links, server
 
 
+def _log_rollup_backlog(store: FleetStore, refresh_every_s: float) -> None:
+    """At start: the rollups' refresh backlog (a fleet down for a while, or refreshing slower than it ingests,
+    starts with one) and the refresh period."""
+    try:
+        backlog = store.rollup_backlog()
+    except database_errors() as e:
+        log.warning("request rollups: backlog not known (%s); refreshed every %g s (--rollup-refresh)", e,
+                    refresh_every_s)
+        return
+    log.info("request rollups: %d ended hour buckets to refresh, the oldest waiting %.0f s; refreshed every %g s "
+             "(--rollup-refresh)", backlog.buckets, backlog.lag_s, refresh_every_s)
+
+
 def serve(db_path: Path, url: str | Sequence[str], client_id: str, shared_group: str | None, stop: threading.Event,
           credentials: Credentials = Credentials(), artifacts: Artifacts | None = None,
-          keep_s: dict[str, float] | None = None) -> Stats:
+          keep_s: dict[str, float] | None = None, refresh_every_s: float = ROLLUP_REFRESH_EVERY_S) -> Stats:
     """Run a consumer until `stop` is set; returns its totals. With artifacts it also serves published
-    bundles over HTTP and drives model rollouts. keep_s: telemetry retention, table -> seconds."""
+    bundles over HTTP and drives model rollouts. keep_s: telemetry retention, table -> seconds;
+    refresh_every_s: the request rollups' refresh period."""
     store = FleetStore(db_path)
     # said at every start, before the first prune: an upgrade can bring a retention the database never had
     # (the first start of a fleet from before --keep deletes everything older than 90 days)
     log.info("telemetry kept: %s (--keep, --keep-samples)", describe_retention(keep_s or {}))
-    consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s).start()
+    _log_rollup_backlog(store, refresh_every_s)
+    consumer = Consumer(store, url, client_id, shared_group, credentials=credentials, keep_s=keep_s,
+                        refresh_every_s=refresh_every_s).start()
     rollouts = _start_rollouts(db_path, url, client_id, credentials, artifacts) if artifacts else None
     started = time.monotonic()
     try:

@@ -73,6 +73,7 @@ class Dialect:
     greatest: Callable[[str, str], str]
     no_index: Callable[[str], str]  # a column the planner must not pick an index for
     lock_row: str  # appended to a select whose rows the transaction then updates
+    partitioned: bool  # the telemetry tables are partitioned by day on sent_ts (fleet.partitions, migration 0015)
 
 
 SQLITE = Dialect(
@@ -83,6 +84,7 @@ SQLITE = Dialect(
     greatest=lambda a, b: f"max({a}, {b})",
     no_index=lambda column: f"+{column}",
     lock_row="",  # BEGIN IMMEDIATE has locked the whole file already
+    partitioned=False,
 )
 
 POSTGRESQL = Dialect(
@@ -93,6 +95,7 @@ POSTGRESQL = Dialect(
     greatest=lambda a, b: f"greatest({a}, {b})",
     no_index=lambda column: column,
     lock_row=" for update",
+    partitioned=True,
 )
 
 

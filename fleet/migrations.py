@@ -4,7 +4,8 @@ A migration that has shipped is never edited: `FleetStore.migrate` applies, each
 those of MIGRATIONS a database has not recorded in its `_migrations` table, so a new schema change is a new
 entry at the end of the list. The registry and telemetry tables come first (0001-0003, 0007), the rollout
 tables after (0004-0006, 0008-0009; fleet.updates reads and writes them), the request rollups and their
-stale marks last (0012-0013; fleet.rollups). The store's row writers insert
+stale marks (0012-0013; fleet.rollups), and last PostgreSQL's day partitions of the telemetry tables (0015;
+fleet.partitions). The store's row writers insert
 KEY, REQUEST_FIGURES_COLUMNS and SAMPLE_COLUMNS in the order given here.
 """
 from __future__ import annotations
@@ -14,7 +15,11 @@ from typing import Callable
 from fleet.db import Database
 
 KEY = {"device_id": str, "boot_id": str, "seq": int, "ts": float}  # ts: the device's clock, s since the epoch
-PRIMARY_KEY = ("device_id", "boot_id", "seq")
+PRIMARY_KEY = ("device_id", "boot_id", "seq")  # PostgreSQL's from 0015 adds sent_ts (fleet.partitions)
+TELEMETRY_TABLES = ("requests", "samples", "events")  # what retention prunes; the registry and jobs stay
+# A stamp before this (2020-01-01) is a clock that was never set (a box without an RTC boots in 1970): no set
+# clock running this software reads earlier. The store replaces such stamps (fleet.store.Ingest.add_records).
+UNSET_CLOCK_BEFORE_TS = 1_577_836_800.0
 
 # The request columns 0002 creates: fixed, as a shipped migration is (columns added later come in migrations of
 # their own, below)
@@ -138,6 +143,16 @@ def add_request_rollup_marks(db: Database) -> None:
     db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY)
 
 
+def partition_telemetry(db: Database) -> None:
+    """PostgreSQL: the telemetry tables range-partitioned by day on the stamp devices sent (fleet.partitions), rows
+    kept. SQLite: nothing (recorded all the same, so both backends list the same migrations)."""
+    import time
+
+    from fleet import partitions  # here, not at the top: fleet.partitions imports this module's constants
+
+    partitions.partition_tables(db, TELEMETRY_TABLES, time.time())
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -152,4 +167,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0011_device_broker", add_device_broker),
     ("0012_request_rollups", add_request_rollups),
     ("0013_request_rollup_marks", add_request_rollup_marks),
+    ("0015_telemetry_partitions", partition_telemetry),
 )

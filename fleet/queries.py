@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.wire import has_decode_speed, has_ttft, percentile
-from fleet import rollups
+from fleet import partitions, rollups
 from fleet.db import Database, database_errors, is_url, open_database
 
 GROUPINGS = ("device", "model", "version", "hour")
@@ -169,7 +169,7 @@ def _p50_p95(values: array) -> tuple[float | None, float | None]:
 def _requests_since(db: Database, since_ts: float, key_sql: str = "device_id", where: str = "",
                     params: tuple = ()) -> dict[str, Figures]:
     sql = (f"select {key_sql} as key, ttft_ms, decode_tokens_per_s, completion_tokens, finish_reason = 'error' "
-           f"from requests where ts >= ? {where}")
+           f"from requests where ts >= ?{partitions.from_ts(db.dialect, since_ts)} {where}")
     groups: dict[str, Figures] = defaultdict(Figures)
     for key, *figures in db.execute(sql, (since_ts, *params)):  # tuples: no dict per row
         groups[key].add(*figures)
@@ -210,8 +210,9 @@ def events(db: Database, device_id: str, since_s: float | None = None, limit: in
     if not db["devices"].count_where("id = ?", [device_id]):
         raise QueryError(f"unknown device {device_id!r} (see `edge-fleet devices`)")
     since_ts = 0.0 if since_s is None else (time.time() if now is None else now) - since_s
-    rows = db.query("select ts, boot_id, seq, kind, detail from events where device_id = ? and ts >= ? "
-                    "order by ts desc, seq desc limit ?", [device_id, since_ts, limit])
+    rows = db.query(f"select ts, boot_id, seq, kind, detail from events where device_id = ? and ts >= ?"
+                    f"{partitions.from_ts(db.dialect, since_ts)} order by ts desc, seq desc limit ?",
+                    [device_id, since_ts, limit])
     return [{"ts": iso(r["ts"]), "boot_id": r["boot_id"], "seq": r["seq"], "kind": r["kind"],
              "detail": json.loads(r["detail"])} for r in rows]
 
@@ -261,7 +262,8 @@ def timeseries(db: Database, since_s: float, buckets: int = 60, now: float | Non
     groups: dict[tuple, Figures] = defaultdict(Figures)
     for model, device_id, bucket, *figures in db.execute(
             f"select model || '@' || version, device_id, {db.dialect.bucket('ts')}, ttft_ms, decode_tokens_per_s, "
-            "completion_tokens, finish_reason = 'error' from requests where ts >= ?", [bucket_s, now - since_s]):
+            "completion_tokens, finish_reason = 'error' from requests where ts >= ?"
+            + partitions.from_ts(db.dialect, now - since_s), [bucket_s, now - since_s]):
         groups[(model, device_id, bucket * bucket_s)].add(*figures)
     return [{"model": model, "device": device_id, "t": t, **_series_point(f)}
             for (model, device_id, t), f in sorted(groups.items())]

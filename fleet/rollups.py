@@ -33,6 +33,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 import numpy as np
 
 from agent.wire import has_decode_speed, has_ttft
+from fleet import partitions
 from fleet.db import Database, unavailable_errors
 from fleet.migrations import (KEY, REQUEST_FIGURES_COLUMNS, REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_DIRTY_COLUMNS,
                               REQUEST_ROLLUP_DIRTY_KEY, REQUEST_ROLLUP_KEY)
@@ -59,6 +60,10 @@ BUCKET = ("start_ts", "device_id", "model", "version")  # a mark's hour bucket: 
 # refresh holds the SQLite write lock (every replica's ingest commits wait for it), its memory, and each
 # PostgreSQL transaction's work.
 REFRESH_BATCH_BUCKETS, REFRESH_BATCH_ROWS = 200, 50_000  # an hour of 400,000 rows: 8 transactions of <= 0.2 s
+# How often the consumer's writer runs a refresh pass (refresh_step, a batch between two commits until none is
+# left; `edge-fleet serve --rollup-refresh`): the rollups of an ended hour trail its raw rows by about this plus one
+# pass. Queries do not wait for it (stale hours are read raw); a shorter period re-rolls a late-written hour more often.
+ROLLUP_REFRESH_EVERY_S = 5.0
 CLAIM_LOCK_TIMEOUT_MS = 500  # PostgreSQL: a claim that cannot lock the marks by then tries again next pass
 REFRESH_LOCK_KEY = 0x726F6C6C7570  # pg_advisory_xact_lock key of the refresh ("rollup"): one replica at a time
 
@@ -258,8 +263,9 @@ def _write_hours(db: Database, buckets: list[tuple]) -> list[tuple]:
             break
         # by device and hour only, model and version kept here: with them in the condition, refreshing an hour of
         # 200 devices x 2,000 rows took 32 s on PostgreSQL (a plan on another index), 1.4 s this way
-        rows = db.execute(f"select {', '.join(FIGURES)} from requests where device_id = ? and ts >= ? and ts < ?",
-                          [device_id, start_ts, start_ts + HOUR_S]).fetchall()
+        rows = db.execute(f"select {', '.join(FIGURES)} from requests where device_id = ? and ts >= ? and ts < ?"
+                          f"{partitions.from_ts(db.dialect, start_ts)}", [device_id, start_ts, start_ts + HOUR_S]
+                          ).fetchall()
         figures += [r for r in rows if (r[2], r[3]) in versions]
         done += [(start_ts, device_id, model, version) for model, version in sorted(versions)]
     rows = sorted(rolled_up(figures, (HOUR_S,)).items()) if figures else []
@@ -449,5 +455,6 @@ def _read_rollups(db: Database, span: Span, key: GroupKey, acc: Accumulator, whe
 
 def _read_raw(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple) -> None:
     sql = ("select ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, "
-           f"finish_reason = 'error' from requests where ts >= ? and ts < ? {where}")
+           f"finish_reason = 'error' from requests where ts >= ? and ts < ?"
+           f"{partitions.from_ts(db.dialect, span.start_ts)} {where}")
     acc.add_raw(key, db.execute(sql, (span.start_ts, span.end_ts, *params)).fetchall())

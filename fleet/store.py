@@ -20,20 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.wire import DeviceState, TelemetryRecord
-from fleet import rollups
+from fleet import partitions, rollups
 from fleet.db import BUSY_TIMEOUT_S, Database, SqliteDatabase, StoreError, database_errors, describe, open_database
-from fleet.migrations import KEY, MIGRATIONS, REQUEST_FIGURES_COLUMNS, SAMPLE_COLUMNS
+from fleet.migrations import (KEY, MIGRATIONS, REQUEST_FIGURES_COLUMNS, SAMPLE_COLUMNS, TELEMETRY_TABLES,
+                              UNSET_CLOCK_BEFORE_TS)
 
 __all__ = ["BUSY_TIMEOUT_S", "StoreError", "FleetStore", "Ingest", "Committed"]
 
 # ---- limits (the schema and its migrations are in fleet/migrations.py) ------------------------------------
 CLOCK_SLACK_S = 300.0  # how far ahead of the fleet's clock a device's stamp may be before it is replaced
-# A stamp before this (2020-01-01) is a clock that was never set (a box without an RTC boots in 1970): no set
-# clock running this software reads earlier. The agent restamps its rows when NTP steps its clock, but rows it
-# sent before that arrive stamped so, and retention deleted them as soon as they arrived.
-UNSET_CLOCK_BEFORE_TS = 1_577_836_800.0
+# UNSET_CLOCK_BEFORE_TS (fleet.migrations): the agent restamps its rows when NTP steps its clock, but rows it sent
+# before that arrive stamped before it, and retention deleted them as soon as they arrived.
 WAL_SIZE_LIMIT_BYTES = 64 << 20
-TELEMETRY_TABLES = ("requests", "samples", "events")  # what retention prunes; the registry and jobs stay
 TABLE_OF_KIND = {"request": "requests", "sample": "samples", "event": "events"}  # a record's kind -> its table
 EXPIRED = "expired"  # the rejected reason of a record older than its table keeps (counted per record)
 PRUNE_BATCH_ROWS = 5000  # rows deleted per transaction (~0.1-0.7 s on a large database): the consumer runs one
@@ -45,7 +43,8 @@ PRUNE_BATCH_ROWS = 5000  # rows deleted per transaction (~0.1-0.7 s on a large d
 class Ingest:
     """Everything gathered from up to ~50 ms of messages, written by one `FleetStore.commit`."""
 
-    records: list[tuple[str, TelemetryRecord]] = field(default_factory=list)  # (device_id, record)
+    # (device_id, record as stored, its ts as the device sent it: PostgreSQL's partition key, fleet.partitions)
+    records: list[tuple[str, TelemetryRecord, float]] = field(default_factory=list)
     # (state, live: sent by the device just now, broker: the URL it came through, None when not known)
     states: list[tuple[DeviceState, bool, str | None]] = field(default_factory=list)
     seen: dict[str, float] = field(default_factory=dict)  # device -> latest contact, s since the epoch
@@ -58,14 +57,14 @@ class Ingest:
         # time axis and escaped retention. Such records, and those of a clock never set, are stamped with
         # their arrival instead.
         latest = seen_at + CLOCK_SLACK_S
-        for r in records:
-            r = r if UNSET_CLOCK_BEFORE_TS <= r.ts <= latest else r.model_copy(update={"ts": seen_at})
+        for sent in records:
+            r = sent if UNSET_CLOCK_BEFORE_TS <= sent.ts <= latest else sent.model_copy(update={"ts": seen_at})
             if r.ts < seen_at - self.kept_s.get(TABLE_OF_KIND[r.kind], float("inf")):
                 # older than its table keeps (the backlog of a device offline for weeks): stored, the next
                 # prune would delete it uncounted. Refused and counted per device, as Loki and Prometheus do.
                 self.reject(device_id, EXPIRED)
                 continue
-            self.records.append((device_id, r))
+            self.records.append((device_id, r, sent.ts))
         self.mark_seen(device_id, seen_at)
 
     def add_state(self, state: DeviceState, seen_at: float, live: bool = False, broker: str | None = None) -> None:
@@ -146,13 +145,18 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
             f"on conflict do nothing")
 
 
-# record kind -> (insert statement, row builder). The hot path uses executemany with these fixed statements:
-# sqlite-utils' insert_all inspects every value of every row, which made it 5x slower than validation.
-ROW_WRITERS = {
-    "request": (_insert_sql("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)), request_row),
-    "sample": (_insert_sql("samples", (*KEY, *SAMPLE_COLUMNS)), sample_row),
-    "event": (_insert_sql("events", (*KEY, "kind", "detail")), event_row),
-}
+_COLUMNS_OF_KIND = {"request": ("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)),
+                    "sample": ("samples", (*KEY, *SAMPLE_COLUMNS)), "event": ("events", (*KEY, "kind", "detail"))}
+_ROW_OF_KIND = {"request": request_row, "sample": sample_row, "event": event_row}
+# record kind -> (insert statement, row builder of (device_id, record, sent_ts)). The hot path uses executemany with
+# these fixed statements: sqlite-utils' insert_all inspects every value of every row, which made it 5x slower than
+# validation. Partitioned tables (PostgreSQL) take the stamp the device sent as their last column.
+ROW_WRITERS = {kind: (_insert_sql(table, columns), lambda d, r, sent_ts, row=_ROW_OF_KIND[kind]: row(d, r))
+               for kind, (table, columns) in _COLUMNS_OF_KIND.items()}
+PARTITIONED_ROW_WRITERS = {
+    kind: (_insert_sql(table, (*columns, partitions.KEY_COLUMN)),
+           lambda d, r, sent_ts, row=_ROW_OF_KIND[kind]: (*row(d, r), sent_ts))
+    for kind, (table, columns) in _COLUMNS_OF_KIND.items()}
 
 
 def state_row(state: DeviceState) -> dict:
@@ -202,20 +206,31 @@ class FleetStore:
     def prune_step(self, before: dict[str, float]) -> int:
         """One transaction of prune(): at most PRUNE_BATCH_ROWS rows; 0 when nothing is left to delete.
         The consumer runs one between its commits, so a long prune never holds up ingest. The request
-        rollups of periods wholly before the requests' time go in the last step (fleet.rollups.prune)."""
+        rollups of periods wholly before the requests' time go in the last step (fleet.rollups.prune).
+        PostgreSQL's partitioned tables go by whole days: a day's partition is dropped in one step once the
+        whole day is before the time (fleet.partitions.prune_step)."""
         for table, before_ts in before.items():
             if table not in TELEMETRY_TABLES:
                 raise ValueError(f"{table!r} is not a telemetry table")
-            with self._transaction():
-                row_id = self.db.dialect.row_id
-                n = self.db.execute(f"DELETE FROM {table} WHERE {row_id} IN (SELECT {row_id} FROM {table} "
-                                    f"WHERE ts < ? LIMIT ?)", [before_ts, PRUNE_BATCH_ROWS]).rowcount
+            n = (partitions.prune_step(self.db, table, before_ts, PRUNE_BATCH_ROWS) if self.db.dialect.partitioned
+                 else self._delete_before(table, before_ts))
             if n:
                 return n
         if "requests" in before:  # the pass's last step: one statement, not counted with the telemetry rows
             with self._transaction():
-                rollups.prune(self.db, before["requests"])
+                rollups.prune(self.db, partitions.cutoff(self.db.dialect, before["requests"]))
         return 0
+
+    def _delete_before(self, table: str, before_ts: float) -> int:
+        with self._transaction():
+            row_id = self.db.dialect.row_id
+            return self.db.execute(f"DELETE FROM {table} WHERE {row_id} IN (SELECT {row_id} FROM {table} "
+                                   f"WHERE ts < ? LIMIT ?)", [before_ts, PRUNE_BATCH_ROWS]).rowcount
+
+    def prepare_partitions(self, now: float | None = None) -> int:
+        """PostgreSQL: make the day partitions due from today on (fleet.partitions.upkeep); returns how many were
+        made (0 on SQLite, which has none)."""
+        return partitions.upkeep(self.db, TELEMETRY_TABLES, time.time() if now is None else now)
 
     def migrate(self) -> list[str]:
         """Apply the migrations this database has not seen, in order, each in its own transaction; under the
@@ -261,14 +276,15 @@ class FleetStore:
         return Committed(inserted=inserted, duplicates=ingest.num_records - inserted,
                          rejected=sum(ingest.rejected.values()), states_applied=states_applied)
 
-    def _insert_records(self, records: list[tuple[str, TelemetryRecord]]) -> tuple[int, list[tuple]]:
+    def _insert_records(self, records: list[tuple[str, TelemetryRecord, float]]) -> tuple[int, list[tuple]]:
         """(rows new to the database, the request rows). In key order: two replicas inserting the same
         replayed keys take their locks in one order."""
-        rows: dict[str, list[tuple]] = {kind: [] for kind in ROW_WRITERS}
-        for device_id, record in records:
-            rows[record.kind].append(ROW_WRITERS[record.kind][1](device_id, record))
+        writers = PARTITIONED_ROW_WRITERS if self.db.dialect.partitioned else ROW_WRITERS
+        rows: dict[str, list[tuple]] = {kind: [] for kind in writers}
+        for device_id, record, sent_ts in records:
+            rows[record.kind].append(writers[record.kind][1](device_id, record, sent_ts))
         requests = sorted(rows["request"], key=lambda r: r[:3])
-        return sum(self.db.executemany(ROW_WRITERS[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
+        return sum(self.db.executemany(writers[kind][0], sorted(kind_rows, key=lambda r: r[:3]))
                    for kind, kind_rows in rows.items() if kind_rows), requests
 
     def refresh_rollups(self, now: float | None = None) -> int:

@@ -9,7 +9,7 @@ import time
 from fleet import rollups
 from fleet.consumer import ROLLUP_REFRESH_EVERY_S
 from fleet.db import open_database
-from fleet.store import FleetStore
+from fleet.store import FleetStore, Ingest
 from fleet_support import wait_until
 
 SLACK_S = 3.0  # one refresh pass and the test's polling, on a shared 2-core box
@@ -66,3 +66,28 @@ def test_a_replica_finding_another_refreshing_skips_and_reports_its_backlog(cons
     wait_until(lambda: consumer.stats.rollup_backlog_buckets == 0, message="the backlog cleared")
     assert consumer.stats.rollup_buckets_refreshed == 2
     other.close()
+
+
+def test_serve_says_its_rollup_backlog_at_start_and_refreshes_every_rollup_refresh(broker, fleet_db,
+                                                                                   serve_processes):
+    """`edge-fleet serve --rollup-refresh 0.5`: the start-up lines name the stale hour buckets found and the period;
+    a bucket marked while it runs is refreshed within a few periods, well before the default period has passed."""
+    from test_queries import request
+
+    def commit_ended_hour(seq: int) -> None:
+        ingest = Ingest()
+        ingest.add_records("dev-1", [request(seq, time.time() - 2 * 3600, "m", "v1", 20, 100)], time.time())
+        store = FleetStore(fleet_db)
+        store.commit(ingest)
+        store.close()
+
+    commit_ended_hour(1)
+    serve = serve_processes(broker.url, fleet_db, "fleet-a", extra_args=("--rollup-refresh", "0.5"))
+    log = serve.log.read_text()
+    assert "request rollups: 1 ended hour buckets to refresh" in log and "refreshed every 0.5 s" in log, log
+    wait_until(lambda: rolled_up_requests(fleet_db)[1] == 1, message="the first pass")
+    commit_ended_hour(2)
+    started = time.monotonic()
+    wait_until(lambda: rolled_up_requests(fleet_db)[1] == 2, ROLLUP_REFRESH_EVERY_S, message="the next pass")
+    assert time.monotonic() - started < ROLLUP_REFRESH_EVERY_S - 1, "refreshed at the default period"
+    serve.stop()

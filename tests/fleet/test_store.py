@@ -366,7 +366,7 @@ def test_records_older_than_their_table_keeps_are_counted_not_stored(tmp_path):
            sample_record("b", 3, now - day, RNG), event_record("b", 4, now - 91 * day, "start")]
     ingest = Ingest(kept_s=kept)
     ingest.add_records("d1", old, seen_at=now)
-    assert [r.seq for _, r in ingest.records] == [1, 3] and ingest.rejected == {("d1", "expired"): 2}
+    assert [r.seq for _, r, _ in ingest.records] == [1, 3] and ingest.rejected == {("d1", "expired"): 2}
     store = FleetStore(tmp_path / "fleet.db")
     committed = store.commit(ingest)
     assert (committed.inserted, committed.rejected) == (2, 2)
