@@ -350,6 +350,7 @@ class Speculation:
     backoff: dict[str, int] = field(default_factory=dict)  # mode -> the last finished sequence's backoff
     proposals: dict[int, list[Proposal]] = field(default_factory=dict)  # seq id -> its sampled draft's q's
     prepared: dict[int, list[int]] = field(default_factory=dict)  # this step's drafts made by prepare()
+    costs: tuple[float, float, float] | None = None  # the last draft controller's plain step, draft token, row
 
     def mode_of(self, seq: Request) -> str:
         return seq.params.speculative or self.config.speculative
@@ -357,7 +358,12 @@ class Speculation:
     def start(self, seq: Request) -> None:
         """Give a new sequence its mode's controller (see next_draft_length)."""
         mode = self.mode_of(seq)
-        seq.draft_length = next_draft_length(mode, self.backoff.get(mode))
+        seq.draft_length = dl = next_draft_length(mode, self.backoff.get(mode))
+        if isinstance(dl, DraftLength) and self.costs is not None:
+            # the engine already measured this model's steps: no plain steps just to learn them again
+            dl.plain_cost, dl.draft_cost, dl.row_cost = self.costs
+            if dl.pause_steps == DraftLength.pause_steps:
+                dl.pause_steps = 0
 
     def draft_for(self, seq: Request, batch: int, capacity: int) -> tuple[list[int], bool]:
         """(tokens to verify this step, whether the grammar forces them). A constrained sequence's draft is the
@@ -453,4 +459,7 @@ class Speculation:
         self.forget(seq.seq_id)
         if seq.num_computed > len(seq.prompt_ids) and isinstance(seq.draft_length, DraftLength):
             # it decoded: what it learned about a draft model's speculation counts
-            self.backoff[self.mode_of(seq)] = learned_backoff(seq.draft_length, seq.drafted_tokens > 0)
+            dl = seq.draft_length
+            self.backoff[self.mode_of(seq)] = learned_backoff(dl, seq.drafted_tokens > 0)
+            if dl.plain_cost is not None and seq.drafted_tokens > 0:
+                self.costs = (dl.plain_cost, dl.draft_cost, dl.row_cost)

@@ -11,9 +11,10 @@ from agent.config import EngineConfig
 from agent.engine.engine import Engine
 from agent.engine import speculative
 from agent.engine.sampling_params import SamplingParams
+from agent.engine.sequence import Sequence
 from agent.engine.sampler import filtered
 from agent.engine.speculative import (DraftLength, LookupLength, learned_backoff, next_draft_length, ngram_draft,
-                                      sampled_chooser, verify)
+                                      Speculation, sampled_chooser, verify)
 from batching import GREEDY, run_together
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -111,6 +112,31 @@ def test_a_new_sequence_starts_from_what_the_last_one_learned():
     assert learned_backoff(next_draft_length("draft", 64), drafted=False) == 32
     assert learned_backoff(next_draft_length("draft", 32), drafted=False) == 16
     assert next_draft_length("draft", 16).pause_steps == DraftLength().pause_steps == 3
+
+
+def test_a_new_sequence_starts_with_the_costs_the_engine_measured():
+    """A finished request that drafted hands on its measured plain step, draft token and verify row: the next
+    starts drafting at once from them instead of spending its first steps on plain decoding to learn them again,
+    unless speculation was failing (then it starts paused, as before)."""
+    spec = Speculation(EngineConfig(speculative="draft"))
+
+    def sequence() -> Sequence:
+        seq = Sequence([1, 2, 3], SamplingParams(max_tokens=8, **GREEDY), np.random.default_rng(0), 64)
+        spec.start(seq)
+        return seq
+
+    done = sequence()
+    done.draft_length = DraftLength(plain_cost=0.05, draft_cost=0.3, row_cost=0.2, pause_steps=0)
+    done.num_computed, done.drafted_tokens = 10, 4
+    spec.finished(done)
+    nxt = sequence().draft_length
+    assert (nxt.pause_steps, nxt.plain_cost, nxt.draft_cost, nxt.row_cost) == (0, 0.05, 0.3, 0.2)
+    failing = sequence()
+    failing.draft_length = DraftLength(plain_cost=0.05, draft_cost=0.9, row_cost=0.5, backoff=64, pause_steps=0)
+    failing.num_computed, failing.drafted_tokens = 10, 4
+    spec.finished(failing)
+    after = sequence().draft_length
+    assert after.pause_steps == 32 and after.draft_cost == 0.9
 
 
 def test_lookup_drafts_as_long_as_the_acceptance_pays_for_the_extra_rows():
