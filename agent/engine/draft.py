@@ -10,6 +10,7 @@ in the target's cache.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +31,9 @@ def same_tokenizer(a: str, b: str) -> bool:
 
 
 class DraftModel:
+    SHORT_RUN = 4  # tokens a drafting call catches up on with its first draft position; more run beforehand
+    catch_up_s = 0.0  # seconds the last propose_many spent catching up on longer runs
+
     def __init__(self, bundle: Bundle, target: Bundle, threads: int | None, chunk_tokens: int):
         if not same_tokenizer(bundle.tokenizer_json(), target.tokenizer_json()):
             raise RequestError(f"draft model {bundle.manifest.name}@{bundle.manifest.version} has another tokenizer "
@@ -59,6 +63,7 @@ class DraftModel:
     def propose_many(self, wants: dict[int, tuple[list[int], int, Callable[[np.ndarray], int]]]) -> dict[int, list[int]]:
         """propose for several sequences (id -> (ids, k, choose)): per size class, one draft-model call per draft
         position for all of them, so a batch's drafts cost about what one sequence's do."""
+        self.catch_up_s = 0.0
         by_pool: dict[int, tuple[SlotPool, list[int]]] = {}
         for seq_id in wants:
             pool = self.kv.where[seq_id]
@@ -92,13 +97,17 @@ class DraftModel:
         return drafts
 
     def _catch_up(self, pool: SlotPool, seq_id: int, ids: list[int]) -> tuple[int, list[int]]:
-        """(tokens cached, the rest of ids to run): a long catch-up (a new prompt, or after a preemption) runs
-        here in the target's prefill chunks, since one call over a 4,000-token prompt took ~20 MB past the
-        measured budget, and ONNX Runtime's arena kept it."""
+        """(tokens cached, the rest of ids to run, at most SHORT_RUN). A longer catch-up (a new prompt, or after a
+        preemption) runs here, timed into catch_up_s: it is the draft's prefill, paid once, not a cost of each
+        draft token; in the target's prefill chunks, since one call over a 4,000-token prompt took ~20 MB past
+        the measured budget, and ONNX Runtime's arena kept it."""
         done = min(self.computed.get(seq_id, 0), len(ids) - 1)
-        while len(ids) - done > self.chunk_tokens:
-            self.runner.forward_slot(pool, pool.slot_of(seq_id), ids[done:done + self.chunk_tokens], done, logits=False)
-            done += self.chunk_tokens
+        t0 = time.perf_counter()
+        while len(ids) - done > self.SHORT_RUN:
+            n = min(self.chunk_tokens, len(ids) - done - self.SHORT_RUN)
+            self.runner.forward_slot(pool, pool.slot_of(seq_id), ids[done:done + n], done, logits=False)
+            done += n
+        self.catch_up_s += time.perf_counter() - t0
         return done, ids[done:]
 
     def accepted(self, seq_id: int, num_valid: int) -> None:

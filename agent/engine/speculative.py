@@ -92,6 +92,7 @@ class DraftLength:
     spec_steps: int = 0  # speculative steps since the last pause
     backoff: int = 16  # the next pause's length
     draft_s: float = 0.0  # the last draft's seconds, part of the verify step's measured time
+    catch_up_s: float = 0.0  # the last draft's prefill of a new prompt, left out of every cost
 
     DECAY = 0.8
     PROBE_STEPS = 4  # a probe drafts this many steps before its figures may stop it
@@ -119,11 +120,12 @@ class DraftLength:
         """A plain step took `seconds` (the token it produced matters to LookupLength only)."""
         self.plain_cost = _ema(self.plain_cost, seconds)
 
-    def observe_draft(self, seconds: float, k: int) -> None:
-        """Drafting k tokens took `seconds` (catching up on the last accepted ones included)."""
-        self.draft_s = seconds
+    def observe_draft(self, seconds: float, k: int, catch_up: float = 0.0) -> None:
+        """Drafting k tokens took `seconds`, `catch_up` of them the draft's prefill of a new prompt (paid once:
+        neither a draft token's cost nor the verify step's)."""
+        self.draft_s, self.catch_up_s = seconds - catch_up, catch_up
         if self.plain_cost:
-            self.draft_cost = _ema(self.draft_cost, min(seconds / k / self.plain_cost, 2.0))
+            self.draft_cost = _ema(self.draft_cost, min(self.draft_s / k / self.plain_cost, 2.0))
 
     def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
         """A verify step of `drafted` tokens that took `seconds`, its draft included, accepted `accepted`."""
@@ -134,6 +136,7 @@ class DraftLength:
         self.misses = decay * self.misses + int(accepted < drafted)
         self.spec_steps += 1
         if seconds is not None:
+            seconds, self.catch_up_s = seconds - self.catch_up_s, 0.0
             self.spec_cost = _ema(self.spec_cost, seconds / (accepted + 1))
             if self.plain_cost:
                 extra = ((seconds - self.draft_s) / self.plain_cost - 1) / drafted
@@ -392,7 +395,7 @@ class Speculation:
             return []
         t0 = time.perf_counter()
         draft = self.draft.propose(seq.seq_id, seq.all_ids, k, self._chooser(seq))
-        seq.draft_length.observe_draft(time.perf_counter() - t0, k)
+        seq.draft_length.observe_draft(time.perf_counter() - t0, k, self.draft.catch_up_s)
         return draft
 
     def prepare(self, seqs: list[Request], capacity: int) -> None:
@@ -415,7 +418,7 @@ class Speculation:
         self.prepared |= self.draft.propose_many(wants)
         seconds = time.perf_counter() - t0
         for seq_id, (_, k, _) in wants.items():
-            next(s for s in seqs if s.seq_id == seq_id).draft_length.observe_draft(seconds, k)
+            next(s for s in seqs if s.seq_id == seq_id).draft_length.observe_draft(seconds, k, self.draft.catch_up_s)
 
     def _chooser(self, seq: Request):
         """How the draft model picks seq's tokens: greedy for a greedy or constrained request (the one-hot rule
