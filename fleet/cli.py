@@ -307,7 +307,8 @@ def rejected(db_path, as_json):
 @db_option
 @user_errors
 def report(out, since, db_path):
-    """A self-contained HTML report with charts of tokens/s and TTFT over time per model and device.
+    """A self-contained HTML report with charts of tokens/s and TTFT over time per model and device, its table
+    giving each version's total and active parameters where its published manifest records them (MoE).
 
     Example: edge-fleet report --out report.html --since 24h
     """
@@ -315,7 +316,8 @@ def report(out, since, db_path):
 
     db, since_s = queries.open_readonly(db_path), queries.parse_duration_s(since)
     series = queries.timeseries(db, since_s)
-    html = render_report(queries.tps(db, since_s, "version"), series, title=f"Fleet report, last {since}")
+    summary = queries.with_parameters(db, queries.tps(db, since_s, "version"))
+    html = render_report(summary, series, title=f"Fleet report, last {since}")
     durable.write_text(out, html)  # a reader never sees half a report
     models, device_ids = {r["model"] for r in series}, {r["device"] for r in series}
     click.echo(f"wrote {out} ({len(models)} models, {len(device_ids)} devices)")

@@ -25,8 +25,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from pydantic import ValidationError
 
-from agent.wire import has_decode_speed, has_ttft, percentile
+from agent.wire import Manifest, has_decode_speed, has_ttft, percentile
 from fleet import partitions, rollups
 from fleet.db import Database, database_errors, is_url, open_database
 
@@ -202,6 +203,29 @@ def tps(db: Database, since_s: float, by: str = "model", now: float | None = Non
         raise QueryError(f"cannot group by {by!r}: choose one of {', '.join(GROUPINGS)}")
     now = time.time() if now is None else now
     return [{by: key, **s} for key, s in sorted(_summaries_since(db, since_s, now, by).items())]
+
+
+def published_parameters(db: Database) -> dict[str, tuple[int, int]]:
+    """model@version -> (total, active) parameters, from the published manifests that record them (a Mixture of
+    Experts': a dense bundle's manifest has no counts, nor has a model seeded on a device and never published)."""
+    counts = {}
+    for r in db.query("select name, version, manifest from models"):
+        try:
+            p = Manifest.model_validate_json(r["manifest"]).parameters
+        except ValidationError:  # a row written by hand or by an older fleet
+            continue
+        if p is not None:
+            counts[f"{r['name']}@{r['version']}"] = (p.total, p.active)
+    return counts
+
+
+def with_parameters(db: Database, rows: list[dict]) -> list[dict]:
+    """tps(by="version") rows with each version's total and active parameters after it (blank where no published
+    manifest records them): a Mixture of Experts' decode speed follows the active ones, its memory the total."""
+    counts = published_parameters(db)
+    return [{"version": r["version"], "parameters_total": counts.get(r["version"], (None, None))[0],
+             "parameters_active": counts.get(r["version"], (None, None))[1],
+             **{k: v for k, v in r.items() if k != "version"}} for r in rows]
 
 
 def events(db: Database, device_id: str, since_s: float | None = None, limit: int = 100,

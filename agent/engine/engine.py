@@ -18,7 +18,7 @@ from agent.engine.bundle import Bundle
 from agent.engine.constraint import GrammarError, Grammars
 from agent.engine.draft import DraftModel
 from agent.engine.kv_cache import KVPool, allocate_pool
-from agent.engine.memory import MB, kv_bytes_per_token, plan_kv
+from agent.engine.memory import MB, describe_parameters, kv_bytes_per_token, plan_kv
 from agent.engine.prefix_cache import PrefixCache
 from agent.engine.request import Finished, RequestError, RequestHandle, check_request
 from agent.engine.runner import open_runner
@@ -88,6 +88,8 @@ class Engine:
             self.draft.runner.warm_up(self.config.prefill_chunk_tokens, self.max_context)
         self.baseline_bytes = int(peak_rss_bytes() * 1.05)  # 5% headroom for allocator slack
         model = self.bundle.label
+        if (m := self.bundle.manifest) is not None and m.parameters is not None:  # a refusal and the plan say both
+            model += f" ({describe_parameters(m.parameters)})"
         if self.draft is not None:  # a pair that does not fit names both, and what the draft takes of the budget
             model += f" with its draft {self.draft.bundle.label} ({self.draft_bytes / 2**20:.0f} MB of it loaded)"
         plan = plan_kv(self.config, c.context_length, self.baseline_bytes, per_token, store_per_token, model)
@@ -100,6 +102,7 @@ class Engine:
                  ", ".join(f"{x.num_slots}x{x.capacity_tokens}" for x in plan.classes), pool.nbytes / MB,
                  plan.prefix_blocks, self.config.prefix_block_tokens, self.prefix.nbytes / MB if self.prefix else 0,
                  self.config.memory_budget_mb)
+        log.info("model: %s", model)
         return pool
 
     @property

@@ -12,8 +12,20 @@ import math
 from dataclasses import dataclass
 
 from agent.config import EngineConfig
+from agent.wire import Parameters
 
 MB = 1 << 20
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def describe_parameters(p: Parameters) -> str:
+    """A Mixture of Experts' two sizes: the budget must hold every expert (total), while a token's decode reads
+    only the experts it is routed to (active), which its speed follows."""
+    return (f"a Mixture of Experts of {_count(p.total)} parameters, all resident in the memory budget, "
+            f"{_count(p.active)} active per token (what decode speed follows)")
 
 
 class MemoryBudgetError(ValueError):

@@ -57,7 +57,9 @@ def attention_tokens(c: ModelConfig) -> int:
     """The context at which a prompt token's attention costs what its projections do: past it, a prefill chunk
     costs more than its width says (1 + context / this, as a multiple of a chunk at the start)."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    projections = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    # a Mixture of Experts runs its router and the num_experts_per_tok experts it picks (intermediate_size each)
+    mlp = (c.num_experts_per_tok or 1) * 3 * c.hidden_size * c.intermediate_size + c.hidden_size * c.num_experts
+    projections = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + mlp
     return max(1, int(ATTENTION_EFFICIENCY * projections / (2 * q)))  # a query row: q*context for QK, again for AV
 
 

@@ -234,7 +234,7 @@ def check_config(config_path, syntax_only):
     """
     from agent.config import describe_errors
     from agent.api.http_server import ServeError
-    from agent.service.preflight import environment_problems
+    from agent.service.preflight import environment_problems, parameters_note
     from agent.service.serve import load_agent_config
 
     try:
@@ -249,7 +249,8 @@ def check_config(config_path, syntax_only):
     if problems:
         raise click.ClickException(f"{config_path}: valid, but serve would refuse it on this machine:\n"
                                    + "\n".join(problems))
-    click.echo(f"{config_path}: ok (model {config.model}, memory budget {config.engine.memory_budget_mb} MB, "
+    note = "" if syntax_only else parameters_note(config)
+    click.echo(f"{config_path}: ok (model {config.model}{note}, memory budget {config.engine.memory_budget_mb} MB, "
                f"socket {config.api.socket})")
 
 

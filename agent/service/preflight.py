@@ -18,7 +18,7 @@ from pathlib import Path
 from agent.api.http_server import ServeError, group_id
 from agent.config import AgentConfig
 from agent.engine.bundle import open_bundle
-from agent.engine.memory import MB, kv_bytes_per_token
+from agent.engine.memory import MB, describe_parameters, kv_bytes_per_token
 from agent.process import memory_limit_bytes
 from agent.updates.trust import load_trusted_keys
 from agent.wire import Manifest, ModelConfig
@@ -145,9 +145,22 @@ def _budget_below_weights(config: AgentConfig, bundle: Path, manifest: Manifest)
     floor = weights + tokens * per_token
     if config.engine.memory_budget_mb * MB >= floor:
         return None
+    moe = f", {describe_parameters(manifest.parameters)}" if manifest.parameters is not None else ""
     return (f"engine.memory_budget_mb: {config.engine.memory_budget_mb} MB cannot hold the model's weights "
-            f"({weights / MB:.0f} MB) and one {tokens}-token sequence, let alone the runtime; "
+            f"({weights / MB:.0f} MB{moe}) and one {tokens}-token sequence, let alone the runtime; "
             "serve names the exact need when it starts")
+
+
+def parameters_note(config: AgentConfig) -> str:
+    """What check-config's "ok" adds for a Mixture of Experts bundle (total and active parameters); "" for a dense
+    model, no model, or a bundle whose manifest serve will read again and judge."""
+    if config.model is None:
+        return ""
+    try:
+        manifest = Manifest.read(config.model)
+    except (OSError, ValueError):
+        return ""
+    return "" if manifest.parameters is None else f", {describe_parameters(manifest.parameters)}"
 
 
 # Of the memory a process may have (the RAM, or its cgroup's memory.max) the budget may take at most this: the

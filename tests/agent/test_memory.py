@@ -1,7 +1,10 @@
-"""Memory planning: from a KV byte budget to slot classes (agent/engine/memory.py)."""
+"""Memory planning: from a KV byte budget to slot classes (agent/engine/memory.py); what a Mixture of Experts
+counts against the budget and what one of its tokens costs a step (agent/engine/scheduler.attention_tokens)."""
 import pytest
 
-from agent.engine.memory import MB, MemoryBudgetError, class_capacities, plan_slots
+from agent.engine.memory import MB, MemoryBudgetError, class_capacities, describe_parameters, plan_slots
+from agent.engine.scheduler import attention_tokens
+from agent.wire import Geometry, Parameters
 
 PER_TOKEN = 46_080  # SmolLM2's fp32 keys and values of one token
 CAPS = class_capacities(8192)  # 256, 1024, 4096, 8192
@@ -63,3 +66,31 @@ def test_the_budget_a_refusal_names_starts(fraction, min_context):
         short = int(min_context * per_token * 0.99)
         plan_slots(short - int(short * fraction) // (per_token * block) * per_token * block, per_token,
                    class_capacities(8192, 256), min_context)
+
+
+SMOLLM2 = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+               num_heads=9, num_kv_heads=3, head_dim=64, context_length=8192, rope_theta=1e5, rms_norm_eps=1e-5,
+               tie_word_embeddings=True)
+
+
+def split(per_token: int) -> Geometry:
+    """SmolLM2's MLPs as 8 experts of 192 neurons (tests/expert_split.py), per_token of them routed to."""
+    return Geometry(**SMOLLM2 | dict(architecture="mixtral", intermediate_size=192, num_experts=8,
+                                     num_experts_per_tok=per_token, moe_renormalize=True))
+
+
+def test_a_moe_prompt_token_costs_its_routed_experts_not_one():
+    """A prompt token of the split runs k experts of I/8 and the router: all 8 cost what the dense MLP does (to
+    within the router's H*E), top-2 what a dense MLP of 2*I/8 does, and fewer experts cost less."""
+    dense = attention_tokens(Geometry(**SMOLLM2))
+    router = int(0.7 * 576 * 8 / (2 * 576)) + 1  # ATTENTION_EFFICIENCY * H * E / (2 * q)
+    assert dense <= attention_tokens(split(8)) <= dense + router
+    assert attention_tokens(split(1)) < attention_tokens(split(2)) < attention_tokens(split(4)) < dense
+    dense_like_top2 = attention_tokens(Geometry(**SMOLLM2 | dict(intermediate_size=2 * 192)))
+    assert dense_like_top2 <= attention_tokens(split(2)) <= dense_like_top2 + router
+
+
+def test_a_mixture_of_experts_is_described_by_its_total_and_active_parameters():
+    text = describe_parameters(Parameters(total=3_300_000_000, active=800_000_000))
+    assert text == ("a Mixture of Experts of 3.30 B parameters, all resident in the memory budget, 800.0 M active "
+                    "per token (what decode speed follows)")

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.wire import DeviceState, RequestFigures, RequestRecord, TelemetryRecord, percentile
+from agent.wire import (DeviceState, Golden, Manifest, Parameters, RequestFigures, RequestRecord, TelemetryRecord,
+                        percentile)
 from fleet import queries
 from fleet.db import database_errors
 from fleet.queries import QueryError
@@ -262,3 +263,25 @@ def test_windows_past_a_day_are_answered_from_rollups_with_the_same_counts(db, f
     assert rows["m@v2"]["decode_tps_p50"] == pytest.approx(24.5, rel=0.01)
     points = queries.timeseries(db, 7 * 86400, now=NOW)
     assert sum(p["requests"] for p in points) == 26 and all(p["t"] % (3 * 3600) == 0 for p in points)
+
+
+def publish(fleet_target, version: str, parameters: Parameters | None) -> None:
+    """A models row as edge-fleet publish writes it, for m@version."""
+    m = Manifest(name="m", version=version, precision="int4", quant={}, source_sha256="0" * 64, source_name="m.gguf",
+                 created_at="2026-01-01T00:00:00+00:00", files={}, parameters=parameters,
+                 golden=Golden(prompt="p", prompt_ids=[1], continuation_ids=[2]))
+    store = FleetStore(fleet_target)
+    store.db["models"].upsert({"name": m.name, "version": m.version, "manifest": m.model_dump_json(),
+                               "signature": "s", "key_id": "k", "published_at": NOW}, pk=("name", "version"))
+    store.close()
+
+
+def test_the_reports_summary_gives_each_versions_published_parameters(db, fleet_target):
+    """A Mixture of Experts' manifest records total and active parameters; a dense one's records none (blank)."""
+    publish(fleet_target, "v1", Parameters(total=1000, active=250))
+    publish(fleet_target, "v2", None)
+    rows = queries.with_parameters(db, queries.tps(db, 86400, "version", now=NOW))
+    assert [(r["version"], r["parameters_total"], r["parameters_active"]) for r in rows] == [
+        ("m@v1", 1000, 250), ("m@v2", None, None)]
+    assert list(rows[0])[:4] == ["version", "parameters_total", "parameters_active", "requests"]
+    assert rows[0]["requests"] == 14
