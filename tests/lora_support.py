@@ -9,6 +9,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from agent import wire
+from agent.engine.bundle import Bundle
 
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -38,3 +39,22 @@ def write_peft(folder: Path, g: wire.Geometry, targets=("q", "v"), r: int = 4, a
            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}} | config
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     return folder
+
+
+def bundle_with_adapters(ckpt, root: Path) -> tuple[Bundle, dict[str, Path]]:
+    """ckpt's fp32 bundle adapter-ready on every projection at rank 8, and two adapters converted for it: a1 (all
+    seven targets) and a2 (q, v, down), both rank 4."""
+    from quantize.adapter import convert
+    from quantize.lora import LoraSpec
+    from quantize.package import build_bundle
+    from quantize.peft import read_peft
+    from quantize.precision import QuantSpec
+
+    bundle = build_bundle(ckpt, QuantSpec(), root / "fp32-lora", name="tiny", lora=LoraSpec(targets=ALL, max_rank=8),
+                          progress=lambda s: None)
+    folders = {}
+    for name, seed, targets in (("a1", 1, ALL), ("a2", 2, ("q", "v", "down"))):
+        peft = read_peft(write_peft(root / f"peft-{name}", ckpt.geometry, targets=targets, r=4, alpha=16, seed=seed))
+        convert(peft, bundle, root / name, name=name, progress=lambda s: None)
+        folders[name] = root / name
+    return bundle, folders

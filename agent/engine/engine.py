@@ -134,6 +134,9 @@ class Engine:
         self.spec.start(seq)
         # the table is built on the first request that asks (~80 ms), by its submitter rather than the engine thread
         handle = RequestHandle(seq, token_bytes=self.tokenizer.token_bytes if params.logprobs is not None else None)
+        if adapter is not None:
+            m = self.adapters[adapter].manifest
+            handle.adapter = f"{m.name}@{m.version}"
         with self._submit_lock:  # counted and queued as one: simultaneous submits cannot all pass the check
             if self._stop.is_set():
                 raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")

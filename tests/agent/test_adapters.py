@@ -17,11 +17,8 @@ from agent.engine.request import RequestError
 from agent.engine.sampling_params import SamplingParams
 from agent.engine.step import Stepper
 from batching import GREEDY
-from lora_support import ALL, write_peft
-from quantize.adapter import convert
-from quantize.lora import LoraSpec
+from lora_support import bundle_with_adapters
 from quantize.package import build_bundle
-from quantize.peft import read_peft
 from quantize.precision import QuantSpec
 
 CONFIG = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=16)
@@ -29,17 +26,8 @@ CONFIG = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill
 
 @pytest.fixture(scope="module")
 def served(tiny_varied_checkpoint, tmp_path_factory):
-    """An fp32 bundle adapter-ready on every projection at rank 8, and two adapters converted for it."""
     root = tmp_path_factory.mktemp("adapters")
-    ckpt = tiny_varied_checkpoint
-    bundle = build_bundle(ckpt, QuantSpec(), root / "fp32-lora", name="tiny", lora=LoraSpec(targets=ALL, max_rank=8),
-                          progress=lambda s: None)
-    folders = {}
-    for name, seed, targets in (("a1", 1, ALL), ("a2", 2, ("q", "v", "down"))):
-        peft = read_peft(write_peft(root / f"peft-{name}", ckpt.geometry, targets=targets, r=4, alpha=16, seed=seed))
-        convert(peft, bundle, root / name, name=name, progress=lambda s: None)
-        folders[name] = root / name
-    return root, bundle, folders
+    return (root, *bundle_with_adapters(tiny_varied_checkpoint, root))
 
 
 @pytest.fixture(scope="module")
