@@ -242,7 +242,8 @@ def devices(db_path, as_json):
 @cli.command()
 @since_option("24h")
 @click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True,
-              help="One row per device, model, version (MODEL@VERSION) or hour.")
+              help="One row per device, model, version (MODEL@VERSION), hour or adapter (MODEL:ADAPTER@VERSION; "
+                   "MODEL alone for requests without one; read from raw rows, whatever the window).")
 @db_option
 @json_option
 @user_errors
@@ -312,7 +313,9 @@ def report(out, since, db_path):
 
     db, since_s = queries.open_readonly(db_path), queries.parse_duration_s(since)
     series = queries.timeseries(db, since_s)
-    html = render_report(queries.tps(db, since_s, "version"), series, title=f"Fleet report, last {since}")
+    adapters = queries.tps(db, since_s, "adapter")
+    html = render_report(queries.tps(db, since_s, "version"), series, title=f"Fleet report, last {since}",
+                         adapters=adapters if any(":" in r["adapter"] for r in adapters) else [])
     durable.write_text(out, html)  # a reader never sees half a report
     models, device_ids = {r["model"] for r in series}, {r["device"] for r in series}
     click.echo(f"wrote {out} ({len(models)} models, {len(device_ids)} devices)")

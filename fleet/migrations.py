@@ -138,6 +138,12 @@ def add_request_rollup_marks(db: Database) -> None:
     db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY)
 
 
+def add_request_adapter(db: Database) -> None:
+    """adapter: the LoRA adapter a request ran with, NAME@VERSION (wire.RequestRecord.adapter); NULL for the base
+    model alone, and for every row from before. Rollups hold no adapter: `tps --by adapter` reads raw rows."""
+    db.add_column("requests", "adapter", str)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -152,4 +158,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0011_device_broker", add_device_broker),
     ("0012_request_rollups", add_request_rollups),
     ("0013_request_rollup_marks", add_request_rollup_marks),
+    ("0014_request_adapter", add_request_adapter),
 )

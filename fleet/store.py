@@ -124,7 +124,7 @@ def _key(device_id: str, r: TelemetryRecord) -> tuple:
 def request_row(device_id: str, r: TelemetryRecord) -> tuple:
     figures = r.request.figures
     return (*_key(device_id, r), r.request.model, r.request.version,
-            *(_number(getattr(figures, c)) for c in REQUEST_FIGURES_COLUMNS))
+            *(_number(getattr(figures, c)) for c in REQUEST_FIGURES_COLUMNS), r.request.adapter)
 
 
 def _number(value):
@@ -149,7 +149,7 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
 # record kind -> (insert statement, row builder). The hot path uses executemany with these fixed statements:
 # sqlite-utils' insert_all inspects every value of every row, which made it 5x slower than validation.
 ROW_WRITERS = {
-    "request": (_insert_sql("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)), request_row),
+    "request": (_insert_sql("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS, "adapter")), request_row),
     "sample": (_insert_sql("samples", (*KEY, *SAMPLE_COLUMNS)), sample_row),
     "event": (_insert_sql("events", (*KEY, "kind", "detail")), event_row),
 }

@@ -131,3 +131,23 @@ def test_serve_refuses_a_malformed_adapter_flag():
     r = subprocess.run([sys.executable, "-m", "agent.service.cli", "serve", "--adapter", "nofolder"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "give NAME=DIR" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_telemetry_records_each_requests_adapter(api, engine, tmp_path):
+    from agent.config import TelemetryConfig
+    from agent.link.store import TelemetryStore
+    from agent.link.telemetry import DB_NAME, Telemetry
+
+    telemetry = Telemetry(TelemetryStore(tmp_path / DB_NAME, "dev-1"), TelemetryConfig(state_dir=tmp_path))
+    hook = lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures, fin.adapter)  # noqa: E731 (serve's)
+    api.server.backend.on_finished.append(hook)
+    try:
+        for model in ("tiny", "tiny:a2"):
+            api.openai().completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    finally:
+        api.server.backend.on_finished.remove(hook)
+    a2 = f"a2@{engine.adapters['a2'].manifest.version}"
+    assert [r.record.request.adapter for r in telemetry.store.unsent(10)] == [None, a2]
+    rows = telemetry.store.db.execute("SELECT model, adapter FROM requests ORDER BY id").fetchall()
+    assert [tuple(r) for r in rows] == [("tiny", None), ("tiny", a2)]
+    telemetry.store.close()

@@ -262,3 +262,25 @@ def test_windows_past_a_day_are_answered_from_rollups_with_the_same_counts(db, f
     assert rows["m@v2"]["decode_tps_p50"] == pytest.approx(24.5, rel=0.01)
     points = queries.timeseries(db, 7 * 86400, now=NOW)
     assert sum(p["requests"] for p in points) == 26 and all(p["t"] % (3 * 3600) == 0 for p in points)
+
+
+def test_requests_are_grouped_by_adapter_and_rows_from_before_adapters_are_the_base(fleet_target):
+    """A request's adapter is stored with it (migration 0014); `tps --by adapter` gives MODEL:ADAPTER@VERSION, and
+    MODEL for the base alone, for any window (rollups hold no adapter: raw rows)."""
+    store = FleetStore(fleet_target)
+    ingest = Ingest()
+    adapted = [request(i, NOW - 600 + i, "m", "v1", 10.0, 50) for i in range(6)]
+    adapted = [r.model_copy(update={"request": r.request.model_copy(
+        update={"adapter": "bot@r8-1" if i < 4 else "doc@r4-2"})}) for i, r in enumerate(adapted)]
+    ingest.add_records("dev-1", adapted + [request(10 + i, NOW - 300 + i, "m", "v1", 30.0, 40) for i in range(3)], NOW)
+    store.commit(ingest)
+    store.close()
+    db = queries.open_readonly(fleet_target)
+    try:
+        assert next(db.query("select count(*) as n from requests where adapter is null"))["n"] == 3
+        for window_s in (86400, 7 * 86400):
+            rows = {r["adapter"]: r["requests"] for r in queries.tps(db, window_s, "adapter", now=NOW)}
+            assert rows == {"m": 3, "m:bot@r8-1": 4, "m:doc@r4-2": 2}
+        assert [r["model"] for r in queries.tps(db, 86400, "model", now=NOW)] == ["m"]  # other groupings unchanged
+    finally:
+        db.close()

@@ -202,7 +202,7 @@ def test_replays_are_rolled_up_once(filled):
 
 
 @pytest.mark.parametrize("since_s", [1.5 * 86400, 7 * 86400 + 1234.5, 30 * 86400])
-@pytest.mark.parametrize("by", queries.GROUPINGS)
+@pytest.mark.parametrize("by", list(queries._GROUP_KEY))  # the groupings rollups answer (not adapter's)
 def test_tps_from_rollups_agrees_with_raw_rows(filled, since_s, by):
     db = filled.db
     assert_agree(queries.tps(db, since_s, by, now=NOW), exact_summaries(db, since_s, queries._GROUP_KEY[by]), by)
@@ -240,7 +240,8 @@ def test_a_fleet_upgraded_with_history_gets_its_rollups(fleet_target):
     store.db.execute("delete from _migrations where name in ('0012_request_rollups', '0013_request_rollup_marks')")
     store.close()
     store = FleetStore(fleet_target)
-    assert store.applied_migrations()[-2:] == ["0012_request_rollups", "0013_request_rollup_marks"]
+    assert [m for m in store.applied_migrations() if m.startswith(("0012", "0013"))] == [
+        "0012_request_rollups", "0013_request_rollup_marks"]
     assert rollup_rows(store.db) == maintained
     assert_agree(queries.tps(store.db, 2 * 86400, "device", now=NOW),
                  exact_summaries(store.db, 2 * 86400, queries._GROUP_KEY["device"]), "device")
