@@ -202,3 +202,17 @@ def test_on_the_real_model_mixing_adapters_in_a_batch_changes_no_row(real_checkp
         assert np.array_equal(bits(mixed[i]), bits(same[a][i])), (i, a, float(np.abs(mixed[i] - same[a][i]).max()))
         assert np.array_equal(bits(mixed[i]), bits(alone[i])), (i, a, float(np.abs(mixed[i] - alone[i]).max()))
     assert np.abs(same[None][1] - same["a1"][1]).max() > 0.1  # the adapters change the model: this test can fail
+
+
+def test_speculative_steps_verify_with_each_requests_adapter(served):
+    """Prompt lookup proposes tokens without the adapter; verification runs each row with its own: greedy output
+    is the plain decode's, in a mixed batch too."""
+    _, bundle, folders = served
+    spec = Engine(bundle, CONFIG.model_copy(update={"speculative": "ngram", "speculative_max_batch": 4}), adapters=folders)
+    rng = np.random.default_rng(9)
+    prompts = [(rng.integers(3, 260, 6).tolist() * 4)[:n] for n in (20, 17, 23)]  # repeats: lookup finds drafts
+    adapters = [None, "a1", "a2"]
+    plain = [h.result().token_ids for h in run(Engine(bundle, CONFIG, adapters=folders), prompts, adapters, 16)]
+    results = [h.result() for h in run(spec, prompts, adapters, 16)]
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.figures.drafted_tokens for r in results) > 0  # drafts were verified: the test can fail
