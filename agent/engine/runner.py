@@ -181,6 +181,7 @@ class ModelRunner:
             return False
         for cache in list(self._bound):
             cache.bindings.clear()  # they hold the old session
+            cache.lora_bound.clear()
         # free the old weights before the new session prepacks its own (one copy at a time); their mappings go
         # with them, so nothing may drop pages there any more
         self.session, self._weights, self._reread_weights = None, None, []
@@ -306,9 +307,10 @@ class ModelRunner:
         """This session's binding for cache, made (and its 4 x layers cache tensors bound) on first use."""
         held = cache.bindings.get(id(self.session))
         if held is None or held[0] is not self.session:
-            if held is not None:
-                cache.lora_bound.pop(id(held[1]), None)
-            held = cache.bindings[id(self.session)] = (self.session, self._bind_cache(self.session.io_binding(), cache))
+            binding = self._bind_cache(self.session.io_binding(), cache)
+            # a new binding holds the rank-0 defaults, whatever one freed at its address held (recheck_spinning)
+            cache.lora_bound.pop(id(binding), None)
+            held = cache.bindings[id(self.session)] = (self.session, binding)
             self._bound.add(cache)
         return held[1]
 

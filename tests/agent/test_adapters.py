@@ -216,3 +216,20 @@ def test_speculative_steps_verify_with_each_requests_adapter(served):
     results = [h.result() for h in run(spec, prompts, adapters, 16)]
     assert [r.token_ids for r in results] == plain
     assert sum(r.figures.drafted_tokens for r in results) > 0  # drafts were verified: the test can fail
+
+
+def test_an_adapter_is_bound_again_on_the_bindings_of_a_rebuilt_session(engine, monkeypatch):
+    """spin_wait "auto" rebuilds the session, and with it every cache's binding: the adapter is bound on the new
+    one. (Its record of what a binding holds is by address, and a new binding can reuse a freed one's: the runner
+    forgets the record of every new binding, a case this test does not force.)"""
+    import agent.engine.runner as runner_module
+
+    prompt = [5, 17, 33, 60, 7, 99, 120, 8, 4]
+    before = logits_of(engine, monkeypatch, [prompt], ["a1"], 4)[0]
+    runner = engine.runner
+    monkeypatch.setattr(runner, "spin_wait", "auto")
+    monkeypatch.setattr(runner_module, "choose_spinning", lambda spin_wait, threads: not runner.spinning)
+    assert runner.recheck_spinning()
+    after = logits_of(engine, monkeypatch, [prompt], ["a1"], 4)[0]
+    base = logits_of(engine, monkeypatch, [prompt], [None], 4)[0]
+    assert np.array_equal(bits(before), bits(after)) and np.abs(after - base).max() > 0.1
