@@ -14,7 +14,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from agent.mqtt_link import KEEPALIVE_S, parse_url
-from agent.wire import DEVICE_ID_PATTERN, shard_of
+from agent.wire import DEVICE_ID_PATTERN, ModelName, shard_of
 
 MAX_THREADS = 256  # ONNX Runtime thread pools: 100,000 threads took 17 GB in seconds
 
@@ -267,6 +267,10 @@ class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: Path | None = None
+    # [adapters] NAME = "folder": a request's model "BASE:NAME" runs with it. Served with the model it was converted
+    # for, beside the state directory's adapters/ for it (agent.updates.model_store); one that does not fit is
+    # refused at load, so a model switch to another build fails (and rolls back) while one is configured
+    adapters: dict[ModelName, Path] = Field({}, description="LoRA adapters served beside the model: name -> folder")
     engine: EngineConfig = EngineConfig()
     api: ApiConfig = ApiConfig()
     telemetry: TelemetryConfig = TelemetryConfig()

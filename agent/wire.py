@@ -460,6 +460,16 @@ class RequestRecord(_Frozen):
     model: ModelName
     version: ModelName
     figures: RequestFigures
+    adapter: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}@[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
+
+    @model_serializer(mode="wrap")
+    def _adapter_only_when_set(self, handler):
+        # the LoRA adapter it ran with, NAME@VERSION; left out while None: fleets from before adapters forbid
+        # unknown keys, and would refuse the whole batch holding it
+        data = handler(self)
+        if isinstance(data, dict) and data.get("adapter", ...) is None:
+            del data["adapter"]
+        return data
 
 
 class SampleRecord(_Frozen):

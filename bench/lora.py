@@ -8,10 +8,18 @@ Three variants of one model, all through agent.engine.runner's ModelRunner (the 
   quantize.adapter.convert), its tensors bound for every step
 Each round prefills the same prompt and decodes the same token ids in each variant, one after the other (the
 order rotating), so the machine's noise falls on all alike; a variant's time is the median over rounds of its
-mean time per decode step, and its cost the median over rounds of its time over plain's in the same round. Bundles are built once into --work (a few minutes each on 2 cores: GPTQ).
+mean time per decode step, and its cost the median over rounds of its time over plain's in the same round. Bundles are built once into --work (a few minutes each on 2 cores: GPTQ; --source-quant keeps the GGUF's own
+blocks instead: seconds).
+
+Then a batch of 4 through the engine (agent.engine.engine: its scheduler groups a step's rows by adapter, one
+call per adapter present): plain; ready with no adapter; all four on one adapter; two on each of two adapters.
+Decode tokens/s: tokens the four decode together per wall second once every prompt is in, median over
+interleaved rounds. Last, the
+peak RSS of a process serving the ready bundle with 0, 1 and 2 adapters loaded (each used by a request), each
+in a fresh process: what one more adapter costs.
 
 Run: .venv/bin/python bench/lora.py [--model smollm2-135m-instruct] [--rank 8] [--rounds 7] [--tokens 64]
-     [--threads 2] [--work ~/.cache/edge-llm/bench/lora]
+     [--threads 2] [--source-quant] [--work ~/.cache/edge-llm/bench/lora]
 """
 from __future__ import annotations
 
@@ -38,11 +46,90 @@ ALL_TARGETS = ",".join(wire.LORA_TARGETS)
 PROMPT_TOKENS = 128
 
 
+BATCH = 4
+BATCH_VARIANTS = {  # name -> (bundle, the adapter of each of the BATCH requests)
+    "plain": ("plain", [None] * BATCH),
+    "ready, no adapter": ("ready", [None] * BATCH),
+    "ready, 4 x adapter 1": ("ready", ["a1"] * BATCH),
+    "ready, 2 x adapter 1 + 2 x adapter 2": ("ready", ["a1", "a2", "a1", "a2"]),
+}
+
+
 def build(source: Path, out: Path, name: str, *flags: str) -> Path:
     if not (out / wire.MANIFEST).is_file():
         subprocess.run([sys.executable, "-m", "quantize.cli", "build", str(source), "--precision", "int4", "--no-eval",
                         "--name", name, "--out", str(out), *flags], check=True, cwd=REPO)
     return out
+
+
+def batch_tokens_per_s(engine, prompts: list[list[int]], adapters: list[str | None], tokens: int) -> float:
+    """The BATCH requests submitted together and stepped to the end: tokens decoded per wall second once every
+    prompt is in (all four decoding together)."""
+    from agent.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    handles = [engine.submit(p, params, adapter=a) for p, a in zip(prompts, adapters)]
+    while not all(h.seq.output_ids for h in handles):
+        engine.step()
+    before, t0 = sum(len(h.seq.output_ids) for h in handles), time.perf_counter()
+    while not all(h.seq.is_finished for h in handles):
+        engine.step()
+    return (sum(len(h.seq.output_ids) for h in handles) - before) / (time.perf_counter() - t0)
+
+
+def engine_config(args):
+    from agent.config import EngineConfig
+
+    return EngineConfig(threads=args.threads, spin_wait=args.spin, memory_budget_mb=1024, prefix_cache_fraction=0.0)
+
+
+def batch_table(plain, ready, adapters: dict[str, Path], args) -> str:
+    from agent.engine.engine import Engine
+
+    engines = {"plain": Engine(plain, engine_config(args)), "ready": Engine(ready, engine_config(args), adapters=adapters)}
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, ready.config.vocab_size, 32).tolist() for _ in range(BATCH)]
+    names, speeds = list(BATCH_VARIANTS), {k: [] for k in BATCH_VARIANTS}
+    for name in names:  # warm-up
+        bundle, rows = BATCH_VARIANTS[name]
+        batch_tokens_per_s(engines[bundle], prompts, rows, 4)
+    for i in range(args.rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            bundle, rows = BATCH_VARIANTS[name]
+            speeds[name].append(batch_tokens_per_s(engines[bundle], prompts, rows, args.tokens))
+    lines = [f"\nbatch of {BATCH} through the engine, 32-token prompts then {args.tokens} tokens each, median of "
+             f"{args.rounds} interleaved rounds", "", "| batch | decode tokens/s (all 4) | vs plain |", "|---|---:|---:|"]
+    for name, v in speeds.items():
+        ratio = statistics.median((s / p - 1) * 100 for s, p in zip(v, speeds["plain"]))
+        lines.append(f"| {name} | {statistics.median(v):.1f} | {ratio:+.1f}% |")
+    return "\n".join(lines)
+
+
+def rss_child(ready_path: Path, adapters: dict[str, Path], args) -> None:
+    """In a fresh process: serve the ready bundle with these adapters, one short request on each (and one on the
+    base), and print the peak RSS in bytes."""
+    from agent.engine.engine import Engine
+    from agent.engine.sampling_params import SamplingParams
+    from agent.process import peak_rss_bytes
+
+    engine = Engine(open_bundle(ready_path), engine_config(args), adapters=adapters)
+    for adapter in [None, *adapters]:
+        engine.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        adapter)
+    print(peak_rss_bytes())
+
+
+def rss_table(ready, adapters: dict[str, Path], args) -> str:
+    peaks = []
+    for k in range(len(adapters) + 1):
+        pairs = [f"{n}={p}" for n, p in list(adapters.items())[:k]]
+        out = subprocess.run([sys.executable, __file__, "--rss-child", str(ready.path), *pairs,
+                              "--threads", str(args.threads)], check=True, capture_output=True, text=True, cwd=REPO)
+        peaks.append(int(out.stdout.split()[-1]))
+    lines = ["\npeak RSS serving the ready bundle (a fresh process each, one request per adapter)", "",
+             "| adapters loaded | peak RSS MB | vs none |", "|---:|---:|---:|"]
+    lines += [f"| {k} | {p / 2**20:.1f} | {(p - peaks[0]) / 2**20:+.1f} MB |" for k, p in enumerate(peaks)]
+    return "\n".join(lines)
 
 
 def random_peft(folder: Path, g: wire.Geometry, rank: int, targets: list[str], seed: int = 0) -> Path:
@@ -99,19 +186,30 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--spin", action="store_true", help="ONNX Runtime's workers spin between kernels (the engine's "
                                                        "spin_wait, which it turns on on an idle machine)")
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edge-llm" / "bench" / "lora")
+    ap.add_argument("--source-quant", action="store_true", help="build with the GGUF's own Q4 blocks "
+                                                                "(--keep-source-quant): seconds, not GPTQ's minutes")
+    ap.add_argument("--rss-child", nargs="+", default=None, help=argparse.SUPPRESS)  # BUNDLE [NAME=DIR ...]
     args = ap.parse_args(argv)
+    if args.rss_child:
+        return rss_child(Path(args.rss_child[0]), dict(p.split("=", 1) for p in args.rss_child[1:]), args)
     from quantize.fetch import fetch
 
     source = fetch(args.model)
-    plain = open_bundle(build(source, args.work / "int4-plain", args.model))
+    quick = ("--keep-source-quant",) if args.source_quant else ()
+    kind = "int4-src" if args.source_quant else "int4"
+    plain = open_bundle(build(source, args.work / f"{kind}-plain", args.model, *quick))
     targets = args.targets.split(",")
     tag = "" if args.targets == ALL_TARGETS else "-" + "".join(targets)  # int4-lora16, int4-lora16-qv, ...
-    ready = open_bundle(build(source, args.work / f"int4-lora16{tag}", args.model, "--lora-targets", args.targets,
-                              "--max-lora-rank", "16"))
-    adapter_dir = args.work / f"adapter-r{args.rank}{tag}"
-    if not (adapter_dir / wire.ADAPTER_MANIFEST).is_file():
-        peft = read_peft(random_peft(args.work / f"peft-r{args.rank}{tag}", ready.config, args.rank, targets))
-        convert(peft, ready, adapter_dir, name=f"random-r{args.rank}", threads=args.threads, force=True)
+    ready = open_bundle(build(source, args.work / f"{kind}-lora16{tag}", args.model, "--lora-targets", args.targets,
+                              "--max-lora-rank", "16", *quick))
+    adapters = {}
+    for n, seed in ((1, 0), (2, 1)):
+        adapters[f"a{n}"] = adapter_dir = args.work / f"{kind}-adapter{'' if seed == 0 else n}-r{args.rank}{tag}"
+        if not (adapter_dir / wire.ADAPTER_MANIFEST).is_file():
+            peft = read_peft(random_peft(args.work / f"peft{n}-r{args.rank}{tag}", ready.config, args.rank, targets,
+                                         seed))
+            convert(peft, ready, adapter_dir, name=f"random{n}-r{args.rank}", threads=args.threads, force=True)
+    adapter_dir = adapters["a1"]
     runners = {"plain": open_runner(plain, args.threads, args.spin),
                "ready, no adapter": open_runner(ready, args.threads, args.spin),
                f"ready + rank {args.rank}": AdapterRunner(ready, adapter_dir / wire.ADAPTER_FILE, args.threads,
@@ -129,12 +227,15 @@ def main(argv: list[str]) -> None:
     same = np.array_equal(*(all_logits(r, prompt).view(np.uint32) for r in list(runners.values())[:2]))
     print(table(times, plain, ready, adapter_dir, args))
     print(f"\nready without an adapter = plain, logits of the {PROMPT_TOKENS}-token prompt bit for bit: {same}")
+    del runners
+    print(batch_table(plain, ready, adapters, args), flush=True)
+    print(rss_table(ready, adapters, args))
 
 
 def table(times: dict[str, list[tuple[float, float]]], plain, ready, adapter_dir: Path, args) -> str:
     """Times are medians over rounds; "vs plain" is the median of each round's ratio to plain's time in the same
     round, which cancels what other processes did to the machine between rounds."""
-    lines = [f"{args.model}, int4, batch 1, {args.threads} threads ({'spinning' if args.spin else 'sleeping'} "
+    lines = [f"{args.model}, int4{' (source blocks)' if args.source_quant else ''}, batch 1, {args.threads} threads ({'spinning' if args.spin else 'sleeping'} "
              f"workers), {PROMPT_TOKENS}-token prompt then {args.tokens} decode steps, median of {args.rounds} "
              "interleaved rounds",
              f"targets {args.targets}; bundles: plain {folder_mb(plain.path):.1f} MB, adapter-ready (max rank 16) "

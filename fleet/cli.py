@@ -245,7 +245,8 @@ def devices(db_path, as_json):
 @cli.command()
 @since_option("24h")
 @click.option("--by", type=click.Choice(queries.GROUPINGS), default="model", show_default=True,
-              help="One row per device, model, version (MODEL@VERSION) or hour.")
+              help="One row per device, model, version (MODEL@VERSION), hour or adapter (MODEL:ADAPTER@VERSION; "
+                   "MODEL alone for requests without one; read from raw rows, whatever the window).")
 @db_option
 @json_option
 @user_errors
@@ -316,8 +317,8 @@ def report(out, since, db_path):
 
     db, since_s = queries.open_readonly(db_path), queries.parse_duration_s(since)
     series = queries.timeseries(db, since_s)
-    summary = queries.with_parameters(db, queries.tps(db, since_s, "version"))
-    html = render_report(summary, series, title=f"Fleet report, last {since}")
+    html = render_report(queries.with_parameters(db, queries.tps(db, since_s, "version")), series,
+                         title=f"Fleet report, last {since}", adapters=queries.tps(db, since_s, "adapter"))
     durable.write_text(out, html)  # a reader never sees half a report
     models, device_ids = {r["model"] for r in series}, {r["device"] for r in series}
     click.echo(f"wrote {out} ({len(models)} models, {len(device_ids)} devices)")

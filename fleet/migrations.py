@@ -143,6 +143,12 @@ def add_request_rollup_marks(db: Database) -> None:
     db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY)
 
 
+def add_request_adapter(db: Database) -> None:
+    """adapter: the LoRA adapter a request ran with, NAME@VERSION (wire.RequestRecord.adapter); NULL for the base
+    model alone, and for every row from before. Rollups hold no adapter: `tps --by adapter` reads raw rows."""
+    db.add_column("requests", "adapter", str)
+
+
 def partition_telemetry(db: Database) -> None:
     """PostgreSQL: the telemetry tables range-partitioned by day on the stamp devices sent (fleet.partitions), rows
     kept. SQLite: nothing (recorded all the same, so both backends list the same migrations)."""
@@ -167,5 +173,6 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0011_device_broker", add_device_broker),
     ("0012_request_rollups", add_request_rollups),
     ("0013_request_rollup_marks", add_request_rollup_marks),
+    ("0014_request_adapter", add_request_adapter),
     ("0015_telemetry_partitions", partition_telemetry),
 )

@@ -31,9 +31,11 @@ from agent.wire import Manifest, has_decode_speed, has_ttft, percentile
 from fleet import partitions, rollups
 from fleet.db import Database, database_errors, is_url, open_database
 
-GROUPINGS = ("device", "model", "version", "hour")
+GROUPINGS = ("device", "model", "version", "hour", "adapter")
 _GROUP_SQL = {  # the SQL expression each --by groups on
     "device": lambda dialect: "device_id",
+    # MODEL:NAME@VERSION, or MODEL for the base alone (|| with NULL is NULL in SQLite and PostgreSQL alike)
+    "adapter": lambda dialect: "model || coalesce(':' || adapter, '')",
     "model": lambda dialect: "model",
     "version": lambda dialect: "model || '@' || version",
     "hour": lambda dialect: dialect.hour("ts"),
@@ -150,7 +152,7 @@ def _summaries_since(db: Database, since_s: float, now: float, by: str, where: s
                      params: tuple = ()) -> dict[str, dict]:
     """Group (as `by` names it) -> summary row, over the last since_s: from raw rows or, past
     ROLLUP_AFTER_S, from rollups (hourly ones only when grouping by hour)."""
-    if since_s <= ROLLUP_AFTER_S:
+    if since_s <= ROLLUP_AFTER_S or by not in _GROUP_KEY:  # rollups hold no adapter
         return {k: summarize(f) for k, f in _requests_since(db, now - since_s, _GROUP_SQL[by](db.dialect), where,
                                                             params).items()}
     coarsest_s = rollups.HOUR_S if by == "hour" else rollups.DAY_S
@@ -198,7 +200,8 @@ def devices(db: Database, now: float | None = None) -> list[dict]:
 
 
 def tps(db: Database, since_s: float, by: str = "model", now: float | None = None) -> list[dict]:
-    """Throughput and latency per device, model, model@version or UTC hour, over the last `since_s`."""
+    """Throughput and latency per device, model, model@version, UTC hour or adapter (MODEL:ADAPTER@VERSION, MODEL
+    for the base alone), over the last `since_s`."""
     if by not in GROUPINGS:
         raise QueryError(f"cannot group by {by!r}: choose one of {', '.join(GROUPINGS)}")
     now = time.time() if now is None else now

@@ -36,7 +36,9 @@ svg.chart .axis { stroke: #999; }
 """
 
 
-def render_report(summary: list[dict], series: list[dict], title: str, generated_at: float | None = None) -> str:
+def render_report(summary: list[dict], series: list[dict], title: str, generated_at: float | None = None,
+                  adapters: list[dict] = ()) -> str:
+    """adapters: fleet.queries.tps rows by adapter, a table of their own when any request used one."""
     generated = datetime.fromtimestamp(generated_at, timezone.utc) if generated_at else datetime.now(timezone.utc)
     by_model: dict[str, list[dict]] = defaultdict(list)
     for row in series:
@@ -47,7 +49,12 @@ def render_report(summary: list[dict], series: list[dict], title: str, generated
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>\n<h1>{escape(title)}</h1>\n"
             f"<p>Generated {generated:%Y-%m-%d %H:%M} UTC. Times are device clocks, UTC.</p>\n"
-            f"{_table(summary)}\n{body}\n</body></html>\n")
+            f"{_table(summary)}\n{_adapter_table(adapters)}{body}\n</body></html>\n")
+
+
+def _adapter_table(rows: list[dict]) -> str:
+    used = any(":" in r["adapter"] for r in rows)  # MODEL:ADAPTER@VERSION; the base alone is MODEL
+    return f"<h2>By LoRA adapter</h2>\n{_table(rows)}\n" if used else ""
 
 
 def _table(rows: list[dict]) -> str:

@@ -123,7 +123,7 @@ def _key(device_id: str, r: TelemetryRecord) -> tuple:
 def request_row(device_id: str, r: TelemetryRecord) -> tuple:
     figures = r.request.figures
     return (*_key(device_id, r), r.request.model, r.request.version,
-            *(_number(getattr(figures, c)) for c in REQUEST_FIGURES_COLUMNS))
+            *(_number(getattr(figures, c)) for c in REQUEST_FIGURES_COLUMNS), r.request.adapter)
 
 
 def _number(value):
@@ -145,7 +145,7 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
             f"on conflict do nothing")
 
 
-_COLUMNS_OF_KIND = {"request": ("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)),
+_COLUMNS_OF_KIND = {"request": ("requests", (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS, "adapter")),
                     "sample": ("samples", (*KEY, *SAMPLE_COLUMNS)), "event": ("events", (*KEY, "kind", "detail"))}
 _ROW_OF_KIND = {"request": request_row, "sample": sample_row, "event": event_row}
 # record kind -> (insert statement, row builder of (device_id, record, sent_ts)). The hot path uses executemany with

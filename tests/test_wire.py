@@ -70,3 +70,18 @@ def test_a_bundle_named_before_names_were_checked_serves_without_telemetry_rows_
     [line] = [r.getMessage() for r in caplog.records if r.name == "agent.link.telemetry"]
     assert "'SmolLM2 135M'@'int4-aaaa'" in line and "--name" in line
     telemetry.store.close()
+
+
+def test_a_request_records_its_adapter_and_one_without_stays_readable_by_fleets_from_before_adapters():
+    """A record without an adapter leaves the key out (older fleets forbid unknown keys); one with it round-trips."""
+    plain = wire.RequestRecord(model="m", version="v", figures=figures())
+    assert "adapter" not in json.loads(plain.model_dump_json())
+    assert wire.RequestRecord.model_validate_json('{"model": "m", "version": "v", "figures": '
+                                                  + figures().model_dump_json() + "}") == plain
+    adapted = wire.RequestRecord(model="m", version="v", figures=figures(), adapter="support-bot@r8-3f2a9c1d")
+    batch = wire.TelemetryBatch(device_id="d", records=[wire.TelemetryRecord(boot_id="b", seq=1, ts=1.0, kind="request",
+                                                                             request=adapted)])
+    assert wire.TelemetryBatch.model_validate_json(batch.model_dump_json()).records[0].request.adapter == adapted.adapter
+    for bad in ("support-bot", "a@b@c", "../x@v"):
+        with pytest.raises(ValidationError, match="adapter"):
+            wire.RequestRecord(model="m", version="v", figures=figures(), adapter=bad)

@@ -324,19 +324,33 @@ class OpenAIServer:
             message, param = om.describe_validation_error(e, model)
             code = {"json_invalid": "invalid_json", "extra_forbidden": "unknown_parameter"}.get(e.errors()[0]["type"])
             raise invalid_request(message, param, code or "invalid_value") from None
-        if req.model not in self.backend.model_ids:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
-                                f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
+        self.adapter_of(req.model)  # a 404 before the body is tokenized
         return req
+
+    def adapter_of(self, model_id: str, engine: Engine | None = None) -> str | None:
+        """The LoRA adapter a request's model names ("BASE:ADAPTER"; BASE by either of its names), None for the
+        base; a 404 in OpenAI's shape for a model or adapter not served (by engine, when given, else the one
+        serving now: an adapter is known once its engine has loaded)."""
+        base, colon, adapter = model_id.partition(":")  # names hold no ':' (wire.MODEL_NAME_PATTERN)
+        if base not in self.backend.model_ids or (colon and not adapter):
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
+        engine = engine or self.backend.engine
+        if adapter and engine is not None and adapter not in engine.adapters:
+            served = ", ".join(f"{base}:{a}" for a in engine.adapters) or "none"
+            raise ApiError(404, f"the adapter {adapter!r} of {base!r} does not exist; adapters served: {served}",
+                           "invalid_request_error", "model_not_found", "model")
+        return adapter or None
 
     async def submit(self, engine: Engine, prepared: Prepared, req: om.SamplingRequest, kind: Kind) -> RequestHandle:
         try:
             params = req.sampling_params(kind.default_max_tokens(engine), self.backend.sampling_defaults(),
                                          prepared.structure)
             # a grammar compiles in submit (up to ~1 s), the first logprobs request builds the token table: off the loop
+            adapter = self.adapter_of(req.model, engine)
             if params.structure is not None or params.logprobs is not None:
-                return await asyncio.to_thread(engine.submit, prepared.prompt_ids, params, req.priority)
-            return engine.submit(prepared.prompt_ids, params, req.priority)
+                return await asyncio.to_thread(engine.submit, prepared.prompt_ids, params, req.priority, adapter)
+            return engine.submit(prepared.prompt_ids, params, req.priority, adapter)
         except om.FieldError as e:
             raise invalid_request(str(e), e.param) from None
         except RequestError as e:
@@ -447,19 +461,25 @@ class OpenAIServer:
 
     # -- status --
     async def models(self, request: Request) -> Response:
-        return Response(om.ModelList(data=[self._card()]).model_dump_json(), media_type="application/json")
+        """The base model, then each adapter served with it (once its engine has loaded) as BASE:ADAPTER."""
+        engine = self.backend.engine
+        adapters = list(engine.adapters) if engine is not None else []
+        cards = [self._card()] + [self._card(a, engine) for a in adapters]
+        return Response(om.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{id}, the OpenAI clients' models.retrieve: the served id by either of its names."""
-        model_id = request.path_params["model_id"]
-        if model_id not in self.backend.model_ids:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
-                                f"{self.backend.manifest.name!r}", "invalid_request_error", "model_not_found", "model")
-        return Response(self._card().model_dump_json(), media_type="application/json")
+        engine = self.backend.engine
+        adapter = self.adapter_of(request.path_params["model_id"], engine)
+        return Response(self._card(adapter, engine).model_dump_json(), media_type="application/json")
 
-    def _card(self) -> om.ModelCard:
+    def _card(self, adapter: str | None = None, engine: Engine | None = None) -> om.ModelCard:
         m = self.backend.manifest
-        return om.ModelCard(id=m.name, created=_unix_seconds(m.created_at), version=m.version, precision=m.precision)
+        if adapter is None:
+            return om.ModelCard(id=m.name, created=_unix_seconds(m.created_at), version=m.version, precision=m.precision)
+        a = engine.adapters[adapter].manifest
+        return om.ModelCard(id=f"{m.name}:{adapter}", created=_unix_seconds(a.created_at), version=a.version,
+                            precision=m.precision, parent=m.name)
 
     async def health(self, request: Request) -> Response:
         state, m = self.backend.state, self.backend.manifest

@@ -546,8 +546,9 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "edge"
-    version: str  # extension: the bundle version
+    version: str  # extension: the bundle version (an adapter's: its own)
     precision: str  # extension: e.g. "int4"
+    parent: str | None = None  # extension, as vLLM's for a LoRA module: the base model an adapter "BASE:NAME" runs on
 
 
 class ModelList(_Response):

@@ -11,14 +11,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from agent.config import EngineConfig
+from agent.engine.adapters import Adapter, check_adapter
 from agent.engine.bundle import Bundle
 from agent.engine.constraint import GrammarError, Grammars
 from agent.engine.draft import DraftModel
 from agent.engine.kv_cache import KVPool, allocate_pool
-from agent.engine.memory import MB, describe_parameters, kv_bytes_per_token, plan_kv
+from agent.engine.memory import MB, describe_parameters, kv_bytes_per_token, plan_with_adapters
 from agent.engine.prefix_cache import PrefixCache
 from agent.engine.request import Finished, RequestError, RequestHandle, check_request
 from agent.engine.runner import open_runner
@@ -41,9 +43,12 @@ SETTINGS_WAIT_S = 2.0  # how long update_settings waits for the engine thread to
 
 class Engine:
     def __init__(self, bundle: Bundle, config: EngineConfig = EngineConfig(), draft: Bundle | None = None,
-                 heartbeat: Callable[[], None] | None = None, idle_wait_s: float = 0.5):
+                 heartbeat: Callable[[], None] | None = None, idle_wait_s: float = 0.5,
+                 adapters: Mapping[str, Path] | None = None):
         self.bundle, self.config = bundle, config
         bundle.check_servable()
+        # name -> adapter: verified and fitted first, their tensors read only after the budget took their bytes
+        self.adapters: dict[str, Adapter] = {n: check_adapter(n, p, bundle) for n, p in (adapters or {}).items()}
         # called by the loop itself every iteration (busy or idle): a watchdog fed from here stops being fed
         # when the loop is stuck, which a free-running timer would not notice
         self.heartbeat = heartbeat or (lambda: None)
@@ -62,12 +67,13 @@ class Engine:
         self.spec = Speculation(config, self.draft)
         self.max_context = config.sequence_limit(c.context_length)
         self.kv = self._plan_kv()
+        self.adapters = {n: a.load_tensors(self.runner) for n, a in self.adapters.items()}
         self.max_prompt_tokens = self.kv.max_capacity - 1  # the largest slot, with one generated token
         self.scheduler = Scheduler(self.kv, config.prefill_chunk_tokens, config.max_queue_wait_s,
                                    self.prefix.retire if self.prefix is not None else None, attention_tokens(c))
         self._inbox: queue.Queue[RequestHandle] = queue.Queue()
         self.steps = Stepper(self.scheduler, self.runner, self.prefix, self.spec, self.tokenizer, set(c.eos_token_ids),
-                             self._inbox)
+                             self._inbox, self.adapters)
         self._settings: queue.Queue[tuple[EngineConfig, threading.Event]] = queue.Queue()  # for the engine thread
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -92,7 +98,8 @@ class Engine:
             model += f" ({describe_parameters(m.parameters)})"
         if self.draft is not None:  # a pair that does not fit names both, and what the draft takes of the budget
             model += f" with its draft {self.draft.bundle.label} ({self.draft_bytes / 2**20:.0f} MB of it loaded)"
-        plan = plan_kv(self.config, c.context_length, self.baseline_bytes, per_token, store_per_token, model)
+        plan = plan_with_adapters(self.config, c.context_length, self.baseline_bytes, per_token, store_per_token, model,
+                                  {a.label: a.nbytes for a in self.adapters.values()})
         pool = allocate_pool(plan, self.config.memory_budget_mb, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         if self.draft is not None:
             self.draft.attach(pool)
@@ -110,13 +117,18 @@ class Engine:
         return self._stop.is_set()
 
     # ---- submission (any thread) ----
-    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+               adapter: str | None = None) -> RequestHandle:
+        """Queue a request; adapter: the name of one of self.adapters its every step runs with (None: the base)."""
         if self._stop.is_set():  # checked again below, under the lock; this one before a closed engine's state
             raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
+        if adapter is not None and adapter not in self.adapters:
+            raise RequestError(f"no adapter {adapter!r} on {self.bundle.label} (it serves "
+                               f"{', '.join(self.adapters) or 'none'})", "model_not_found", param="model")
         check_request(prompt_ids, params, self.max_prompt_tokens, self.kv.max_capacity, self.bundle.config.vocab_size,
                       self.draft is not None)
         total = min(len(prompt_ids) + params.max_tokens, self.kv.max_capacity)
-        seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority)
+        seq = Sequence(list(prompt_ids), params, make_rng(params.seed), total, priority=priority, adapter=adapter)
         if params.structure is not None:  # compiled here, on the submitter's thread, never in a step
             try:
                 seq.constraint = self.grammars.constraint(params.structure)
@@ -125,6 +137,9 @@ class Engine:
         self.spec.start(seq)
         # the table is built on the first request that asks (~80 ms), by its submitter rather than the engine thread
         handle = RequestHandle(seq, token_bytes=self.tokenizer.token_bytes if params.logprobs is not None else None)
+        if adapter is not None:
+            m = self.adapters[adapter].manifest
+            handle.adapter = f"{m.name}@{m.version}"
         with self._submit_lock:  # counted and queued as one: simultaneous submits cannot all pass the check
             if self._stop.is_set():
                 raise RequestError("the engine has stopped (a model switch or shutdown)", "engine_stopped")
@@ -153,9 +168,9 @@ class Engine:
         else:
             self._apply_settings()
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Finished:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Finished:
         """Submit and wait (the loop must be running, or this drives it in the calling thread)."""
-        handle = self.submit(prompt_ids, params)
+        handle = self.submit(prompt_ids, params, adapter=adapter)
         if self._thread is None:
             while not handle.seq.is_finished or not handle.events.empty():
                 self.step()

@@ -116,3 +116,23 @@ def plan_kv(config: EngineConfig, model_context: int, baseline_bytes: int, per_t
     prefix_blocks = int(kv_bytes * config.prefix_cache_fraction) // block_bytes
     classes = plan_slots(kv_bytes - prefix_blocks * block_bytes, per_token, capacities, min_tokens)
     return KVPlan(classes, prefix_blocks, kv_bytes)
+
+
+def plan_with_adapters(config: EngineConfig, model_context: int, baseline_bytes: int, per_token: int,
+                       store_per_token: int, model: str, adapters: dict[str, int]) -> KVPlan:
+    """plan_kv with the adapters' bytes (name -> bytes, in load order) held beside the baseline, as the prefix
+    store's are: the first adapter that leaves too little for the smallest KV cache is refused by name, at load,
+    rather than a request running out of memory later. A model that does not fit alone gets plan_kv's error."""
+    plan = plan_kv(config, model_context, baseline_bytes, per_token, store_per_token, model)
+    if not adapters:
+        return plan
+    min_tokens, held = config.min_kv_tokens(model_context), baseline_bytes
+    for name, nbytes in adapters.items():
+        held += nbytes
+        need = required_budget_bytes(held, per_token, min_tokens, config.prefix_cache_fraction)
+        if config.memory_budget_mb * MB < need:
+            raise MemoryBudgetError(f"adapter {name!r} ({nbytes / MB:.1f} MB) does not fit memory_budget_mb="
+                                    f"{config.memory_budget_mb}: with {model} and the adapters loaded before it "
+                                    f"({(held - nbytes - baseline_bytes) / MB:.1f} MB) it needs at least "
+                                    f"{-(-need // MB)} MB")
+    return plan_kv(config, model_context, held, per_token, store_per_token, model)

@@ -52,18 +52,19 @@ class PrefixCache:
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
-    def _chain(self, ids: list[int], n_blocks: int):
+    def _chain(self, ids: list[int], n_blocks: int, salt: bytes = b""):
         """(chain key, tokens) of each of the first n_blocks full blocks of ids. The key is a SHA-256 of the
         parent's key and the block's tokens: Python's 64-bit hash() of ints is not seeded, so one local client
         could craft a prompt whose prefix collides with another's and be served that KV (vLLM's advisory
-        GHSA-rm76-4mrf-v9r8; SHA-256 is its default since v0.10.2). ~1 us a block."""
-        key = b""
+        GHSA-rm76-4mrf-v9r8; SHA-256 is its default since v0.10.2). ~1 us a block. salt seeds the chain: a LoRA
+        adapter's (Adapter.prefix_salt) changes every block's KV, so its blocks match only its own prompts."""
+        key = salt
         for b in range(n_blocks):
             tokens = tuple(ids[b * self.block_tokens:(b + 1) * self.block_tokens])
             key = hashlib.sha256(key + np.asarray(tokens, np.int64).tobytes()).digest()
             yield key, tokens
 
-    def load(self, prompt_ids: list[int], pool: SlotPool, slot: int, count: bool = True) -> int:
+    def load(self, prompt_ids: list[int], pool: SlotPool, slot: int, count: bool = True, salt: bytes = b"") -> int:
         """Copy the longest cached prefix of prompt_ids into the slot; returns the tokens it covers.
 
         At least two prompt tokens are always left to compute: the last one's logits give the first output
@@ -73,7 +74,7 @@ class PrefixCache:
         usable = max(0, len(prompt_ids) - 2) // self.block_tokens
         self.queried_tokens += len(prompt_ids) if count else 0
         n, matched = 0, []
-        for key, tokens in self._chain(prompt_ids, usable):
+        for key, tokens in self._chain(prompt_ids, usable, salt):
             hit = self.index.get(key)
             if hit is None or hit[1] != tokens:
                 break
@@ -102,11 +103,11 @@ class PrefixCache:
         for src, buf in zip(sources, pool.keys + pool.values):
             buf[slot, :, start:end] = src  # [kv_heads, block_tokens, head_dim]
 
-    def store(self, seq_id: int, prompt_ids: list[int]) -> None:
+    def store(self, seq_id: int, prompt_ids: list[int], salt: bytes = b"") -> None:
         """Index the prompt's full blocks that are not cached yet where they are: in seq_id's slot."""
         n_blocks = len(prompt_ids) // self.block_tokens
         self.chains[seq_id] = []
-        for b, (key, tokens) in enumerate(self._chain(prompt_ids, n_blocks)):
+        for b, (key, tokens) in enumerate(self._chain(prompt_ids, n_blocks, salt)):
             self.chains[seq_id].append(key)
             if key not in self.index:
                 self.index[key] = ((seq_id, b * self.block_tokens), tokens)

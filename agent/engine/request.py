@@ -74,6 +74,7 @@ class Finished:
     # one entry per generated token but the EOS that ended the output (as OpenAI and vLLM give), when the request
     # asked for log-probabilities (SamplingParams.logprobs); None when it did not
     logprobs: list[LogprobEntry] | None = None
+    adapter: str | None = None  # the LoRA adapter it ran with, as its manifest's NAME@VERSION; None: the base
 
 
 class RequestHandle:
@@ -88,6 +89,7 @@ class RequestHandle:
         self.token_bytes = token_bytes  # each token id's bytes: set when the request asks for log-probabilities
         self.logprobs: list[LogprobEntry] = []  # the engine thread's; logprobs[num_sent:] wait for their text
         self.num_sent = 0
+        self.adapter: str | None = None  # Finished.adapter, set by the engine that takes it
 
     def cancel(self) -> None:
         self.seq.cancelled = True
@@ -127,7 +129,7 @@ class RequestHandle:
         self.events.put(Finished("".join(self.text_parts), list(seq.output_ids), seq.figures(), seq.error, code,
                                  list(seq.token_times), c is not None, c.time_s if c else 0.0,
                                  c.num_masks if c else 0, seq.forced_tokens,
-                                 self.logprobs if seq.params.logprobs is not None else None))
+                                 self.logprobs if seq.params.logprobs is not None else None, self.adapter))
 
     def _emit(self, text: str) -> None:
         self.text_parts.append(text)

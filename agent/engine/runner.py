@@ -91,6 +91,8 @@ class KVCache:
     values_ort: list[ort.OrtValue]
     # one IOBinding per session that has run on this cache, with the cache tensors already bound
     bindings: dict[int, tuple[ort.InferenceSession, ort.IOBinding]] = field(default_factory=dict, repr=False)
+    # id(binding) -> the LoRA tensors bound on it (LoraTensors.values); absent: the graph's rank-0 defaults
+    lora_bound: dict[int, dict[str, ort.OrtValue]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def wrap(cls, keys: list[np.ndarray], values: list[np.ndarray]) -> "KVCache":
@@ -111,6 +113,24 @@ class KVCache:
         return sum(a.nbytes for a in self.keys + self.values)
 
 
+@dataclass(frozen=True, eq=False)
+class LoraTensors:
+    """An adapter's tensors for every LoRA input of the graph, in memory of our own (not the adapter file's
+    mapping: its bytes are counted in the budget whether or not a step has touched them yet)."""
+
+    arrays: dict[str, np.ndarray]  # A [in, r], B [r, out], float32
+    values: dict[str, ort.OrtValue] = field(repr=False)  # views of arrays, bound as graph inputs
+
+    @classmethod
+    def wrap(cls, arrays: dict[str, np.ndarray]) -> "LoraTensors":
+        arrays = {k: np.ascontiguousarray(v, np.float32) for k, v in arrays.items()}
+        return cls(arrays, {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
 class ModelRunner:
     def __init__(self, model_path: Path, num_layers: int, kv_heads: int, head_dim: int, threads: int | None = None,
                  spin_wait: SpinWait = False):
@@ -125,6 +145,12 @@ class ModelRunner:
         self.logit_free_calls: bool | None = None  # whether the graph takes a call without logits (None: not tried)
         cache_type = next(i.type for i in self.session.get_inputs() if i.name == wire.past_key(0))
         self.kv_dtype = np.dtype(np.int8 if cache_type == "tensor(int8)" else np.float32)
+        self.lora_defaults = LoraTensors.wrap(lora_defaults(self.session))  # {} for a graph without LoRA branches
+
+    @property
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each LoRA input's shape with rank 0: A [in, 0], B [0, out]."""
+        return {k: a.shape for k, a in self.lora_defaults.arrays.items()}
 
     def _load(self, spin: bool) -> None:
         check_runtime_version(ort.__version__)
@@ -155,6 +181,7 @@ class ModelRunner:
             return False
         for cache in list(self._bound):
             cache.bindings.clear()  # they hold the old session
+            cache.lora_bound.clear()
         # free the old weights before the new session prepacks its own (one copy at a time); their mappings go
         # with them, so nothing may drop pages there any more
         self.session, self._weights, self._reread_weights = None, None, []
@@ -192,12 +219,13 @@ class ModelRunner:
         return KVCache.wrap(keys, values)
 
     def forward(self, input_ids: np.ndarray, seqlens_k: np.ndarray, query_seqlens: np.ndarray,
-                logits_indices: np.ndarray, cache: KVCache, capture: dict[str, np.ndarray] | None = None) -> np.ndarray:
+                logits_indices: np.ndarray, cache: KVCache, capture: dict[str, np.ndarray] | None = None,
+                adapter: LoraTensors | None = None) -> np.ndarray:
         """Run one step. input_ids [B, S]; seqlens_k, query_seqlens [B]; logits_indices [B, n] -> logits [B, n, V].
 
         Row b holds query_seqlens[b] new tokens (right-padded to S) on top of
         seqlens_k[b] + 1 - query_seqlens[b] cached ones. `capture` maps extra graph outputs (a calibration
-        graph's) to preallocated arrays that receive them.
+        graph's) to preallocated arrays that receive them. Every row runs with `adapter` (None: the base alone).
         """
         seq = input_ids.shape[1]
         feeds = {
@@ -209,6 +237,7 @@ class ModelRunner:
         }
         # a capture binds outputs a later plain step must not write into: it gets a binding of its own
         binding = self._bind_cache(self.session.io_binding(), cache) if capture else self._binding(cache)
+        self._bind_lora(binding, {} if capture else cache.lora_bound, adapter)
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, arr)  # references arr's memory; arr lives until run returns
         logits = np.empty((input_ids.shape[0], logits_indices.shape[1], self.vocab_size), np.float32)
@@ -220,7 +249,22 @@ class ModelRunner:
             drop_pages(lo, hi)
         return logits
 
-    def forward_slot(self, pool: SlotPool, slot: int, ids: list[int], start: int, logits: bool = True) -> np.ndarray:
+    def _bind_lora(self, binding: ort.IOBinding, lora_bound: dict, adapter: LoraTensors | None) -> None:
+        """Bind adapter's tensors (None: the rank-0 defaults) unless this binding holds them already (lora_bound:
+        KVCache.lora_bound): a binding keeps its inputs between runs, and rebinding all 2 x 4 x layers LoRA
+        inputs at every step costs time."""
+        bound = lora_bound.get(id(binding))
+        if (adapter.values if adapter else None) is bound:
+            return
+        for name, value in (adapter or self.lora_defaults).values.items():
+            binding.bind_ortvalue_input(name, value)
+        if adapter is None:
+            lora_bound.pop(id(binding), None)
+        else:
+            lora_bound[id(binding)] = adapter.values
+
+    def forward_slot(self, pool: SlotPool, slot: int, ids: list[int], start: int, logits: bool = True,
+                     adapter: LoraTensors | None = None) -> np.ndarray:
         """Compute ids at positions start.. of one slot of pool (a prompt chunk, a draft model's catch-up or
         one-token step) -> the last token's logits [1, 1, V], or [1, 0, V] when logits is False.
 
@@ -231,14 +275,15 @@ class ModelRunner:
         args = (np.array([ids], np.int64), np.array([start + n - 1]), np.array([n]))
         if not logits and self.logit_free_calls is not False:
             try:
-                out = self.forward(*args, np.zeros((1, 0), np.int64), self.view(pool, slot, slot + 1))
+                out = self.forward(*args, np.zeros((1, 0), np.int64), self.view(pool, slot, slot + 1), adapter=adapter)
                 self.logit_free_calls = True
                 return out
             except RuntimeError:  # a tied fp32 head built before its output Reshape took allowzero: [B, 0, V]
                 self.logit_free_calls = False  # failed there, after every layer wrote the same KV it writes again
-        return self.forward(*args, np.array([[n - 1]]), self.view(pool, slot, slot + 1))
+        return self.forward(*args, np.array([[n - 1]]), self.view(pool, slot, slot + 1), adapter=adapter)
 
-    def forward_decode(self, pool: SlotPool, runs: dict[int, tuple[int, list[int]]]) -> np.ndarray:
+    def forward_decode(self, pool: SlotPool, runs: dict[int, tuple[int, list[int]]],
+                       adapter: LoraTensors | None = None) -> np.ndarray:
         """One decode call over pool's live slots [0:n] -> logits [n, width, V], row i for the sequence in slot i.
 
         runs: sequence id -> (tokens already in its cache, the tokens to run: its last one and any draft). The
@@ -256,13 +301,16 @@ class ModelRunner:
             else:
                 seqlens[row] = max(pool.lengths[owner] - 1, 0)
         positions = np.minimum(np.arange(width)[None, :], np.maximum(q, 1)[:, None] - 1)  # [n, width]
-        return self.forward(ids, seqlens, q, positions, self.view(pool, 0, n))
+        return self.forward(ids, seqlens, q, positions, self.view(pool, 0, n), adapter=adapter)
 
     def _binding(self, cache: KVCache) -> ort.IOBinding:
         """This session's binding for cache, made (and its 4 x layers cache tensors bound) on first use."""
         held = cache.bindings.get(id(self.session))
         if held is None or held[0] is not self.session:
-            held = cache.bindings[id(self.session)] = (self.session, self._bind_cache(self.session.io_binding(), cache))
+            binding = self._bind_cache(self.session.io_binding(), cache)
+            # a new binding holds the rank-0 defaults, whatever one freed at its address held (recheck_spinning)
+            cache.lora_bound.pop(id(binding), None)
+            held = cache.bindings[id(self.session)] = (self.session, binding)
             self._bound.add(cache)
         return held[1]
 
@@ -356,6 +404,19 @@ def write_adapter(path: Path, tensors: dict[str, np.ndarray]) -> None:
     arrays = {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
     adapter.set_parameters({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()})
     adapter.export_adapter(str(path))
+
+
+def lora_defaults(session: ort.InferenceSession) -> dict[str, np.ndarray]:
+    """The graph's LoRA inputs at rank 0 (quantize.lora: initializers a run may override), by name."""
+    # their declared shapes name the rank symbolically: A [in, "lora_rank_.."], B ["lora_rank_..", out]
+    shapes = {i.name: i.shape for i in session.get_overridable_initializers()}
+    return {name: np.zeros([d if isinstance(d, int) else 0 for d in shape], np.float32)
+            for name, shape in shapes.items() if name.endswith((".lora_A", ".lora_B"))}
+
+
+def read_adapter_arrays(path: Path) -> dict[str, np.ndarray]:
+    """An adapter file's tensors by name, copied out of its mapping (LoraTensors.wrap them to bind)."""
+    return {name: np.array(value.numpy()) for name, value in read_adapter(path).items()}
 
 
 def read_adapter(path: Path) -> dict[str, ort.OrtValue]:

@@ -74,6 +74,7 @@ class Sequence:
     accepted_tokens: int = 0
     forced_tokens: int = 0  # tokens the grammar forced, verified together in multi-token steps
     constraint: Constraint | None = None  # set when params.structure is: the matcher its tokens must pass
+    adapter: str | None = None  # the LoRA adapter (Engine.adapters' name) every step of it runs with; None: the base
 
     # ---- derived ----
     @property

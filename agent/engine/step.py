@@ -1,9 +1,10 @@
 """One engine step, on the engine thread: take in submitted requests, carry out the scheduler's plan, turn
 logits into tokens (sampling, or verifying a draft) and stream them to their requests.
 
-A step runs each prompt chunk the scheduler picked (one-slot view of its pool) and then one decode call per
-size class over its live slots [0:n], rows that are not decoding passing query_seqlens = 0 so they neither
-compute into nor change their cache. Only the engine thread calls a Stepper.
+A step runs each prompt chunk the scheduler picked (one-slot view of its pool) and then, per size class, one
+decode call over its live slots [0:n] for each LoRA adapter its decoding rows use (the base counting as one),
+as llama.cpp does: rows that are not decoding, or decode with another adapter, pass query_seqlens = 0 so they
+neither compute into nor change their cache. Only the engine thread calls a Stepper.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from agent.engine.adapters import Adapter
 from agent.engine.constraint import ConstraintError
 from agent.engine.prefix_cache import PrefixCache
 from agent.engine.request import RequestHandle
@@ -25,15 +27,17 @@ from agent.engine.speculative import Speculation
 from agent.engine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:  # handed a runner, never loading one: this module imports without the runtime
-    from agent.engine.runner import ModelRunner
+    from agent.engine.runner import LoraTensors, ModelRunner
 
 log = logging.getLogger(__name__)
 
 
 class Stepper:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, prefix: PrefixCache | None, spec: Speculation,
-                 tokenizer: TextTokenizer, eos_ids: set[int], inbox: queue.Queue[RequestHandle]):
+                 tokenizer: TextTokenizer, eos_ids: set[int], inbox: queue.Queue[RequestHandle],
+                 adapters: dict[str, Adapter] | None = None):
         self.scheduler, self.runner, self.prefix, self.spec = scheduler, runner, prefix, spec
+        self.adapters = adapters or {}
         self.tokenizer, self.eos_ids, self.inbox = tokenizer, eos_ids, inbox
         self.streams: dict[int, RequestHandle] = {}  # the requests taken in whose stream is open
         self.kv_utilization = 0.0
@@ -96,7 +100,7 @@ class Stepper:
     def _load_prefix(self, seq: Sequence) -> None:
         pool = self.scheduler.pool_of(seq)
         first = seq.preemptions == 0  # a readmission finds its own retired blocks: not a hit for the figures
-        n = self.prefix.load(seq.prompt_ids, pool, pool.slot_of(seq.seq_id), count=first)
+        n = self.prefix.load(seq.prompt_ids, pool, pool.slot_of(seq.seq_id), count=first, salt=self._salt(seq))
         seq.num_computed = n
         if first:
             seq.cached_prompt_tokens = n
@@ -105,12 +109,13 @@ class Stepper:
     def _prefill(self, seq: Sequence, n: int) -> None:
         pool = self.scheduler.pool_of(seq)
         start, is_last = seq.num_computed, n == seq.num_uncomputed  # only the last chunk's logits are sampled
-        logits = self.runner.forward_slot(pool, pool.slot_of(seq.seq_id), seq.all_ids[start:start + n], start, is_last)
+        logits = self.runner.forward_slot(pool, pool.slot_of(seq.seq_id), seq.all_ids[start:start + n], start, is_last,
+                                          self._tensors(seq.adapter))
         seq.num_computed += n
         pool.lengths[seq.seq_id] = seq.num_computed
         if seq.num_uncomputed == 0:  # prompt (and any recomputed output) done: sample the next token
             if self.prefix is not None:
-                self.prefix.store(seq.seq_id, seq.prompt_ids)
+                self.prefix.store(seq.seq_id, seq.prompt_ids, self._salt(seq))
             seq.start_decoding()
             try:
                 self._accept(seq, *self._sample(seq, logits[0, 0]), time.perf_counter())
@@ -130,17 +135,36 @@ class Stepper:
         cached = [decoding[o].num_computed if o in decoding else max(pool.lengths[o], 1) for o in pool.owners]
         width = min(1 + max(len(d) for d in drafts.values()), pool.capacity - max(cached))
         drafts = {k: d[:width - 1] for k, d in drafts.items()}
-        logits = self.runner.forward_decode(pool, {s.seq_id: (s.num_computed, [s.output_ids[-1]] + drafts[s.seq_id])
-                                                   for s in seqs})
-        seconds = time.perf_counter() - t0  # drafting and the model call: what speculation must pay for
-        rows = {owner: row for row, owner in enumerate(pool.owners)}
+        logits = self._decode_by_adapter(pool, seqs, {s.seq_id: (s.num_computed, [s.output_ids[-1]] + drafts[s.seq_id])
+                                                      for s in seqs})
+        seconds = time.perf_counter() - t0  # drafting and the model calls: what speculation must pay for
         for s in seqs:  # positions this step wrote: a slot that a finish below moves must carry them along
             pool.lengths[s.seq_id] = s.num_computed + 1 + len(drafts[s.seq_id])
         for s in seqs:
             try:
-                self._advance(s, pool, drafts[s.seq_id], logits[rows[s.seq_id]], seconds, plans[s.seq_id][1])
+                self._advance(s, pool, drafts[s.seq_id], logits[s.seq_id], seconds, plans[s.seq_id][1])
             except Exception as e:
                 self._fail_one(s, e)
+
+    def _decode_by_adapter(self, pool, seqs: list[Sequence], runs: dict[int, tuple[int, list[int]]]
+                           ) -> dict[int, np.ndarray]:
+        """One decode call per adapter among seqs -> each sequence's logits [width, V]. A call runs only its
+        adapter's rows (the others idle), so a row gets the logits and KV its own adapter gives it."""
+        groups: dict[str | None, list[int]] = {}
+        for s in seqs:
+            groups.setdefault(s.adapter, []).append(s.seq_id)
+        rows = {owner: row for row, owner in enumerate(pool.owners)}
+        out = {}
+        for name, ids in groups.items():
+            logits = self.runner.forward_decode(pool, {k: runs[k] for k in ids}, self._tensors(name))
+            out.update({k: logits[rows[k]] for k in ids})
+        return out
+
+    def _tensors(self, adapter: str | None) -> LoraTensors | None:
+        return self.adapters[adapter].tensors if adapter is not None else None
+
+    def _salt(self, seq: Sequence) -> bytes:
+        return self.adapters[seq.adapter].prefix_salt if seq.adapter is not None else b""
 
     def _fail_one(self, seq: Sequence, error: Exception) -> None:
         """End one request whose sampling or streaming failed, and only it: the others in the step are fine

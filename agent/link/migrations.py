@@ -84,11 +84,19 @@ def _m0004_stored_bytes(db: Database) -> None:
     db.execute("CREATE INDEX records_sent ON records (id) WHERE sent = 1")
 
 
+def _m0005_requests_view_adapter(db: Database) -> None:
+    # 0003's view, with the LoRA adapter a request ran with (NAME@VERSION; NULL for the base alone)
+    view = next(row["sql"] for row in db.query("SELECT sql FROM sqlite_master WHERE name = 'requests'"))
+    db.execute("DROP VIEW requests")
+    db.execute(view.replace("AS version,", "AS version, json_extract(body, '$.request.adapter') AS adapter,", 1))
+
+
 MIGRATIONS: list[tuple[str, Callable[[Database], None]]] = [
     ("0001_records", _m0001_records),
     ("0002_meta", _m0002_meta),
     ("0003_requests_view", _m0003_requests_view),
     ("0004_stored_bytes", _m0004_stored_bytes),
+    ("0005_requests_view_adapter", _m0005_requests_view_adapter),
 ]
 
 

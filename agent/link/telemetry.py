@@ -139,11 +139,11 @@ class Telemetry:
     def bind_engine(self, engine: EngineProbe) -> None:
         self._engine = engine
 
-    def record_request(self, model: str, version: str, figures: RequestFigures) -> None:
+    def record_request(self, model: str, version: str, figures: RequestFigures, adapter: str | None = None) -> None:
         with self._tokens_lock:
             self._tokens += figures.completion_tokens
         try:
-            record = RequestRecord(model=model, version=version, figures=figures)
+            record = RequestRecord(model=model, version=version, figures=figures, adapter=adapter)
         except ValidationError as e:  # a bundle named before names were checked: the fleet would refuse it
             if (model, version) not in self._unnamed:  # said once per model, not per request
                 self._unnamed.add((model, version))

@@ -1,7 +1,7 @@
 """edge-agent: the on-device service's command line.
 
-Run: edge-agent generate --model BUNDLE [--chat] [--max-tokens N] [--threads N] [--ignore-eos] [--json] "prompt"
-     edge-agent serve --model BUNDLE --socket PATH [--config agent.toml] [--tcp 127.0.0.1:PORT]
+Run: edge-agent generate --model BUNDLE [--adapter DIR] [--chat] [--max-tokens N] [--threads N] [--json] "prompt"
+     edge-agent serve --model BUNDLE --socket PATH [--adapter NAME=DIR ...] [--config agent.toml] [--tcp HOST:PORT]
      edge-agent telemetry [--state-dir DIR] [--since 1h] [--json]
 """
 from __future__ import annotations
@@ -58,6 +58,19 @@ def _verbose_after_command(ctx: click.Context, param: click.Parameter, verbose: 
         logging.getLogger().setLevel(_log_level(ctx.info_name, True))
 
 
+def _named_folders(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Path]:
+    """--adapter NAME=DIR, repeatable -> {NAME: DIR}."""
+    named = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name or not folder:
+            raise click.BadParameter(f"{value!r}: give NAME=DIR, e.g. support-bot=adapters/support-bot")
+        if name in named:
+            raise click.BadParameter(f"{name!r} is given twice")
+        named[name] = Path(folder)
+    return named
+
+
 def verbose_option(command):
     return click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_verbose_after_command,
                         help=VERBOSE_HELP)(command)
@@ -93,10 +106,12 @@ def cli(verbose: bool) -> None:
               help="Draft bundle for --speculative draft (default: the one the model's bundle carries).")
 @click.option("--kv-cache", "kv_dtype", type=click.Choice(["fp32", "int8"]), default="fp32", show_default=True,
               help="KV cache type: int8 holds 4x the tokens in the same memory.")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None,
+              help="Generate with this LoRA adapter folder (edge-quantize adapter; default: none, the base model).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @verbose_option
 def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k, seed, stop, threads,
-             memory_budget_mb, ignore_eos, speculative, draft_model, kv_dtype, as_json):
+             memory_budget_mb, ignore_eos, speculative, draft_model, kv_dtype, adapter, as_json):
     """Generate a completion of PROMPT, streaming it to the terminal, then print the figures.
 
     Example: edge-agent generate --model bundles/smollm2-int4 --chat "Name three rivers."
@@ -113,12 +128,13 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
         bundle = open_bundle(model)
         draft = open_bundle(draft_model) if draft_model else bundle.draft() if speculative == "draft" else None
         engine = Engine(bundle, EngineConfig(threads=threads, memory_budget_mb=memory_budget_mb,
-                                             speculative=speculative, kv_dtype=kv_dtype), draft=draft)
+                                             speculative=speculative, kv_dtype=kv_dtype), draft=draft,
+                        adapters={"adapter": adapter} if adapter else None)
         text = prompt
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             text = engine.tokenizer.render_chat(messages)
-        handle = engine.submit(engine.tokenizer.encode(text), params)
+        handle = engine.submit(engine.tokenizer.encode(text), params, adapter="adapter" if adapter else None)
     except (ValidationError, *USER_ERRORS) as e:
         _fail(e)
     engine.start()
@@ -170,8 +186,12 @@ def generate(prompt, model, chat, system, max_tokens, temperature, top_p, top_k,
 @click.option("--device-id", default=None, help="This device's id on the fleet (default: the host name).")
 @click.option("--trusted-key", "trusted_keys", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Public key whose signed model updates are accepted (repeatable).")
+@click.option("--adapter", "adapters", multiple=True, callback=_named_folders, metavar="NAME=DIR",
+              help="Serve this LoRA adapter folder as model BASE:NAME (repeatable; beside the config's [adapters] "
+                   "and the state directory's adapters/ for the model).")
 @verbose_option
-def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state_dir, mqtt, device_id, trusted_keys):
+def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state_dir, mqtt, device_id, trusted_keys,
+          adapters):
     """Serve the OpenAI-compatible API on a Unix socket, in the foreground, until SIGTERM or Ctrl-C.
 
     Example: edge-agent serve --model bundles/smollm2-int4 --socket /tmp/edge.sock --tcp 127.0.0.1:8080
@@ -184,7 +204,7 @@ def serve(model, socket_path, config_path, threads, memory_budget_mb, tcp, state
         def load():  # at start, and again on SIGHUP (the file may have changed; the flags still win)
             return load_agent_config(config_path, model=model, socket=socket_path, threads=threads,
                                      memory_budget_mb=memory_budget_mb, tcp=tcp, state_dir=state_dir, mqtt=mqtt,
-                                     device_id=device_id, trusted_keys=list(trusted_keys))
+                                     device_id=device_id, trusted_keys=list(trusted_keys), adapters=adapters)
 
         serve_forever(load(), announce=lambda line: click.echo(line, err=True),
                       notifier=Notifier.from_environment(dict(os.environ)),  # systemd's protocol is env-based

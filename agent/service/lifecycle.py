@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -39,14 +39,23 @@ SWITCH_KEEPALIVE_S = 300.0  # a switch's health check and load may take this lon
 LIVE_ENGINE_FIELDS = ("max_queue", "max_queue_wait_s", "default_max_tokens", "speculative", "speculative_max_batch")
 
 
-def load_engine(model: Path, config: EngineConfig, notifier: Notifier | None = None) -> Engine:
-    """Verify and load the bundle (and the draft model it carries, when speculative is "draft"), start the engine
-    loop; its heartbeat feeds the systemd watchdog."""
+AdapterPicker = Callable[[Bundle], Mapping[str, Path]]  # the LoRA adapters to serve with a bundle: name -> folder
+
+
+def no_adapters(bundle: Bundle) -> Mapping[str, Path]:
+    return {}
+
+
+def load_engine(model: Path, config: EngineConfig, notifier: Notifier | None = None,
+                adapters: AdapterPicker = no_adapters) -> Engine:
+    """Verify and load the bundle (and the draft model it carries, when speculative is "draft") with the adapters
+    picked for it, start the engine loop; its heartbeat feeds the systemd watchdog."""
     ping_s = notifier.watchdog_interval_s if notifier and notifier.watchdog_interval_s else 0.5
     bundle = open_bundle(model)
     draft = bundle.draft() if config.speculative == "draft" else None  # the draft model the bundle carries
     engine = Engine(bundle, config, draft=draft, heartbeat=notifier.heartbeat if notifier else None,
-                    idle_wait_s=min(0.5, ping_s / 2))  # an idle loop still beats often enough for the watchdog
+                    idle_wait_s=min(0.5, ping_s / 2),  # an idle loop still beats often enough for the watchdog
+                    adapters=adapters(bundle))
     engine.start()
     if notifier:  # READY only now: the model is verified and loaded and the socket already listens
         m = engine.bundle.manifest
@@ -71,13 +80,14 @@ class ModelLifecycle:
     reach the engine only through reload(). `config` is the engine config a first load uses; once an engine
     runs, its config (with what SIGHUP changed since the start) is the one a swap keeps."""
 
-    def __init__(self, backend: Backend, config: EngineConfig, notifier: Notifier | None = None):
-        self.backend, self.config, self.notifier = backend, config, notifier
+    def __init__(self, backend: Backend, config: EngineConfig, notifier: Notifier | None = None,
+                 adapters: AdapterPicker = no_adapters):
+        self.backend, self.config, self.notifier, self.adapters = backend, config, notifier, adapters
         # a reload against a swap's handover; re-entrant: a second SIGHUP can run inside the first's handler
         self.lock = threading.RLock()
 
     def load(self, model: Path) -> Engine:
-        return load_engine(model, self.config, self.notifier)
+        return load_engine(model, self.config, self.notifier, self.adapters)
 
     def current_bundle(self) -> Bundle | None:
         return self.backend.engine.bundle if self.backend.engine else None
@@ -155,7 +165,7 @@ class ModelLifecycle:
                     trim_heap()
                 if check is not None:
                     self._check_or_restore(bundle, check, serving, config)
-                self._hand_over(load_engine(bundle.path, config, self.notifier))
+                self._hand_over(load_engine(bundle.path, config, self.notifier, self.adapters))
         finally:
             self.backend.switching.clear()
 
@@ -176,7 +186,7 @@ class ModelLifecycle:
             trim_heap()
             if serving is not None:
                 try:
-                    self._hand_over(load_engine(serving.path, config, self.notifier))
+                    self._hand_over(load_engine(serving.path, config, self.notifier, self.adapters))
                 except Exception:  # the check's reason is the news; the watchdog restarts us
                     log.exception("the model that served before the check failed to load again: "
                                   "nothing is served until the agent restarts")

@@ -48,7 +48,8 @@ def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
     """The TOML config file (if any) with command-line flags laid over it (flags win), validated once.
 
     flags: model, socket, tcp (top level / [api]), threads, memory_budget_mb ([engine]), state_dir,
-    device_id, mqtt ([telemetry]), trusted_keys ([updates]); None = not given.
+    device_id, mqtt ([telemetry]), trusted_keys ([updates]), adapters ([adapters], name -> folder, laid over the
+    file's by name); None = not given.
     """
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8")) if path else {}
@@ -64,6 +65,9 @@ def load_agent_config(path: Path | None = None, **flags) -> AgentConfig:
     if flags.get("trusted_keys"):
         data["updates"] = {**_table(data, "updates"), "trusted_keys": [str(p) for p in flags.pop("trusted_keys")]}
     flags.pop("trusted_keys", None)
+    if flags.get("adapters"):
+        data["adapters"] = {**_table(data, "adapters"), **{k: str(p) for k, p in flags.pop("adapters").items()}}
+    flags.pop("adapters", None)
     engine_flags = {k: flags.pop(k) for k in ("threads", "memory_budget_mb") if flags.get(k) is not None}
     api_flags = {k: flags.pop(k) for k in ("socket", "tcp") if flags.get(k) is not None}
     if flags.get("model") is not None:
@@ -115,7 +119,8 @@ def _serve(config: AgentConfig, announce: Callable[[str], None], notifier: Notif
         manifest = Manifest.read(model_dir)  # identity for /health and /v1/models while the bundle loads
         server = ApiServer(Backend(manifest), sockets, api)
         server.uvicorn.on_stopping = notifier.stopping if notifier else None
-        models = ModelLifecycle(server.backend, config.engine, notifier)
+        models = ModelLifecycle(server.backend, config.engine, notifier,
+                                adapters=lambda b: {**store.adapters_for(b.manifest), **config.adapters})
         telemetry, updates = _start_services(config, store, server, models, reload_config)
         models.install_sighup(reload_config, config, fit=fitted_budget)
         server.load_in_background(lambda: models.load(store.bootable().path))
@@ -182,7 +187,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, m
     if store.fallback is not None:  # a damaged current at boot: the fleet hears why it runs an older model
         telemetry.record_event("model_fallback", store.fallback)
     server.metrics.bind_telemetry(lambda: telemetry.store.dropped_total)
-    backend.on_finished.append(lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures))
+    backend.on_finished.append(lambda m, fin: telemetry.record_request(m.name, m.version, fin.figures, fin.adapter))
     backend.on_ready(telemetry.bind_engine)
     backend.sampling_defaults = lambda: telemetry.settings.sampling.given()  # set_config applies at once
     if telemetry.link is not None:

@@ -6,6 +6,8 @@ Layout under the state directory:
     models/NAME@VERSION/   verified bundles        current -> models/...   previous -> models/...
     models/.staging/DIGEST/ downloads in progress  updates/job.json        the journal
     updates/queue/N-JOB.json accepted jobs not yet run                     agent.lock (agent.service.serve)
+    adapters/NAME@VERSION/ADAPTER/  the LoRA adapters served with that build of a model, as BASE:ADAPTER (one
+                           version of each: an adapter fits one build, and a request names it without a version)
 Every rename here is followed by an fsync of its directory (agent.durable): an update reported SUCCEEDED
 survives a power cut.
 """
@@ -22,9 +24,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from agent import durable
 from agent.engine.bundle import Bundle, BundleError, open_bundle
 from agent.updates.errors import JobFailed
-from agent.wire import JobDocument, JobState, JobStep
+from agent.wire import JobDocument, JobState, JobStep, Manifest
 
 log = logging.getLogger(__name__)
+ADAPTERS_DIR = "adapters"  # under the state directory: see the layout above
 
 
 class JobJournal(BaseModel):
@@ -67,6 +70,13 @@ class ModelStore:
         for d in (self.models, self.staging_root, self.journal.parent, self.queue):
             d.mkdir(parents=True, exist_ok=True)
         self.fallback: dict | None = None  # what bootable() did when `current` did not verify: the event's detail
+
+    def adapters_for(self, manifest: Manifest) -> dict[str, Path]:
+        """The adapters installed for this build of a model, by the name requests use (their folder's)."""
+        folder = self.root / ADAPTERS_DIR / f"{manifest.name}@{manifest.version}"
+        if not folder.is_dir():
+            return {}
+        return {p.name: p for p in sorted(folder.iterdir()) if p.is_dir() and not p.name.startswith(".")}
 
     def link(self, name: str) -> Path | None:
         p = self.root / name

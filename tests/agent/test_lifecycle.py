@@ -46,9 +46,9 @@ def test_a_switch_lets_the_old_model_finish_and_free_its_memory_before_loading_t
     session = weakref.ref(old.runner.session)
     load, seen = lifecycle.load_engine, []
 
-    def loading(path, config, notifier=None):
+    def loading(path, config, notifier=None, adapters=lifecycle.no_adapters):
         seen.append((in_flight.seq.is_finished, session() is None, backend.switching.is_set()))
-        return load(path, config, notifier)
+        return load(path, config, notifier, adapters)
 
     monkeypatch.setattr(lifecycle, "load_engine", loading)
     del old

@@ -285,3 +285,25 @@ def test_the_reports_summary_gives_each_versions_published_parameters(db, fleet_
         ("m@v1", 1000, 250), ("m@v2", None, None)]
     assert list(rows[0])[:4] == ["version", "parameters_total", "parameters_active", "requests"]
     assert rows[0]["requests"] == 14
+
+
+def test_requests_are_grouped_by_adapter_and_rows_from_before_adapters_are_the_base(fleet_target):
+    """A request's adapter is stored with it (migration 0014); `tps --by adapter` gives MODEL:ADAPTER@VERSION, and
+    MODEL for the base alone, for any window (rollups hold no adapter: raw rows)."""
+    store = FleetStore(fleet_target)
+    ingest = Ingest()
+    adapted = [request(i, NOW - 600 + i, "m", "v1", 10.0, 50) for i in range(6)]
+    adapted = [r.model_copy(update={"request": r.request.model_copy(
+        update={"adapter": "bot@r8-1" if i < 4 else "doc@r4-2"})}) for i, r in enumerate(adapted)]
+    ingest.add_records("dev-1", adapted + [request(10 + i, NOW - 300 + i, "m", "v1", 30.0, 40) for i in range(3)], NOW)
+    store.commit(ingest)
+    store.close()
+    db = queries.open_readonly(fleet_target)
+    try:
+        assert next(db.query("select count(*) as n from requests where adapter is null"))["n"] == 3
+        for window_s in (86400, 7 * 86400):
+            rows = {r["adapter"]: r["requests"] for r in queries.tps(db, window_s, "adapter", now=NOW)}
+            assert rows == {"m": 3, "m:bot@r8-1": 4, "m:doc@r4-2": 2}
+        assert [r["model"] for r in queries.tps(db, 86400, "model", now=NOW)] == ["m"]  # other groupings unchanged
+    finally:
+        db.close()

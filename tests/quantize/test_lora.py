@@ -24,11 +24,9 @@ from quantize.lora import LoraSpec
 from quantize.package import build_bundle, encode, write_graph
 from quantize.peft import AdapterError, read_peft
 from quantize.precision import QuantSpec
+from lora_support import ALL, write_peft
 from tiny import write_tiny_llama
 
-ALL = ("q", "k", "v", "o", "gate", "up", "down")
-MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 INT4 = QuantSpec(precision="int4", method="rtn", block_size=16, block_sizes={"down": 16})
 TEXT = "the quick brown fox jumps over the lazy dog, then the dog answers in kind. " * 4
 
@@ -56,31 +54,6 @@ def save(model, path: Path) -> None:
     import onnx
 
     onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data")
-
-
-def shapes(g: wire.Geometry) -> dict[str, tuple[int, int]]:
-    q, kv, h, i = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.hidden_size, g.intermediate_size
-    return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (i, h), "up": (i, h), "down": (h, i)}
-
-
-def write_peft(folder: Path, g: wire.Geometry, targets=("q", "v"), r: int = 4, alpha: float = 8, seed: int = 0,
-               layers=None, **config) -> Path:
-    """A random PEFT LoRA folder as peft's save_pretrained writes one (B non-zero: a trained adapter)."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True)
-    tensors = {}
-    for layer in range(g.num_layers) if layers is None else layers:
-        for t in targets:
-            module = f"model.layers.{layer}.{MODULES[t]}"
-            rank = next((v for k, v in config.get("rank_pattern", {}).items() if module.endswith(k)), r)
-            out, inp = shapes(g)[t]
-            tensors[f"base_model.model.{module}.lora_A.weight"] = (rng.standard_normal((rank, inp)) / inp ** .5).astype(np.float32)
-            tensors[f"base_model.model.{module}.lora_B.weight"] = (0.5 * rng.standard_normal((out, rank))).astype(np.float32)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": [MODULES[t].split(".")[1] for t in targets],
-           "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}} | config
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return folder
 
 
 def logits(runner: ModelRunner, ids: list[int]) -> np.ndarray:
