@@ -1,6 +1,7 @@
 """The generation loop: requests in, tokens out, one batched model step at a time.
 
-The engine loads the model (and a draft model), sizes the KV cache to the memory budget, and runs the
+The engine loads the model (and a draft model, and the LoRA adapters a request may name: agent.engine.adapters),
+sizes the KV cache to what the memory budget leaves after them, and runs the
 engine thread: a loop of steps (agent.engine.step) that alone touches the scheduler, the KV pool and the
 runner. Other threads call `submit()` (thread-safe) and read their request's event queue; `cancel()` only
 sets a flag the loop acts on at its next step, and live settings reach the loop as messages.
