@@ -6,7 +6,7 @@ Percentiles over a window of at most ROLLUP_AFTER_S are computed here, over the 
 linear interpolation between ranks; over a longer one they come from fleet.rollups' hourly and daily
 histograms (raw rows only for the partial hours at its edges), within 1% of the raw rows' figures. Counts and
 tokens are exact either way. TTFT percentiles leave out requests that produced no token, decode speed ones
-those with fewer than 2 (agent.wire.ttft_samples / decode_speed_samples). Times are the devices' clocks.
+those with fewer than 2 (agent.figures.ttft_samples / decode_speed_samples). Times are the devices' clocks.
 
     db = open_readonly("fleet.db"); rows = tps(db, since_s=24 * 3600, by="model")
 """
@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
-from agent.wire import Manifest, has_decode_speed, has_ttft, percentile
+from agent.figures import has_decode_speed, has_ttft, percentile
+from agent.wire import Manifest
 from fleet import partitions, rollups
 from fleet.db import Database, database_errors, is_url, open_database
 
@@ -161,7 +162,7 @@ def _summaries_since(db: Database, since_s: float, now: float, by: str, where: s
 
 
 def _p50_p95(values: array) -> tuple[float | None, float | None]:
-    """wire.percentile's figures (numpy's linear interpolation), in numpy: sorting 10 M floats in Python takes
+    """figures.percentile's figures (numpy's linear interpolation), in numpy: sorting 10 M floats in Python takes
     13.7 s of a 90-day `tps`."""
     if not values:
         return None, None

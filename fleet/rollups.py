@@ -32,7 +32,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from agent.wire import has_decode_speed, has_ttft
+from agent.figures import has_decode_speed, has_ttft
 from fleet import partitions
 from fleet.db import Database, unavailable_errors
 from fleet.migrations import (KEY, REQUEST_FIGURES_COLUMNS, REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_DIRTY_COLUMNS,

@@ -32,8 +32,8 @@ from agent.config import AgentConfig, TelemetryConfig
 from agent.process import rss_bytes
 from agent.link.reader import TelemetryReader
 from agent.link.store import RetentionReport, StoreFull, TelemetryStore, max_file_bytes
-from agent.wire import (EventRecord, RequestFigures, RequestRecord, SampleRecord, decode_speed_samples, percentile,
-                        ttft_samples)
+from agent.figures import decode_speed_samples, percentile, ttft_samples
+from agent.wire import EventRecord, RequestFigures, RequestRecord, SampleRecord
 
 if TYPE_CHECKING:
     from agent.link.mqtt import MqttLink

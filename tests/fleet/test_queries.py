@@ -69,7 +69,7 @@ def test_percentile_matches_numpy(values, p):
 
 @given(st.lists(st.floats(-1e6, 1e6), max_size=50))
 def test_the_summaries_percentiles_are_the_wire_ones(values):
-    """summarize() takes them in numpy (10 M requests in a 90-day window); the agent's are wire.percentile."""
+    """summarize() takes them in numpy (10 M requests in a 90-day window); the agent's are figures.percentile."""
     f = queries.Figures(ttfts=array("d", values))
     got = queries.summarize(f)
     for q in (50, 95):
@@ -199,7 +199,7 @@ def test_timeseries_buckets(db):
 @given(st.lists(st.floats(0, 1e4, allow_nan=False), max_size=1100))
 def test_the_series_median_is_the_percentile_of_every_other_query(values):
     """The report's cheaper median (found in review: numpy per group cost 5.5 s of CPU on 500 devices) must give
-    what wire.percentile gives everywhere else, on both sides of its size switch."""
+    what figures.percentile gives everywhere else, on both sides of its size switch."""
     got = queries._median(array("d", values))
     assert got is None if not values else got == pytest.approx(percentile(sorted(values), 50), rel=1e-12, abs=1e-9)
     large = np.random.default_rng(len(values)).uniform(0, 1e4, 1001 + len(values))  # the numpy side

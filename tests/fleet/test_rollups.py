@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.wire import percentile
+from agent.figures import percentile
 from fleet import partitions, queries, rollups
 from fleet.migrations import MIGRATIONS
 from fleet.store import FleetStore, Ingest
@@ -145,7 +145,7 @@ def refresh_all(store: FleetStore) -> int:
 
 
 def exact_summaries(db, since_s: float, key) -> dict:
-    """Raw rows -> wire.percentile's figures per group, as the pre-rollup queries computed them."""
+    """Raw rows -> figures.percentile's figures per group, as the pre-rollup queries computed them."""
     groups: dict = {}
     for ts, device_id, model, version, ttft, speed, completion, finish in db.execute(
             "select ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, finish_reason "
