@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.wire import (DeviceState, Golden, Manifest, Parameters, RequestFigures, RequestRecord, TelemetryRecord,
-                        percentile)
+from agent.figures import percentile
+from agent.wire import DeviceState, Golden, Manifest, Parameters, RequestFigures, RequestRecord, TelemetryRecord
 from fleet import queries
 from fleet.db import database_errors
 from fleet.queries import QueryError
