@@ -70,6 +70,7 @@ class Sequence:
     kv_bytes: int = 0
     draft_length: DraftLength | LookupLength = field(default_factory=DraftLength)
     draft_rng: np.random.Generator | None = None  # a draft model's draws for this sampled request, spawned from rng
+    draft_behind: bool = False  # it decoded in a batch too large to draft: it decodes plain from then on
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     forced_tokens: int = 0  # tokens the grammar forced, verified together in multi-token steps

@@ -390,6 +390,10 @@ class Speculation:
             return seq.draft_length.propose(seq.all_ids, room)
         if seq.seq_id in self.prepared:  # prepare() consulted its controller and drafted this step
             return self.prepared.pop(seq.seq_id)
+        if seq.draft_behind:
+            # It decoded in a batch too large to draft: to draft again the draft model would first have to prefill
+            # its whole context, which the rest of an answer does not repay
+            return []
         k = min(seq.draft_length.current(), room)
         if k <= 0 or self.draft is None:
             return []
@@ -403,11 +407,15 @@ class Speculation:
         draft-model call per draft position for all of them (DraftModel.propose_many), each charged the whole
         drafting time, which is what its draft alone would have cost. propose() hands each its draft."""
         self.prepared.clear()
-        if self.draft is None or len(seqs) > self.config.speculative_max_batch:
+        if self.draft is None:
+            return
+        if len(seqs) > self.config.speculative_max_batch:
+            for seq in seqs:  # the draft does not follow them now: see propose()
+                seq.draft_behind = True
             return
         wants = {}
         for seq in seqs:
-            if self.mode_of(seq) == "draft" and seq.constraint is None:
+            if self.mode_of(seq) == "draft" and seq.constraint is None and not seq.draft_behind:
                 k = min(seq.draft_length.current(), _room(seq, capacity))
                 self.prepared[seq.seq_id] = []
                 if k > 0:

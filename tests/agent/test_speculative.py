@@ -139,6 +139,33 @@ def test_a_new_sequence_starts_with_the_costs_the_engine_measured():
     assert after.pause_steps == 32 and after.draft_cost == 0.9
 
 
+class RefusingDraft:
+    """A draft model that must not be asked."""
+
+    catch_up_s = 0.0
+
+    def propose_many(self, wants):
+        raise AssertionError(f"drafted for {list(wants)}")
+
+    propose = propose_many
+
+
+def test_a_sequence_that_decoded_in_a_batch_too_large_to_draft_stays_plain():
+    """Its draft cache fell behind by everything it decoded meanwhile: catching up is a prefill of its whole
+    context, which the tail of a batch does not repay."""
+    spec = Speculation(EngineConfig(speculative="draft", speculative_max_batch=2), draft=RefusingDraft())
+    seqs = []
+    for _ in range(3):
+        seq = Sequence([1, 2, 3], SamplingParams(max_tokens=32, **GREEDY), np.random.default_rng(0), 64)
+        spec.start(seq)
+        seq.draft_length.pause_steps = 0
+        seqs.append(seq)
+    spec.prepare(seqs, 64)  # three decode together: none drafts, and all fall behind
+    assert all(s.draft_behind for s in seqs)
+    spec.prepare(seqs[:1], 64)  # alone now: still plain
+    assert spec.propose(seqs[0], 1, 64) == []
+
+
 def test_lookup_drafts_as_long_as_the_acceptance_pays_for_the_extra_rows():
     lk = LookupLength()
     for _ in range(10):
