@@ -123,6 +123,17 @@ class FleetServer:
             self.proc.kill()
 
 
+def signing_fleet(workdir: Path, broker_url: str) -> tuple[FleetServer, Path]:
+    """A fleet server that serves published artifacts over HTTP, and a fresh signing key for it to publish with
+    (agents trust `KEY.pub`): (server, key)."""
+    from broker import free_port
+
+    key = Path(workdir) / "fleet.key"
+    subprocess.run([BIN / "edge-fleet", "keygen", "--out", key], check=True, capture_output=True)
+    return FleetServer(workdir, broker_url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
+                       Path(workdir) / "artifacts"), key
+
+
 def committed(agent_db: Path) -> list[tuple]:
     """(boot_id, seq) of every request record an agent committed."""
     return rows(agent_db, "SELECT boot_id, seq FROM records WHERE kind = 'request'")

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from broker import free_port
-from processes import BIN, Agent, FleetServer, client, committed, health, wait
+from processes import BIN, Agent, client, committed, health, signing_fleet, wait
 from agent.config import EngineConfig
 from agent.engine.engine import Engine
 from agent.engine.memory import MemoryBudgetError, describe_parameters
@@ -69,10 +68,8 @@ def served_requests(db: Path, target: str) -> int:
 
 def test_a_moe_bundle_serves_reports_and_moves_to_another_by_a_signed_rollout(moe_bundles, broker, tmp_path):
     v1, v2 = moe_bundles
-    db, keys = tmp_path / "fleet.db", tmp_path / "fleet.key"
-    subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
-    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
-                         tmp_path / "artifacts")
+    db = tmp_path / "fleet.db"
+    server, keys = signing_fleet(tmp_path, broker.url)
     agent = Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
                   "--memory-budget-mb", 2048, device_id="dev-moe")
     try:

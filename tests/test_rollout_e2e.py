@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from broker import free_port
-from processes import BIN, Agent, FleetServer, client, health, wait
+from processes import BIN, Agent, FleetServer, client, health, signing_fleet, wait
 from agent import wire
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
@@ -32,10 +32,8 @@ def fleet(*args, db: Path) -> str:
 
 def test_two_agents_two_waves(bundles, broker, tmp_path):
     v1, v2 = bundles
-    db, keys = tmp_path / "fleet.db", tmp_path / "fleet.key"
-    subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
-    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
-                         tmp_path / "artifacts")
+    db = tmp_path / "fleet.db"
+    server, keys = signing_fleet(tmp_path, broker.url)
     agents = [Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
                     "--memory-budget-mb", 2048, device_id=dev) for dev in ("dev-a", "dev-b")]
     try:
@@ -118,11 +116,9 @@ def test_a_bundle_and_its_draft_model_ship_as_one_signed_rollout(tiny_checkpoint
     draft_v2 = build(QuantSpec(head_vocab=256), "d2", name="tiny-draft")
     v1, v2 = build(QuantSpec(), "pair1", draft=draft_v1.path), build(QuantSpec(), "pair2", draft=draft_v2.path)
     assert v1.manifest.version != v2.manifest.version  # the same target weights: the drafts tell them apart
-    db, keys, config = tmp_path / "fleet.db", tmp_path / "fleet.key", tmp_path / "agent.toml"
-    subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
+    db, config = tmp_path / "fleet.db", tmp_path / "agent.toml"
     config.write_text('[engine]\nspeculative = "draft"\n')
-    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
-                         tmp_path / "artifacts")
+    server, keys = signing_fleet(tmp_path, broker.url)
     agent = Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
                   "--memory-budget-mb", 2048, "--config", config, device_id="dev-s")
     try:
@@ -152,10 +148,8 @@ def test_a_signed_update_moves_a_device_to_the_qwen_int4_bundle(bundles, real_ar
     continuation included), then answers a chat with it."""
     v1, _ = bundles
     qwen = real_arch_bundle("qwen2.5-coder-0.5b-instruct", "int4")
-    db, keys = tmp_path / "fleet.db", tmp_path / "fleet.key"
-    subprocess.run([BIN / "edge-fleet", "keygen", "--out", keys], check=True, capture_output=True)
-    server = FleetServer(tmp_path, broker.url, "--artifacts-http", f"127.0.0.1:{free_port()}", "--artifacts-dir",
-                         tmp_path / "artifacts")
+    db = tmp_path / "fleet.db"
+    server, keys = signing_fleet(tmp_path, broker.url)
     agent = Agent(tmp_path, "--model", v1.path, "--mqtt", broker.url, "--trusted-key", f"{keys}.pub",
                   "--memory-budget-mb", 4096, device_id="dev-q")
     try:
