@@ -1,6 +1,10 @@
 """docs/benchmarks.md, written by every benchmark: each replaces its own "## ..." section and no other."""
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import time
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -20,3 +24,19 @@ def replace_section(title: str, section: str) -> None:
     tmp = DOCS.with_suffix(".md.partial")
     tmp.write_text(text)
     tmp.rename(DOCS)
+
+
+def machine() -> str:
+    """The CPU, its cores and the versions a figure depends on, for a section's "Machine:" line."""
+    import onnxruntime
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, onnxruntime {onnxruntime.__version__}"
+
+
+def stamp() -> str:
+    """"2026-12-07 12:00 UTC, commit abc1234, load 1.20": when, on what code and how busy the machine was."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=DOCS.parent.parent, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    return f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {head}, load {os.getloadavg()[0]:.2f}"

@@ -19,7 +19,7 @@ peak RSS of a process serving the ready bundle with 0, 1 and 2 adapters loaded (
 in a fresh process: what one more adapter costs.
 
 Run: .venv/bin/python bench/lora.py [--model smollm2-135m-instruct] [--rank 8] [--rounds 7] [--tokens 64]
-     [--threads 2] [--source-quant] [--work ~/.cache/edge-llm/bench/lora]
+     [--threads 2] [--source-quant] [--work ~/.cache/edge-llm/bench/lora] [--write-docs]
 """
 from __future__ import annotations
 
@@ -35,15 +35,20 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: benchdocs
 
 from agent import wire  # noqa: E402
 from agent.engine.bundle import open_bundle  # noqa: E402
 from agent.engine.runner import ModelRunner, open_runner  # noqa: E402
 from quantize.adapter import AdapterRunner, convert, target_shapes  # noqa: E402
 from quantize.peft import TARGET_MODULES, read_peft  # noqa: E402
+from benchdocs import machine, replace_section, stamp  # noqa: E402
 
 ALL_TARGETS = ",".join(wire.LORA_TARGETS)
 PROMPT_TOKENS = 128
+TITLE = "## LoRA adapters: decode cost and memory (bench/lora.py)"
+GOAL = ("Goal (issue #39): an adapter-ready bundle with a rank-8 adapter on all seven projections decodes at most 10% "
+        "slower than the plain bundle at batch 1.")
 
 
 BATCH = 4
@@ -188,6 +193,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edge-llm" / "bench" / "lora")
     ap.add_argument("--source-quant", action="store_true", help="build with the GGUF's own Q4 blocks "
                                                                 "(--keep-source-quant): seconds, not GPTQ's minutes")
+    ap.add_argument("--write-docs", action="store_true", help=f"write the tables into docs/benchmarks.md ({TITLE}; "
+                                                               "default: print only)")
     ap.add_argument("--rss-child", nargs="+", default=None, help=argparse.SUPPRESS)  # BUNDLE [NAME=DIR ...]
     args = ap.parse_args(argv)
     if args.rss_child:
@@ -225,11 +232,18 @@ def main(argv: list[str]) -> None:
         for k in names[i % 3:] + names[:i % 3]:  # each variant first in a third of the rounds
             times[k].append(decode_ms(runners[k], prompt, steps))
     same = np.array_equal(*(all_logits(r, prompt).view(np.uint32) for r in list(runners.values())[:2]))
-    print(table(times, plain, ready, adapter_dir, args))
-    print(f"\nready without an adapter = plain, logits of the {PROMPT_TOKENS}-token prompt bit for bit: {same}")
+    parts = [table(times, plain, ready, adapter_dir, args),
+             f"Ready without an adapter = plain, logits of the {PROMPT_TOKENS}-token prompt bit for bit: {same}."]
+    print("\n\n".join(parts), flush=True)
     del runners
-    print(batch_table(plain, ready, adapters, args), flush=True)
-    print(rss_table(ready, adapters, args))
+    parts.append(batch_table(plain, ready, adapters, args))
+    print("\n" + parts[-1], flush=True)
+    parts.append(rss_table(ready, adapters, args))
+    print("\n" + parts[-1])
+    if args.write_docs:
+        command = " ".join([".venv/bin/python bench/lora.py", *argv])
+        replace_section(TITLE, f"{TITLE}\n\n{GOAL}\n\nCommand: `{command}`\nRun: {stamp()}. Machine: {machine()}."
+                               "\n\n" + "\n\n".join(parts) + "\n")
 
 
 def table(times: dict[str, list[tuple[float, float]]], plain, ready, adapter_dir: Path, args) -> str:
