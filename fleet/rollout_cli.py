@@ -3,6 +3,8 @@ canceling and rolling back the jobs (fleet.updates carries them out; edge-fleet 
 
 Run: edge-fleet keygen --out keys/fleet.key
      edge-fleet publish BUNDLE --key keys/fleet.key     edge-fleet deploy MODEL@VERSION --all --wait
+     edge-fleet publish ADAPTER_DIR --key keys/fleet.key
+     edge-fleet deploy MODEL@VERSION:ADAPTER@VERSION --all --wait [--remove]
      edge-fleet jobs | job JOB_ID | cancel JOB_ID | rollback DEVICE
 """
 from __future__ import annotations
@@ -48,7 +50,8 @@ def _db(db_path: Path):
 @db_option
 @user_errors
 def publish(bundle, key_path, artifacts_dir, db_path):
-    """Verify and sign a bundle's manifest and register it; prints MODEL@VERSION.
+    """Verify and sign a bundle's manifest and register it; prints MODEL@VERSION. A LoRA adapter's folder
+    (edge-quantize adapter) is signed and registered alike; prints MODEL@VERSION:ADAPTER@VERSION.
 
     Example: edge-fleet publish bundles/smollm2-int4 --key keys/fleet.key --db fleet.db
     """
@@ -85,15 +88,18 @@ def wait_options(command):
                    "slower precision fails; 0: only the device's own [updates] min_tokens_per_s).")
 @click.option("--device-timeout", "device_timeout_s", type=Seconds(min=1), default=1800,
               help="Seconds a notified device may take before it counts as TIMED_OUT.")
+@click.option("--remove", is_flag=True,
+              help="With MODEL@VERSION:ADAPTER@VERSION: remove that adapter from the devices (default: install it).")
 @wait_options
 @click.option("--mqtt", "url", default=None, multiple=True,
               help="Accepted for symmetry (default: none); the serving fleet process publishes.")
 @db_option
 @user_errors
 def deploy(target, devices, group, to_all, include_offline, wave_size, max_failure_rate, allow_downgrade,
-           min_tokens_per_s, device_timeout_s, wait, timeout_s, url, db_path):
+           min_tokens_per_s, device_timeout_s, remove, wait, timeout_s, url, db_path):
     """Roll MODEL@VERSION out to devices in waves (edge-fleet serve --artifacts-http must be running). A bare
-    MODEL lists its published versions.
+    MODEL lists its published versions. MODEL@VERSION:ADAPTER@VERSION rolls out a LoRA adapter published for
+    that build (only its files travel); devices running another build refuse it. --remove takes it away.
 
     Example: edge-fleet deploy smollm2-135m-instruct@int4-b64a-1a2b3c4d --all --wave-size 2 --wait
     """
@@ -111,16 +117,26 @@ def deploy(target, devices, group, to_all, include_offline, wave_size, max_failu
         click.echo(f"skipped {len(ids)} device(s) {why}: {deployment.named(ids)}")
     if not plan.devices:
         raise click.ClickException("no device needs this deployment")
-    manifest = deployment.published_manifest(store.db, target)
+    operation = _operation(target, remove)
+    manifest = deployment.published_manifest(store.db, target) if operation == "install" else None
     if manifest is not None and (problems := deployment.refusals(store.db, manifest, plan.devices, allow_downgrade,
                                                                 min_tokens_per_s)):
         raise click.ClickException(f"{target} would be refused: " + "\n".join(problems) + "\n(no job was created)")
     job_id = create_job(store.db, target, plan.devices, wave_size, max_failure_rate, allow_downgrade,
-                        min_tokens_per_s, device_timeout_s=device_timeout_s)
+                        min_tokens_per_s, operation=operation, device_timeout_s=device_timeout_s)
     click.echo(f"job {job_id}: {target} to {len(plan.devices)} device(s) in waves of "
                f"{min(wave_size, len(plan.devices))}")
     if wait:
         _wait_for(store.db, db_path, job_id, timeout_s)
+
+
+def _operation(target: str, remove: bool) -> str:
+    """What deploy's TARGET asks of the devices: install a model, or install or remove an adapter."""
+    if ":" in target:
+        return "remove_adapter" if remove else "install_adapter"
+    if remove:
+        raise click.UsageError("--remove takes an adapter: MODEL@VERSION:ADAPTER@VERSION")
+    return "install"
 
 
 def _list_versions(db, name: str) -> None:
