@@ -12,15 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_support import write_peft
+from lora_support import base_and_other_build
 from processes import BIN, Agent, client, signing_fleet, wait
 from agent import wire
 from agent.engine.tokenizer import TextTokenizer
-from quantize.adapter import convert
-from quantize.lora import LoraSpec
-from quantize.package import build_bundle
-from quantize.peft import read_peft
-from quantize.precision import QuantSpec
 
 DEVICES = ("dev-a", "dev-b")
 
@@ -29,19 +24,8 @@ DEVICES = ("dev-a", "dev-b")
 def builds(tiny_checkpoint, tmp_path_factory):
     """The base the devices run (fp32, LoRA on q and v up to rank 8), another build of the same model (int8),
     and adapters: good, tampered and unknown-key for the base, and one converted for the other build."""
-    root = tmp_path_factory.mktemp("adapters")
-    lora = LoraSpec(targets=("q", "v"), max_rank=8)
-    base = build_bundle(tiny_checkpoint, QuantSpec(), root / "base", name="tiny", lora=lora, progress=lambda s: None)
-    other = build_bundle(tiny_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
-                         root / "other", name="tiny", lora=lora, progress=lambda s: None)
-    adapters = {}
-    for name, seed, bundle in (("good", 1, base), ("tampered", 2, base), ("unknown-key", 3, base),
-                               ("other-base", 4, other)):
-        peft = read_peft(write_peft(root / f"peft-{name}", tiny_checkpoint.geometry, targets=("q", "v"), r=4,
-                                    alpha=16, seed=seed))
-        convert(peft, bundle, root / name, name=name, progress=lambda s: None)
-        adapters[name] = root / name
-    return base, adapters
+    return base_and_other_build(tiny_checkpoint, tmp_path_factory.mktemp("adapters"),
+                                {"good": "base", "tampered": "base", "unknown-key": "base", "other-base": "other"})
 
 
 def fleet(*args, db: Path, check: bool = True) -> subprocess.CompletedProcess:

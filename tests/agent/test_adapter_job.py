@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from lora_support import write_peft
+from lora_support import base_and_other_build
 from updates_support import Device, make_keys
 from agent import wire
 from agent.updates.adapter_job import AdapterJob
@@ -17,26 +17,13 @@ from agent.updates.jobs import JobPhase, UpdateJob
 from agent.wire import JobDocument, JobState
 from fleet.artifacts import ArtifactServer
 from fleet.signing import load_private_key, sign_manifest
-from quantize.adapter import convert
-from quantize.lora import LoraSpec
-from quantize.package import build_bundle
-from quantize.peft import read_peft
-from quantize.precision import QuantSpec
 
 
 @pytest.fixture(scope="module")
 def made(tiny_checkpoint, tmp_path_factory):
     """(base bundle, {adapter name: folder}, keys): 'good' fits the base, 'foreign' another build of it."""
     root = tmp_path_factory.mktemp("adapter-job")
-    lora = LoraSpec(targets=("q", "v"), max_rank=8)
-    base = build_bundle(tiny_checkpoint, QuantSpec(), root / "base", name="tiny", lora=lora, progress=lambda s: None)
-    other = build_bundle(tiny_checkpoint, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
-                         root / "other", name="tiny", lora=lora, progress=lambda s: None)
-    folders = {}
-    for name, bundle in (("good", base), ("foreign", other)):
-        peft = read_peft(write_peft(root / f"peft-{name}", tiny_checkpoint.geometry, targets=("q", "v"), r=4, seed=1))
-        convert(peft, bundle, root / name, name=name, progress=lambda s: None)
-        folders[name] = root / name
+    base, folders = base_and_other_build(tiny_checkpoint, root, {"good": "base", "foreign": "other"})
     return base, folders, make_keys(root)
 
 
