@@ -106,6 +106,7 @@ def deploy(target, devices, group, to_all, include_offline, wave_size, max_failu
     from fleet import deployment
     from fleet.updates import create_job
 
+    operation = _operation(target, remove)
     store = _db(db_path)
     if "@" not in target:
         _list_versions(store.db, target)
@@ -117,7 +118,6 @@ def deploy(target, devices, group, to_all, include_offline, wave_size, max_failu
         click.echo(f"skipped {len(ids)} device(s) {why}: {deployment.named(ids)}")
     if not plan.devices:
         raise click.ClickException("no device needs this deployment")
-    operation = _operation(target, remove)
     manifest = deployment.published_manifest(store.db, target) if operation == "install" else None
     if manifest is not None and (problems := deployment.refusals(store.db, manifest, plan.devices, allow_downgrade,
                                                                 min_tokens_per_s)):
