@@ -136,3 +136,14 @@ def test_an_install_interrupted_by_a_restart_is_undone_before_the_engine_loads(m
     assert update.state is JobState.FAILED and "interrupted by an agent restart during health_check" in update.reason
     assert wire.AdapterManifest.read(folder).name == "good"  # the replaced version is back
     assert not list(folder.parent.glob(".good.*"))
+
+
+def test_without_a_floor_the_adapter_must_decode_at_70_percent_of_the_base_through_the_engine(made, served, tmp_path):
+    d = device(made, tmp_path)
+    golden = wire.AdapterManifest.read(made[1]["good"]).golden.continuation_ids
+    speeds = {None: 50.0, "good": 30.0}  # tokens/s the engine decodes at: the base, and with the adapter
+    d.ctx.generate = lambda ids, n, adapter: (golden[:n], speeds[adapter])
+    doc = job(made[1]["good"], made[2] / "fleet.key", served["good"]).model_copy(update={"min_tokens_per_s": None})
+    _, last = run(d, doc)
+    assert last.state is JobState.FAILED and "decode 30.0 tokens/s with the adapter is below the floor 35.0" in last.reason
+    assert not d.store.adapters_for(made[0].manifest)
