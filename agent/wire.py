@@ -20,54 +20,10 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-# ---- ONNX decoder graph I/O -------------------------------------------------------------------------
-INPUT_IDS = "input_ids"  # int64 [batch, seq]
-SEQLENS_K = "seqlens_k"  # int32 [batch]: tokens in the cache after this step, minus one (GQA's definition)
-TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # int32 scalar: an upper bound of seqlens_k + 1
-QUERY_SEQLENS = "query_seqlens"  # int32 [batch]: valid (non-padded) tokens of each row in this step
-LOGITS_INDICES = "logits_indices"  # int64 [batch, n]: positions within seq whose logits are wanted
-LOGITS = "logits"  # float32 [batch, n, vocab]
-
-
-def past_key(i: int) -> str:
-    return f"past_key_values.{i}.key"  # [batch, kv_heads, capacity, head_dim], shared with present
-
-
-def past_value(i: int) -> str:
-    return f"past_key_values.{i}.value"
-
-
-def present_key(i: int) -> str:
-    return f"present.{i}.key"
-
-
-def present_value(i: int) -> str:
-    return f"present.{i}.value"
-
-
-# LoRA inputs of an adapter-ready graph. q, k and v share one fused projection, as gate and up do, and each fused
-# projection that takes adapters has one low-rank branch: y += (x @ A) @ B. An adapter's tensors replace these
-# inputs for a run; their defaults have rank 0 (A [in, 0], B [0, out]), so without one the branch adds zeros.
-LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
-LORA_TARGETS: tuple[LoraTarget, ...] = get_args(LoraTarget)  # the order manifests list them in
-# fused projection -> (its path in tensor names, the targets whose output columns it holds, in column order)
-LORA_PROJECTIONS: dict[str, tuple[str, tuple[LoraTarget, ...]]] = {
-    "qkv": ("attn.qkv_proj", ("q", "k", "v")),
-    "o": ("attn.o_proj", ("o",)),
-    "gate_up": ("mlp.gate_up_proj", ("gate", "up")),
-    "down": ("mlp.down_proj", ("down",)),
-}
-LORA_PROJECTION_OF: dict[LoraTarget, str] = {t: p for p, (_, ts) in LORA_PROJECTIONS.items() for t in ts}
-
-
-def lora_a(i: int, projection: str) -> str:
-    """float32 [in, rank]: the fused projection's A, its targets' A^T side by side along rank."""
-    return f"model.layers.{i}.{LORA_PROJECTIONS[projection][0]}.lora_A"
-
-
-def lora_b(i: int, projection: str) -> str:
-    """float32 [rank, out]: block-diagonal, each target's (scale * B)^T in its rows and output columns."""
-    return f"model.layers.{i}.{LORA_PROJECTIONS[projection][0]}.lora_B"
+# ---- ONNX decoder graph I/O (defined in agent.graph_io, re-exported: wire is where importers look) ---------
+from agent.graph_io import (INPUT_IDS, LOGITS, LOGITS_INDICES, LORA_PROJECTION_OF, LORA_PROJECTIONS,  # noqa: F401, E402
+                            LORA_TARGETS, QUERY_SEQLENS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, LoraTarget, lora_a, lora_b,
+                            past_key, past_value, present_key, present_value)
 
 
 # ---- Bundle -----------------------------------------------------------------------------------------
@@ -527,13 +483,22 @@ class JobStep(str, enum.Enum):
     ACTIVATING = "activating"
 
 
+# install / rollback: a model bundle; install_adapter / remove_adapter: a LoRA adapter beside the base it fits
+JobOperation = Literal["install", "rollback", "install_adapter", "remove_adapter"]
+ADAPTER_OPERATIONS = frozenset({"install_adapter", "remove_adapter"})
+OPTIONAL_JOB_FIELDS = frozenset({"adapter"})  # JobDocument fields added after the first agents
+
+
 class JobDocument(_Frozen):
     """fleet -> device on jobs/notify: what to install and how to check it. Large files go over HTTP."""
 
     job_id: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    operation: str = Field("install", pattern=r"^(install|rollback)$")
-    manifest: Manifest | None = None  # the signed manifest (None for rollback)
-    signature: str | None = None  # base64 Ed25519 signature over manifest.canonical_bytes()
+    operation: JobOperation = "install"
+    manifest: Manifest | None = None  # the signed manifest of an install (None for the other operations)
+    # the signed manifest of an adapter job: the adapter to install, or the one to remove (by its name) from
+    # the base build it names; left out of the JSON while None (OPTIONAL_JOB_FIELDS)
+    adapter: AdapterManifest | None = None
+    signature: str | None = None  # base64 Ed25519 signature over the canonical bytes of manifest or adapter
     key_id: str | None = None  # which trusted key signed it
     base_url: str | None = None  # files are fetched from base_url + "/" + path, with HTTP Range
     min_tokens_per_s: float | None = Field(None, ge=0)  # health-check floor; None: 70% of the current model's
@@ -548,14 +513,23 @@ class JobDocument(_Frozen):
     job_signature: str | None = None  # base64 Ed25519 over signed_bytes(), by the fleet's job key
     job_key_id: str | None = None
 
+    @property
+    def signed_manifest(self) -> Manifest | AdapterManifest | None:
+        """What the manifest key's signature covers: the adapter of an adapter job, else the model's manifest."""
+        return self.adapter if self.operation in ADAPTER_OPERATIONS else self.manifest
+
     def signed_bytes(self) -> bytes:
-        return canonical_json(self, JOB_SIGNATURE_FIELDS)
+        return canonical_json(self, JOB_SIGNATURE_FIELDS | self._unset_optional())
 
     def wire_bytes(self) -> bytes:
         """The JSON sent on jobs/notify. The job-signing fields are left out when unset, so that agents from
         before them (whose schema forbids unknown fields) still take the jobs of a fleet that does not sign."""
         unset = {name for name in JOB_SIGNING_FIELDS if getattr(self, name) is None}
-        return self.model_dump_json(exclude=unset).encode()
+        return self.model_dump_json(exclude=unset | self._unset_optional()).encode()
+
+    def _unset_optional(self) -> set[str]:
+        # out of the JSON and the job signature while None: a job signed before the field existed keeps its bytes
+        return {name for name in OPTIONAL_JOB_FIELDS if getattr(self, name) is None}
 
     @field_validator("base_url")
     @classmethod
@@ -574,6 +548,9 @@ class JobDocument(_Frozen):
 
 
 JOB_SIGNATURE_FIELDS = frozenset({"job_signature", "job_key_id"})
+# JobStatusUpdate.figures key: the bytes an install fetched over HTTP (a resumed download counts what it fetched
+# after the restart too): an adapter rollout's are the adapter's, not its base model's
+DOWNLOADED_BYTES = "downloaded_bytes"
 JOB_SIGNING_FIELDS = JOB_SIGNATURE_FIELDS | {"device_id", "issued_at", "expires_at"}
 
 
@@ -586,5 +563,5 @@ class JobStatusUpdate(_Frozen):
     step: JobStep | None = None
     percent: float | None = None  # download progress
     reason: str | None = None  # why FAILED / REJECTED; IN_PROGRESS downloading: "retrying: <why>"
-    figures: dict = {}  # measured health-check figures on SUCCEEDED
+    figures: dict = {}  # measured health-check figures on SUCCEEDED, and DOWNLOADED_BYTES
     ts: float = EPOCH_SECONDS

@@ -3,7 +3,7 @@
 A migration that has shipped is never edited: `FleetStore.migrate` applies, each in its own transaction,
 those of MIGRATIONS a database has not recorded in its `_migrations` table, so a new schema change is a new
 entry at the end of the list. The registry and telemetry tables come first (0001-0003, 0007), the rollout
-tables after (0004-0006, 0008-0009; fleet.updates reads and writes them), the request rollups and their
+tables after (0004-0006, 0008-0009, 0016; fleet.updates reads and writes them), the request rollups and their
 stale marks (0012-0013; fleet.rollups), and last PostgreSQL's day partitions of the telemetry tables (0015;
 fleet.partitions). The store's row writers insert
 KEY, REQUEST_FIGURES_COLUMNS and SAMPLE_COLUMNS in the order given here.
@@ -149,6 +149,15 @@ def add_request_adapter(db: Database) -> None:
     db.add_column("requests", "adapter", str)
 
 
+def add_adapter_rollouts(db: Database) -> None:
+    """adapters: the published LoRA adapters (fleet.updates.publish_adapter), keyed like models, each with the
+    base build it fits; jobs.adapter / adapter_version: an adapter job's adapter (model / version: its base)."""
+    db.create_table("adapters", {"name": str, "version": str, "base_name": str, "base_version": str, "manifest": str,
+                                 "signature": str, "key_id": str, "published_at": float}, ("name", "version"))
+    db.add_column("jobs", "adapter", str)
+    db.add_column("jobs", "adapter_version", str)
+
+
 def partition_telemetry(db: Database) -> None:
     """PostgreSQL: the telemetry tables range-partitioned by day on the stamp devices sent (fleet.partitions), rows
     kept. SQLite: nothing (recorded all the same, so both backends list the same migrations)."""
@@ -175,4 +184,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0013_request_rollup_marks", add_request_rollup_marks),
     ("0014_request_adapter", add_request_adapter),
     ("0015_telemetry_partitions", partition_telemetry),
+    ("0016_adapter_rollouts", add_adapter_rollouts),
 )

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption
 
 from agent import durable
 from agent.updates.trust import key_id
-from agent.wire import JobDocument, Manifest
+from agent.wire import AdapterManifest, JobDocument, Manifest
 
 
 def keygen(out: Path) -> str:
@@ -51,8 +51,8 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey) -> tuple[str, str]:
-    """(base64 signature, key id) over the manifest's canonical bytes."""
+def sign_manifest(manifest: Manifest | AdapterManifest, key: Ed25519PrivateKey) -> tuple[str, str]:
+    """(base64 signature, key id) over the manifest's canonical bytes (a bundle's, or a LoRA adapter's)."""
     return base64.b64encode(key.sign(manifest.canonical_bytes())).decode(), key_id(key.public_key())
 
 

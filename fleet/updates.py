@@ -6,7 +6,8 @@ Job documents travel over MQTT (QoS 1 to a persistent device session); the files
 fleet.artifacts over HTTP with Range. Tables (migration 0004_updates in fleet/migrations.py):
     models(name, version, manifest, signature, key_id, published_at)
     jobs(id, operation, model, version, state, wave_size, max_failure_rate, allow_downgrade,
-         min_tokens_per_s, reason, created_at, updated_at)
+         min_tokens_per_s, reason, created_at, updated_at, device_timeout_s, adapter, adapter_version)
+         (an adapter job's model and version are its base's; adapters: fleet.adapter_registry)
     job_devices(job_id, device_id, wave, state, step, percent, reason, figures, notified, updated_at,
                 notified_at, reported_ts)
 """
@@ -28,8 +29,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent import durable
 from agent.engine.bundle import open_bundle
-from agent.wire import (MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument, JobState,
-                        JobStatusUpdate, Manifest, device_of, is_device_id, topic)
+from agent.wire import (ADAPTER_OPERATIONS, MAX_EXPIRY_S, MODEL_NAME_PATTERN, TERMINAL_JOB_STATES, JobDocument,
+                        JobState, JobStatusUpdate, Manifest, device_of, is_device_id, topic)
+from fleet.adapter_registry import adapter_document_fields, adapter_target, is_adapter, publish_adapter
 from fleet.db import Database, database_errors, open_database, unavailable_errors
 from fleet.leader import RETRY_S, Leadership
 from fleet.mqtt import UNCONFIRMED_HOLD_S
@@ -66,7 +68,10 @@ def applies(state: JobState, reported_ts: float | None, update: JobStatusUpdate)
 
 # ---- registry and jobs (CLI side) -------------------------------------------------------------------------
 def publish(db: Database, bundle_dir: Path, key_path: Path, artifacts_dir: Path) -> str:
-    """Verify a bundle, sign its manifest, copy it where the artifact server serves it; returns NAME@VERSION."""
+    """Verify a bundle, sign its manifest, copy it where the artifact server serves it; returns NAME@VERSION.
+    A LoRA adapter's folder is published the same way (fleet.adapter_registry): MODEL@VERSION:ADAPTER@VERSION."""
+    if is_adapter(bundle_dir):
+        return publish_adapter(db, bundle_dir, key_path, artifacts_dir)
     bundle = open_bundle(bundle_dir)
     m = bundle.manifest
     if not all(re.fullmatch(MODEL_NAME_PATTERN, x) for x in (m.name, m.version)):  # a path and URL segment each
@@ -105,11 +110,14 @@ def create_job(db: Database, target: str | None, devices: list[str], wave_size: 
     if not 0 < device_timeout_s <= MAX_EXPIRY_S:  # the notice expires with it (an MQTT four-byte integer)
         raise ValueError(f"device timeout must be a positive number of seconds up to {MAX_EXPIRY_S}, "
                          f"got {device_timeout_s}")
-    name = version = None
+    name = version = adapter = None
     if operation == "install":
         name, _, version = (target or "").partition("@")
         if not db["models"].count_where("name = ? and version = ?", [name, version]):
             raise ValueError(f"{target} is not published (edge-fleet publish BUNDLE --key KEY)")
+    elif operation in ADAPTER_OPERATIONS:
+        adapter = adapter_target(db, target or "")
+        name, version = adapter.base_name, adapter.base_version
     job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     now = time.time()
     with db.transaction():  # a failed insert of its devices must not leave the job row
@@ -117,7 +125,8 @@ def create_job(db: Database, target: str | None, devices: list[str], wave_size: 
                            "state": JobState.IN_PROGRESS.value, "wave_size": wave_size,
                            "max_failure_rate": max_failure_rate, "allow_downgrade": int(allow_downgrade),
                            "min_tokens_per_s": min_tokens_per_s, "reason": None, "created_at": now, "updated_at": now,
-                           "device_timeout_s": device_timeout_s})
+                           "device_timeout_s": device_timeout_s,
+                           **({"adapter": adapter.name, "adapter_version": adapter.version} if adapter else {})})
         db["job_devices"].insert_all({"job_id": job_id, "device_id": d.device_id, "wave": d.wave,
                                       "state": JobState.QUEUED.value, "step": None, "percent": None,
                                       "reason": None, "figures": None, "notified": 0, "updated_at": now}
@@ -152,7 +161,8 @@ def job_rows(db: Database, job_id: str) -> list[dict]:
 
 def list_jobs(db: Database) -> list[dict]:
     return list(db.query(
-        "select j.id, j.operation, coalesce(j.model || '@' || j.version, '') as target, j.state, j.reason, "
+        "select j.id, j.operation, coalesce(j.model || '@' || j.version, '') || "
+        "coalesce(':' || j.adapter || '@' || j.adapter_version, '') as target, j.state, j.reason, "
         "count(d.device_id) as devices, count(case when d.state = 'SUCCEEDED' then 1 end) as succeeded, "
         "count(case when d.state in ('FAILED', 'REJECTED', 'TIMED_OUT') then 1 end) as failed, "
         f"{db.dialect.day_time('j.created_at')} as created from jobs j left join job_devices d on d.job_id = j.id "
@@ -435,6 +445,9 @@ class RolloutDriver:
     def _document(self, db: Database, job: dict) -> JobDocument:
         if job["operation"] == "rollback":
             return JobDocument(job_id=job["id"], operation="rollback")
+        if job["operation"] in ADAPTER_OPERATIONS:
+            return JobDocument(job_id=job["id"], operation=job["operation"], min_tokens_per_s=job["min_tokens_per_s"],
+                               **adapter_document_fields(db, job, self.base_url))
         model = db["models"].get((job["model"], job["version"]))
         # quoted: a space or an 'é' in a model name is not a URL (JobDocument refuses it; devices could not fetch it)
         path = quote(f"{job['model']}@{job['version']}", safe="@")

@@ -58,3 +58,25 @@ def bundle_with_adapters(ckpt, root: Path) -> tuple[Bundle, dict[str, Path]]:
         convert(peft, bundle, root / name, name=name, progress=lambda s: None)
         folders[name] = root / name
     return bundle, folders
+
+
+def base_and_other_build(ckpt, root: Path, adapters: dict[str, str]) -> tuple[Bundle, dict[str, Path]]:
+    """An adapter-ready fp32 bundle 'tiny' (LoRA on q and v up to rank 8) and adapters for it: adapters maps each
+    name to "base", or to "other" for one converted for another build of the same model (int8, as ready), all
+    random q,v rank 4, seeded in order. Returns (base, {name: folder}) (tests of adapter rollouts)."""
+    from quantize.adapter import convert
+    from quantize.lora import LoraSpec
+    from quantize.package import build_bundle
+    from quantize.peft import read_peft
+    from quantize.precision import QuantSpec
+
+    lora = LoraSpec(targets=("q", "v"), max_rank=8)
+    builds = {"base": build_bundle(ckpt, QuantSpec(), root / "base", name="tiny", lora=lora, progress=lambda s: None),
+              "other": build_bundle(ckpt, QuantSpec(precision="int8", method="rtn", block_size=16, block_sizes={}),
+                                    root / "other", name="tiny", lora=lora, progress=lambda s: None)}
+    folders = {}
+    for seed, (name, build) in enumerate(adapters.items(), start=1):
+        peft = read_peft(write_peft(root / f"peft-{name}", ckpt.geometry, targets=("q", "v"), r=4, alpha=16, seed=seed))
+        convert(peft, builds[build], root / name, name=name, progress=lambda s: None)
+        folders[name] = root / name
+    return builds["base"], folders

@@ -22,7 +22,7 @@ from agent.api.backend import Backend
 from agent.api.http_server import ApiServer, ServeError, bind_tcp, bind_unix, unlink_if_socket
 from agent.config import AgentConfig
 from agent.engine.bundle import open_bundle
-from agent.engine.golden import measure_golden
+from agent.engine.golden import continue_greedy, measure_golden
 from agent.link.commands import CommandError
 from agent.link.telemetry import Telemetry
 from agent.service.lifecycle import ModelLifecycle
@@ -200,6 +200,7 @@ def _start_services(config: AgentConfig, store: ModelStore, server: ApiServer, m
             replay=lambda u: telemetry.link.publish_job_status(u.model_dump_json(), u.job_id),
             swap=models.swap,
             measure=lambda b, n: measure_golden(b, config.engine.threads, n),
+            generate=lambda ids, n, adapter: continue_greedy(backend.engine, ids, n, adapter),
             kv_dtypes=lambda: _kv_dtypes(backend, config, reload_config),
             health_check_tokens=config.updates.health_check_tokens, allow_downgrade=config.updates.allow_downgrade,
             artifacts_url=config.updates.artifacts_url, min_tokens_per_s=config.updates.min_tokens_per_s,

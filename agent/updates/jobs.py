@@ -52,6 +52,9 @@ class UpdateContext:
     # measure(bundle, n_tokens) -> (golden ids, decode tokens/s): the manifest's golden prompt continued greedily
     # for n_tokens on this device (agent.engine.golden.measure_golden, bound to the engine's threads)
     measure: Callable[[Bundle, int], tuple[list[int], float]]
+    # generate(prompt_ids, n_tokens, adapter) -> (ids, decode tokens/s): a greedy continuation through the serving
+    # engine with that adapter (None: the base) active: an adapter install's health check (agent.updates.adapter_job)
+    generate: Callable[[list[int], int, str | None], tuple[list[int], float]] | None = None
     health_check_tokens: int = 16  # config [updates]: the least golden tokens that must match, whatever the job says
     allow_downgrade: bool = True  # config [updates]: False refuses an older model whatever the job says
     min_tokens_per_s: float = 0.0  # config [updates]: the least decode speed a new model must reach, whatever the job says
@@ -78,6 +81,7 @@ class JobPhase(enum.Enum):
     SWAPPING = "swapping"  # the links move and the new model loads (activating)
     REVERTING = "reverting"  # the new model would not run once the links moved: both links and the old model back
     ROLLING_BACK = "rolling_back"  # a rollback job: `previous` becomes current and serves (activating)
+    REMOVING = "removing"  # an adapter removal: its folder goes and the engine restarts without it (activating)
     PAUSED = "paused"  # the agent stopped during the download: unreported, the job runs again after the restart
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -106,6 +110,8 @@ _ENDS = {JobState.SUCCEEDED: JobPhase.SUCCEEDED, JobState.FAILED: JobPhase.FAILE
 
 
 class UpdateJob:
+    TRANSITIONS = _TRANSITIONS  # the phases this kind of job moves through, and only those
+
     def __init__(self, ctx: UpdateContext, doc: JobDocument, deadline: float | None = None,
                  stopping: threading.Event | None = None):
         self.ctx, self.doc = ctx, doc
@@ -113,9 +119,10 @@ class UpdateJob:
         self.deadline = deadline  # time.monotonic() after which its notice had expired, if it had an expiry
         self.stopping = stopping  # set when the agent stops; None: the job cannot be taken up again after a restart
         self.staging: Path | None = None
+        self.downloaded_bytes = 0  # fetched over HTTP by this run of the job (wire.DOWNLOADED_BYTES)
 
     def can_enter(self, phase: JobPhase) -> bool:
-        return phase in _TRANSITIONS[self.phase]
+        return phase in self.TRANSITIONS.get(self.phase, ())
 
     def _enter(self, phase: JobPhase) -> None:
         """Move to phase; a move the table does not allow is a bug in this module, raised as one."""
@@ -147,15 +154,7 @@ class UpdateJob:
         try:
             self._enter(JobPhase.CHECKING)
             self._check_job()
-            if self.doc.operation == "rollback":
-                return self._rollback()
-            self.status(JobState.QUEUED)
-            self._check()
-            self._download()
-            figures = self._activate(self._verify())
-            self._enter(JobPhase.SUCCEEDED)
-            self.status(JobState.SUCCEEDED, figures=figures)
-            return JobState.SUCCEEDED
+            return self._carry_out()
         except JobPaused:
             self._enter(JobPhase.PAUSED)
             self._pause()
@@ -167,6 +166,20 @@ class UpdateJob:
             log.warning("job %s %s: %s", self.doc.job_id, e.state.value, e.reason)
             self.status(e.state, reason=e.reason)
             return e.state
+
+    def _carry_out(self) -> JobState:
+        """The operation, once the job itself checked out; JobFailed / JobPaused end it early."""
+        if self.doc.operation == "rollback":
+            return self._rollback()
+        self.status(JobState.QUEUED)
+        self._check()
+        self._download()
+        return self._succeed(self._activate(self._verify()))
+
+    def _succeed(self, figures: dict) -> JobState:
+        self._enter(JobPhase.SUCCEEDED)
+        self.status(JobState.SUCCEEDED, figures={**figures, wire.DOWNLOADED_BYTES: self.downloaded_bytes})
+        return JobState.SUCCEEDED
 
     # -- before any download: REJECTED --
     def _check_job(self) -> None:
@@ -192,18 +205,7 @@ class UpdateJob:
 
     def _check(self) -> None:
         m = self.doc.manifest
-        try:
-            verify_manifest(m, self.doc.signature, self.doc.key_id, self.ctx.trusted_keys)
-        except TrustError as e:
-            raise JobFailed(JobState.REJECTED, str(e)) from e
-        if m.schema_version != wire.MANIFEST_SCHEMA_VERSION:
-            raise JobFailed(JobState.REJECTED, f"incompatible manifest schema {m.schema_version}")
-        staging = self.ctx.store.staging_root / self._digest()
-        for rel in m.files:
-            try:
-                safe_member(staging, rel)
-            except BundleError as e:
-                raise JobFailed(JobState.REJECTED, f"unsafe file name in manifest: {rel!r}") from e
+        self._check_signed(wire.MANIFEST_SCHEMA_VERSION)
         install = _install_name(m)
         if not _is_entry_name(install):  # a signed name 'a/b' crashed the final move into models/ ('../x' escaped it)
             raise JobFailed(JobState.REJECTED, f"unsafe model name or version in manifest: {install!r}")
@@ -218,18 +220,38 @@ class UpdateJob:
         if m.created_at < current.created_at and not (self.doc.allow_downgrade and self.ctx.allow_downgrade):
             why = "without allow_downgrade" if self.ctx.allow_downgrade else "by this device ([updates] allow_downgrade)"
             raise JobFailed(JobState.REJECTED, f"downgrade from {current.version} ({current.created_at}) refused {why}")
+        self._check_base_url()
+
+    def _check_signed(self, schema_version: int) -> None:
+        """The manifest the job carries is signed by a trusted key, in a schema this agent reads, and names only
+        files inside the staging directory; REJECTED otherwise."""
+        m = self.doc.signed_manifest
+        try:
+            verify_manifest(m, self.doc.signature, self.doc.key_id, self.ctx.trusted_keys)
+        except TrustError as e:
+            raise JobFailed(JobState.REJECTED, str(e)) from e
+        if m.schema_version != schema_version:
+            raise JobFailed(JobState.REJECTED, f"incompatible manifest schema {m.schema_version}")
+        staging = self.ctx.store.staging_root / self._digest()
+        for rel in m.files:
+            try:
+                safe_member(staging, rel)
+            except BundleError as e:
+                raise JobFailed(JobState.REJECTED, f"unsafe file name in manifest: {rel!r}") from e
+
+    def _check_base_url(self) -> None:
         prefix = self.ctx.artifacts_url
         if prefix and not (self.doc.base_url or "").startswith(prefix.rstrip("/") + "/"):
             raise JobFailed(JobState.REJECTED, f"base_url {self.doc.base_url!r} is not under this device's "
                                                f"[updates] artifacts_url {prefix!r}")
 
     def _digest(self) -> str:
-        return hashlib.sha256(self.doc.manifest.canonical_bytes()).hexdigest()[:32]
+        return hashlib.sha256(self.doc.signed_manifest.canonical_bytes()).hexdigest()[:32]
 
     # -- download with resume --
     def _download(self) -> None:
         self._enter(JobPhase.DOWNLOADING)
-        m = self.doc.manifest
+        m = self.doc.signed_manifest
         if not self.doc.base_url:
             raise JobFailed(JobState.FAILED, "job has no base_url to download from")
         self.staging = self.ctx.store.staging_root / self._digest()
@@ -247,9 +269,12 @@ class UpdateJob:
             # restart during the download is reported as one, not "before it started"
             self.status(JobState.IN_PROGRESS, JobStep.DOWNLOADING, percent=0.0)
             for rel, entry in sorted(m.files.items()):
+                had = _size(self.staging / rel)  # what an earlier run fetched: resumed, not fetched again
                 download.fetch_file(self.doc.base_url, self.staging, rel, entry, report, self.stopping)
+                self.downloaded_bytes += entry.size_bytes - min(had, entry.size_bytes)
                 done += entry.size_bytes
-            (self.staging / wire.MANIFEST).write_text(m.model_dump_json(indent=2))
+            manifest_file = wire.ADAPTER_MANIFEST if isinstance(m, wire.AdapterManifest) else wire.MANIFEST
+            (self.staging / manifest_file).write_text(m.model_dump_json(indent=2))
         except OSError as e:  # the local side (fetch_file retries the network): a signed 300-character file name
             # raised ENAMETOOLONG out of the job; 'a' listed beside 'a/b', or a full disk, end here as well
             raise JobFailed(JobState.FAILED, f"cannot write the download to {self.staging}: {e}") from e
@@ -411,6 +436,10 @@ class UpdateJob:
     def _clean_staging(self) -> None:
         if self.staging and self.staging.parent == self.ctx.store.staging_root:
             shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def _install_name(m: wire.Manifest) -> str:

@@ -78,6 +78,17 @@ class ModelStore:
             return {}
         return {p.name: p for p in sorted(folder.iterdir()) if p.is_dir() and not p.name.startswith(".")}
 
+    def discard_adapter(self, folder: Path) -> bool:
+        """After a crash mid-install: the adapter at folder (under adapters/) goes, never health-checked, and the
+        version it replaced (set aside as .NAME.old-PID) comes back; False if folder is not an adapter's."""
+        folder = Path(folder)
+        if folder.parent.parent != self.root / ADAPTERS_DIR:
+            return False
+        shutil.rmtree(folder, ignore_errors=True)
+        for aside in sorted(folder.parent.glob(f".{folder.name}.old-*"))[-1:]:
+            os.replace(aside, folder)
+        return True
+
     def link(self, name: str) -> Path | None:
         p = self.root / name
         return p.resolve() if p.is_symlink() else None

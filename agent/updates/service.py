@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from agent import wire
 from agent.updates.errors import STORAGE_ERRNOS
+from agent.updates.adapter_job import AdapterJob
 from agent.updates.jobs import UpdateContext, UpdateJob
 from agent.updates.model_store import JobJournal
 from agent.updates.trust import JobTimeError, TrustError, verify_job
@@ -43,6 +44,9 @@ def recover(ctx: UpdateContext) -> wire.JobStatusUpdate | None:
             (ctx.replay or ctx.report)(update)  # not news: not a model_change event at every boot
         return update
     current = ctx.store.link("current")
+    if target and ctx.store.discard_adapter(target):  # before the engine loads: it never serves what was unchecked
+        log.warning("removed the adapter an interrupted job was installing: %s", target)
+        target = None  # a FAILED install, below
     if entry.step is JobStep.ACTIVATING and target and current == target.resolve():
         state, reason = JobState.SUCCEEDED, None  # the swap happened before the crash
     else:  # IN_PROGRESS, or QUEUED (accepted: the fleet waits for how it ends)
@@ -191,8 +195,9 @@ class UpdateService:
     def _run(self) -> None:
         while (doc := self._queue.get()) is not None and not self._stopping.is_set():
             try:
-                final = UpdateJob(self.ctx, doc, self._deadlines.pop(doc.job_id, None),
-                                  self._stopping if self._pending.get(doc.job_id) else None).run()
+                kind = AdapterJob if doc.operation in wire.ADAPTER_OPERATIONS else UpdateJob
+                final = kind(self.ctx, doc, self._deadlines.pop(doc.job_id, None),
+                             self._stopping if self._pending.get(doc.job_id) else None).run()
                 if final is JobState.QUEUED:  # paused by stop(): its document stays queued for the restart
                     break
             except Exception as e:  # a bug must not end updates for good; the old model keeps serving

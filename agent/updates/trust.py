@@ -16,7 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_public_key
 
-from agent.wire import JobDocument, Manifest
+from agent.wire import AdapterManifest, JobDocument, Manifest
 
 
 class TrustError(ValueError):
@@ -46,7 +46,7 @@ def load_trusted_keys(paths: list[Path]) -> dict[str, Ed25519PublicKey]:
     return keys
 
 
-def verify_manifest(manifest: Manifest | None, signature_b64: str | None, kid: str | None,
+def verify_manifest(manifest: Manifest | AdapterManifest | None, signature_b64: str | None, kid: str | None,
                     trusted: dict[str, Ed25519PublicKey]) -> None:
     if manifest is None or not signature_b64 or not kid:
         raise TrustError("the job carries no signed manifest")

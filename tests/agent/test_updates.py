@@ -1334,23 +1334,28 @@ def test_a_read_only_card_fails_jobs_with_the_reason_and_updates_go_on(tmp_path,
 
 
 # ---- the job's state machine ---------------------------------------------------------------------------------
-def test_the_job_transition_table_is_closed_and_every_phase_can_end():
-    from agent.updates.jobs import _TRANSITIONS, JobPhase
+@pytest.mark.parametrize("kind", ["model", "adapter"])
+def test_the_job_transition_table_is_closed_and_every_phase_can_end(kind):
+    """Each kind of job (agent.updates.jobs, agent.updates.adapter_job) has its own table over its own phases."""
+    from agent.updates.adapter_job import AdapterJob
+    from agent.updates.jobs import JobPhase, UpdateJob
 
-    assert set(_TRANSITIONS) == set(JobPhase) and all(nxt <= set(JobPhase) for nxt in _TRANSITIONS.values())
-    ends = {phase for phase, nxt in _TRANSITIONS.items() if not nxt}
+    table = {"model": UpdateJob, "adapter": AdapterJob}[kind].TRANSITIONS
+    phases = set(table)
+    assert all(nxt <= phases for nxt in table.values())
+    ends = {phase for phase, nxt in table.items() if not nxt}
     assert ends == {JobPhase.PAUSED, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.REJECTED, JobPhase.ROLLED_BACK}
 
     def reachable(start):
         seen, todo = {start}, [start]
         while todo:
-            for nxt in _TRANSITIONS[todo.pop()] - seen:
+            for nxt in table[todo.pop()] - seen:
                 seen.add(nxt)
                 todo.append(nxt)
         return seen
 
-    assert reachable(JobPhase.QUEUED) == set(JobPhase)
-    assert all(reachable(phase) & ends for phase in JobPhase)
+    assert reachable(JobPhase.QUEUED) == phases
+    assert all(reachable(phase) & ends for phase in phases)
 
 
 @pytest.fixture
