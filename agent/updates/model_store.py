@@ -134,18 +134,22 @@ class ModelStore:
                 p.unlink(missing_ok=True)
 
     def remove_orphans(self) -> list[str]:
-        """At start, delete what models/ holds that neither link names: a power cut between a rollback's two
-        link swaps (both then name one bundle) or during a deletion left a bundle there for good."""
+        """At start, delete what models/ holds that neither link names (a power cut between a rollback's two
+        link swaps, both then naming one bundle, or during a deletion left a bundle there for good) and the
+        adapter folders a removal hid but had not yet deleted. Returns their names."""
         kept = {self.link("current"), self.link("previous")} - {None}
         if not kept:
             return []
         orphans = [p for p in self.models.iterdir() if p != self.staging_root and p.resolve() not in kept]
+        # an adapter removal cut short after it hid the folder (agent.updates.adapter_job): never served again
+        orphans += sorted((self.root / ADAPTERS_DIR).glob("*/.*.removed-*"))
         for p in orphans:
             if p.is_symlink():  # seeded by `serve --model DIR`: the link goes, DIR is the user's
                 p.unlink()
             else:
                 shutil.rmtree(p, ignore_errors=True)
-        return sorted(p.name for p in orphans)
+        return sorted(str(p.relative_to(self.root)) if p.parent.parent == self.root / ADAPTERS_DIR else p.name
+                      for p in orphans)
 
     def rollback(self) -> Path | None:
         """Make `previous` current (and current previous); None if that was the last thing done: a rollback

@@ -138,6 +138,18 @@ def test_an_install_interrupted_by_a_restart_is_undone_before_the_engine_loads(m
     assert not list(folder.parent.glob(".good.*"))
 
 
+def test_a_removal_cut_short_after_hiding_the_folder_leaves_nothing_behind_after_a_restart(made, tmp_path):
+    from agent.updates.model_store import ADAPTERS_DIR
+    from agent.updates.service import recover
+
+    d = device(made, tmp_path)
+    folder = d.store.root / ADAPTERS_DIR / f"tiny@{made[0].manifest.version}" / "good"
+    shutil.copytree(made[1]["good"], folder.with_name(".good.removed-123"))  # hidden, not yet deleted
+    assert recover(d.ctx) is None
+    assert not folder.parent.exists() or not list(folder.parent.iterdir())
+    assert not d.store.adapters_for(made[0].manifest)
+
+
 def test_without_a_floor_the_adapter_must_decode_at_70_percent_of_the_base_through_the_engine(made, served, tmp_path):
     d = device(made, tmp_path)
     golden = wire.AdapterManifest.read(made[1]["good"]).golden.continuation_ids
