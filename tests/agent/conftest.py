@@ -1,4 +1,5 @@
-"""Fixtures shared by several agent test modules: the telemetry database path, MQTT links on their own stores."""
+"""Fixtures shared by several agent test modules: the telemetry database path, MQTT links on their own stores, the
+tiny model served by a real ApiServer (module-scoped: each test module builds its own) and the real model's."""
 from __future__ import annotations
 
 import sys
@@ -6,12 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from agent.config import EngineConfig
+from agent.engine.engine import Engine
 from agent.link.mqtt import MqttLink
 from agent.link.store import TelemetryStore
 from agent.link.telemetry import DB_NAME
+from quantize.package import build_bundle
+from quantize.precision import QuantSpec
 
-sys.path.insert(0, str(Path(__file__).parent))  # mqtt_support.py, importable from the crash tests' subprocess too
+sys.path.insert(0, str(Path(__file__).parent))  # *_support.py; mqtt_support.py from the crash tests' subprocess too
 
+from api_support import TINY_ENGINE, serving  # noqa: E402
 from mqtt_support import fast_config  # noqa: E402
 
 
@@ -37,3 +43,32 @@ def links(tmp_path):
     for link in made:
         link.stop()
         link.store.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory):
+    return build_bundle(tiny_checkpoint, QuantSpec(), tmp_path_factory.mktemp("api") / "fp32", name="tiny",
+                        progress=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_bundle):
+    engine = Engine(tiny_bundle, TINY_ENGINE)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_bundle, tiny_engine):
+    with serving(tiny_bundle, tiny_engine) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def real(real_fp32_bundle):
+    engine = Engine(real_fp32_bundle, EngineConfig(threads=2, memory_budget_mb=2048, max_context=1024))
+    engine.start()
+    with serving(real_fp32_bundle, engine) as served:
+        yield served
+    engine.stop()
