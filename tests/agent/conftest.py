@@ -1,5 +1,6 @@
 """Fixtures shared by several agent test modules: the telemetry database path, MQTT links on their own stores, the
-tiny model served by a real ApiServer (module-scoped: each test module builds its own) and the real model's."""
+tiny model served by a real ApiServer (module-scoped: each test module builds its own) and the real model's, and for
+the update tests two bundles of the tiny model, a fleet key pair and an artifact server."""
 from __future__ import annotations
 
 import sys
@@ -12,6 +13,7 @@ from agent.engine.engine import Engine
 from agent.link.mqtt import MqttLink
 from agent.link.store import TelemetryStore
 from agent.link.telemetry import DB_NAME
+from fleet.artifacts import ArtifactServer
 from quantize.package import build_bundle
 from quantize.precision import QuantSpec
 
@@ -19,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # *_support.py; mqtt_support.py 
 
 from api_support import TINY_ENGINE, serving  # noqa: E402
 from mqtt_support import fast_config  # noqa: E402
+from updates_support import build_bundles, make_keys  # noqa: E402
 
 
 @pytest.fixture
@@ -72,3 +75,20 @@ def real(real_fp32_bundle):
     with serving(real_fp32_bundle, engine) as served:
         yield served
     engine.stop()
+
+
+@pytest.fixture(scope="module")
+def bundles(tiny_checkpoint, tmp_path_factory):
+    return build_bundles(tiny_checkpoint, tmp_path_factory.mktemp("upd"))
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    return make_keys(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = ArtifactServer(tmp_path / "artifacts").start()
+    yield s
+    s.stop()
