@@ -1,5 +1,5 @@
-"""What the telemetry-store tests share: a request record with chosen figures. Used by tests/agent/test_store*.py
-and tests/agent/test_telemetry_reader.py."""
+"""What the telemetry-store tests share: a request record with chosen figures. Used by test_store*.py and
+test_telemetry_reader.py, next to it in tests/agent (on sys.path through tests/agent/conftest.py)."""
 from __future__ import annotations
 
 from agent.wire import RequestFigures, RequestRecord
