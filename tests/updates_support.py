@@ -1,9 +1,10 @@
 """What the update tests share: two versions of the tiny model as bundles, a fleet key pair, a device whose
-updater runs on a real ModelStore, and a job document. Used by tests/agent/test_updates.py and
-tests/reliability/test_fuzz_jobs.py.
+updater runs on a real ModelStore, a job document, a tampered manifest, a swap that fails on one version and the
+journal written raw. Used by tests/agent/test_update_*.py and tests/reliability/test_fuzz_jobs.py.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -96,3 +97,25 @@ def job(manifest: wire.Manifest, keyfile: Path | None, base_url: str, job_id: st
     """An install job for manifest, signed with keyfile (unsigned if None)."""
     sig, kid = sign_manifest(manifest, load_private_key(keyfile)) if keyfile else (None, None)
     return JobDocument(job_id=job_id, manifest=manifest, signature=sig, key_id=kid, base_url=base_url, **kw)
+
+
+def write_raw_journal(store: ModelStore, entry) -> None:
+    """The journal as it lies on disk, written by this agent, an older one or a damaged card."""
+    store.journal.write_text(json.dumps(entry))
+
+
+def _tamper_manifest(m: wire.Manifest, **changes) -> wire.Manifest:
+    return wire.Manifest.model_validate(m.model_dump() | changes)
+
+
+def swap_failing_on(dev, version: str, calls: list | None = None):
+    """A swap whose engine cannot start `version` (after its check ran); any other bundle serves."""
+    def swap(bundle, check=None):
+        if calls is not None:
+            calls.append(bundle.manifest.version)
+        if check:
+            check(bundle)
+        if bundle.manifest.version == version:
+            raise RuntimeError("engine failed to start")
+        dev.serving = bundle
+    return swap

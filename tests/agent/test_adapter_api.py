@@ -20,7 +20,7 @@ from agent.service.lifecycle import ModelLifecycle
 from agent.service.serve import load_agent_config
 from agent.updates.model_store import ModelStore
 from lora_support import bundle_with_adapters
-from tests.agent.test_api import serving
+from api_support import serving
 
 CONFIG = EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=16)
 PROMPT = [5, 17, 33, 60, 7, 99, 120, 8]

@@ -1,6 +1,6 @@
 """What the device's and the fleet's MQTT links share (agent.mqtt_link): states, backoff, broker URLs.
 
-Pure: no broker, no paho. The links' own behaviour against a real Mosquitto is in tests/agent/test_mqtt.py
+Pure: no broker, no paho. The links' own behaviour against a real Mosquitto is in tests/agent/test_mqtt_*.py
 and tests/fleet/test_mqtt.py.
 
 Run: .venv/bin/pytest tests/agent/test_mqtt_link.py -q

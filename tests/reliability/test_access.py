@@ -1,7 +1,7 @@
 """Access to the agent's socket, over a real process: with `socket_group` set, a user in that group may talk
 to the API and a user outside it is refused by the kernel (the socket is 0660, owned by the group). The other
-access checks of the suite live with their subjects: the broker ACL (tests/agent/test_mqtt.py::
-test_the_acl_keeps_each_device_to_its_own_topics) and signed updates (tests/agent/test_updates.py)."""
+access checks of the suite live with their subjects: the broker ACL (tests/agent/test_mqtt_access.py::
+test_the_acl_keeps_each_device_to_its_own_topics) and signed updates (tests/agent/test_update_*.py)."""
 from __future__ import annotations
 
 import grp
