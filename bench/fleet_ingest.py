@@ -17,6 +17,9 @@ the broker and the devices serve the whole run:
              offered rate sustained in any round.
 Nothing may be lost: every record offered is counted in the database (through fleet.db, whichever it is) exactly
 once, or the run stops with an error.
+  CPU:       each step reads the CPU of the bench (the devices), the broker, the replicas, the PostgreSQL server and
+             the rest of the machine from /proc (bench/fleet_cpu.py); the tables give it per record for each
+             configuration's best sustained step, which says what limits it on a shared host.
 
 Databases: `sqlite`, a file in the bench's temporary directory (every commit fsynced, synchronous=FULL);
 `postgresql`, a throwaway PostgreSQL (tests/postgres.py) with its data directory beside that file and durability
