@@ -17,6 +17,9 @@ the broker and the devices serve the whole run:
              offered rate sustained in any round.
 Nothing may be lost: every record offered is counted in the database (through fleet.db, whichever it is) exactly
 once, or the run stops with an error.
+  CPU:       each step reads the CPU of the bench (the devices), the broker, the replicas, the PostgreSQL server and
+             the rest of the machine from /proc (bench/fleet_cpu.py); the tables give it per record for each
+             configuration's best sustained step, which says what limits it on a shared host.
 
 Databases: `sqlite`, a file in the bench's temporary directory (every commit fsynced, synchronous=FULL);
 `postgresql`, a throwaway PostgreSQL (tests/postgres.py) with its data directory beside that file and durability
@@ -41,7 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +52,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "fleet"), s
 
 import paho.mqtt.client as paho
 from broker import Broker
+from fleet_cpu import CpuMeter, cpu_table
 from fleet_devices import BenchDevice, offered, start_devices, stop_devices
 
 from fleet.db import Database, describe, is_url, open_database
@@ -78,6 +82,8 @@ class Sustained:
     max_backlog: int  # records published but not yet in the database, at worst
     tail_s: float  # last publish -> last record committed
     rate: float = 0.0  # records/s per device asked for
+    cpu: dict[str, float] = field(default_factory=dict)  # party -> CPU s over the step (bench/fleet_cpu.py)
+    cpu_wall_s: float = 0.0  # the step's wall time those were read over
 
     @property
     def is_sustained(self) -> bool:
@@ -360,14 +366,14 @@ def measure_drain(replicas: Replicas, devices: list[BenchDevice], backlog: int, 
 
 
 def step_rates(devices: list[BenchDevice], db: str, first_rate: float, factor: float, refine: int, args,
-               label: str) -> list[Sustained]:
+               label: str, meter: CpuMeter) -> list[Sustained]:
     """Sustained steps from first_rate (records/s per device), up by `factor` while they sustain, down while they
     do not, until a sustained rate and the next one up that is not bracket the limit; then `refine` more steps,
     each at the geometric middle of the bracket. At most args.max_steps."""
     steps: list[Sustained] = []
     passed, failed, rate = None, None, first_rate  # the bracket: highest sustained, lowest not sustained
     while len(steps) < args.max_steps:
-        s = step(devices, db, rate, args, label)
+        s = step(devices, db, rate, args, label, meter)
         steps.append(s)
         if s.is_sustained:
             passed = max(passed or 0.0, rate)
@@ -385,8 +391,10 @@ def step_rates(devices: list[BenchDevice], db: str, first_rate: float, factor: f
     return steps
 
 
-def step(devices: list[BenchDevice], db: str, rate: float, args, label: str) -> Sustained:
+def step(devices: list[BenchDevice], db: str, rate: float, args, label: str, meter: CpuMeter) -> Sustained:
+    before, started = meter.read(), time.monotonic()
     s = measure_sustained(devices, db, rate, args.duration)
+    s.cpu, s.cpu_wall_s = CpuMeter.spent(before, meter.read()), time.monotonic() - started
     print(f"  {label}: {s.offered_per_s:,.0f} records/s offered, backlog <= {s.max_backlog}, tail "
           f"{s.tail_s:.2f} s: {'sustained' if s.is_sustained else 'NOT sustained'}", file=sys.stderr)
     if s.stored != s.produced:
@@ -412,10 +420,14 @@ def run_configuration(kind: str, n_replicas: int, name: str, databases: Database
             print(f"  {label}: drained {drain.stored_per_s:,.0f} records/s (replicas: "
                   f"{' + '.join(map(str, drain.split))})", file=sys.stderr)
         replicas.start()
+        meter = CpuMeter({"devices": [os.getpid()], "broker": [broker.proc.pid],
+                          "replicas": [r.proc.pid for r in replicas.running]}
+                         | ({"postgresql": [databases.server.proc.pid]} if kind != "sqlite" and databases.server else {}))
         if any(r.best for r in earlier):  # a later round: from the best so far, in the last round's fine steps
-            steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step ** 0.5, 0, args, label)
+            steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step ** 0.5, 0, args, label, meter)
         else:
-            steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step, args.refine, args, label)
+            steps = step_rates(devices, db, first_rate(args, drain, earlier), args.step, args.refine, args, label,
+                               meter)
         summaries += replicas.stop()
         check_exactly_once(db, offered(devices) - base, label)
     finally:
@@ -489,6 +501,17 @@ def print_steps(by_label: dict[str, list[Result]]) -> None:
                       f"{s.tail_s:.2f} | {'yes' if s.is_sustained else 'no'} |")
 
 
+def print_cpu(by_label: dict[str, list[Result]]) -> None:
+    """Where the CPU went in each configuration's best sustained step (the highest rate the machine kept up with)."""
+    rows = []
+    for label, rounds in by_label.items():
+        best = max((r.best for r in rounds if r.best), key=lambda s: s.offered_per_s, default=None)
+        if best and best.cpu:
+            rows.append((label, best.stored, best.cpu_wall_s, best.cpu))
+    print("\nCPU of the best sustained step, per record stored and as a share of all CPUs over the step:\n\n"
+          + cpu_table(rows))
+
+
 def label_of(kind: str, n_replicas: int) -> str:
     return f"{'SQLite' if kind == 'sqlite' else 'PostgreSQL'} x{n_replicas}"
 
@@ -550,6 +573,7 @@ def main() -> None:
           f"round(s); drain of a {args.backlog:,}-record backlog; SQLite fsynced, {pg}; {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d', time.gmtime())}, {time.monotonic() - started:.0f} s\n")
     print_table(by_label)
+    print_cpu(by_label)
     print_steps(by_label)
     for label, rounds in by_label.items():
         drains = [" + ".join(map(str, r.drain.split)) for r in rounds if r.drain]

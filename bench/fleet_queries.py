@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import tempfile
@@ -92,7 +93,18 @@ QUESTIONS: dict[str, Callable] = {
     "tps --by device --since 90d": lambda db: queries.tps(db, 90 * 86400, "device", now=NOW),
     "devices": lambda db: queries.devices(db, now=NOW),
     "report timeseries --since 7d": lambda db: queries.timeseries(db, 7 * 86400, now=NOW),
+    "report --since 7d (the HTML)": lambda db: report_page(db, 7 * 86400),
 }
+
+
+def report_page(db, since_s: float) -> list[dict]:
+    """What `edge-fleet report` reads and renders (fleet.cli.report), short of writing the file: one row, its size."""
+    from fleet.report import render_report
+
+    html = render_report(queries.with_parameters(db, queries.tps(db, since_s, "version", now=NOW)),
+                         queries.timeseries(db, since_s, now=NOW), title="bench",
+                         adapters=queries.tps(db, since_s, "adapter", now=NOW))
+    return [{"t": NOW, "html_chars": len(html)}]
 
 
 def timed(fn: Callable, db, runs: int) -> tuple[float, list[dict]]:
@@ -175,6 +187,18 @@ def before_partitions(target) -> FleetStore:
         fleet.store.MIGRATIONS = saved
 
 
+def partition_layout(db) -> str:
+    """Where migration 0015 put the rows: day partitions holding rows, rows in the default partition, rows whose
+    sent_ts is not their ts (every bench row's clock is set, so 0); '' when the tables are not partitioned."""
+    if not db.dialect.partitioned:
+        return ""
+    days, in_default, restamped = db.execute(
+        "select count(distinct tableoid), count(*) filter (where tableoid = 'requests_default'::regclass), "
+        "count(*) filter (where sent_ts is distinct from ts) from requests").fetchone()
+    assert in_default == 0 and restamped == 0, f"{in_default} rows in the default partition, {restamped} restamped"
+    return f"{days} day partitions"
+
+
 def run_backend(backend: str, rows: int, args, workdir: Path) -> dict:
     server = None
     if backend == "postgresql":
@@ -194,9 +218,11 @@ def run_backend(backend: str, rows: int, args, workdir: Path) -> dict:
         store = FleetStore(target)  # migration 0015: PostgreSQL's tables partitioned by day
         partition_s = time.perf_counter() - start
         rollup_rows = store.db[rollups.TABLE].count
+        layout = partition_layout(store.db)
         store.close()
         return {"backend": backend, "rows": rows, "insert_s": insert_s, "backfill_s": backfill_s,
-                "partition_s": partition_s, "rollup_rows": rollup_rows, "queries": measure_queries(target, args.runs),
+                "partition_s": partition_s, "rollup_rows": rollup_rows, "layout": layout,
+                "queries": measure_queries(target, args.runs),
                 "ingest_ms": ingest_cost(fresh_target)}
     finally:
         if server is not None:
@@ -212,18 +238,20 @@ def table(results: list[dict], args) -> str:
         for name, raw_s, rolled_s, groups, diff in r["queries"]:
             lines.append(f"| {r['backend']} | {r['rows']:,} | `{name}` | {raw_s:.2f} | {rolled_s:.3f} | {groups} | "
                          + ("" if diff is None else f"{diff:.2%}") + " |")
-    lines += ["", "| backend | rows | bulk insert (s) | rollup backfill (s) | migration 0015 (s) | rollup rows | "
-              "commit of 100 requests, before / with rollups (ms) |", "|---|--:|--:|--:|--:|--:|--:|"]
+    lines += ["", "| backend | rows | bulk insert (s) | rollup backfill (s) | migration 0015 (s) | layout | rollup rows "
+              "| commit of 100 requests, before / with rollups (ms) |", "|---|--:|--:|--:|--:|---|--:|--:|"]
     for r in results:
         before_ms, after_ms = r["ingest_ms"]
         lines.append(f"| {r['backend']} | {r['rows']:,} | {r['insert_s']:.0f} | {r['backfill_s']:.0f} | "
-                     f"{r['partition_s']:.1f} | {r['rollup_rows']:,} | {before_ms:.1f} / {after_ms:.1f} |")
+                     f"{r['partition_s']:.1f} | {r['layout']} | {r['rollup_rows']:,} | {before_ms:.1f} / {after_ms:.1f} |")
     return "\n".join(lines)
 
 
 NOTES = ("`devices` is the last hour, answered from raw rows both times (as every window of a day or less); "
          "the report's 7-day timeseries has 168-minute buckets from raw rows and 3-hour ones from rollups, so "
-         "its figures are not compared (tests/fleet/test_rollups.py compares them per bucket). The commit "
+         "its figures are not compared (tests/fleet/test_rollups.py compares them per bucket); `report --since 7d "
+         "(the HTML)` is what `edge-fleet report` does short of writing the file (that timeseries, `tps` by version "
+         "and by adapter, the rendering). The commit "
          "column is one 100-request batch from one device into a fresh store, the rollups' added cost of "
          "ingest (the hour buckets marked stale; the refresh runs outside the commit). A 2-core box "
          "shared with other work: timings vary by up to 2x between runs.")
@@ -239,19 +267,20 @@ def main() -> None:
     parser.add_argument("--backends", default="sqlite,postgresql")
     parser.add_argument("--write-docs", action="store_true", help="replace docs/benchmarks.md's section")
     args = parser.parse_args()
-    results = []
+    results, load_before, started = [], os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="fleet-queries-") as tmp:
         for backend in args.backends.split(","):
             rows = args.sqlite_rows if backend == "sqlite" else args.postgresql_rows
             results.append(run_backend(backend, rows, args, Path(tmp)))
             print(table(results[-1:], args), flush=True)
     text = table(results, args)
-    print("\n" + text)
+    run = f"{started}, load average {load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end"
+    print(f"\n{run}\n{text}")
     if args.write_docs:
         from benchdocs import replace_section
 
         title = "## Fleet queries (bench/fleet_queries.py)"
-        replace_section(title, f"{title}\n\n`.venv/bin/python bench/fleet_queries.py --write-docs`: {text}\n\n{NOTES}\n")
+        replace_section(title, f"{title}\n\n`.venv/bin/python bench/fleet_queries.py --write-docs` ({run}): {text}\n\n{NOTES}\n")
 
 
 if __name__ == "__main__":

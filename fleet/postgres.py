@@ -3,7 +3,7 @@
 The only module that imports psycopg. Statements arrive with fleet.db's `?` placeholders and are sent with
 server-side binding; executemany runs in libpq's pipeline mode (one round trip per batch, not per row), except
 the telemetry inserts (`insert into T (...) values (...) on conflict do nothing` with COPY_MIN_ROWS rows or more),
-which are staged by COPY in a temporary table and moved by one INSERT ... SELECT.
+which are staged by binary COPY in a temporary table and moved by one INSERT ... SELECT.
 Autocommit outside transaction(), as fleet.db says. Types: str -> text, int -> bigint, float -> double
 precision (epoch seconds keep their microseconds).
 
@@ -39,6 +39,9 @@ _INSERT_IGNORING = re.compile(r"insert into (\w+) \(([\w, ]+)\) values \([?, ]+\
 # commit at 10,000 records/s) ~30% less CPU in this process and ~25% less in the server, which on a host
 # shared by consumers, server and broker is ingest rate. Even at ~32 rows; below that the pipeline is cheaper.
 COPY_MIN_ROWS = 48
+# COPY's binary format, not text: no number formatted as text here nor parsed back in the server. Commits of
+# 10,000 of fleet_ingest's records cost 4.9 us of this process' CPU a record against 9.0 in text, and 9.3 us of
+# the server's against 10.1.
 # A replica's borrowers at once: the rollout pass, the artifact server's and the report's request threads. More
 # would wait (up to CONNECT_TIMEOUT_S) rather than open backends without bound; idle ones close after POOL_IDLE_S.
 POOL_MAX_CONNECTIONS = 8
@@ -69,7 +72,8 @@ class PostgresDatabase(Database):
         except (psycopg.Error, PoolTimeout) as e:
             raise StoreError(f"fleet database {self.target}: {str(e).strip()}") from None
         self._pks: dict[str, tuple[str, ...]] = {}
-        self._staging: dict[tuple[str, str], str] = {}  # (table, columns) -> its temporary staging table
+        # (table, columns) -> its temporary staging table and that table's column types
+        self._staging: dict[tuple[str, str], tuple[str, list[str]]] = {}
 
     def _connect(self) -> psycopg.Connection:
         if self._pool is not None:
@@ -108,25 +112,30 @@ class PostgresDatabase(Database):
         sorted rows did); its rowcount is the rows new to `table`. The staging table is emptied by the same
         statement (a second call in one transaction sees only its own rows) and truncated at commit (temporary
         tables are never autovacuumed: deleted rows would pile up)."""
-        staging = self._staging_table(table, columns)
+        staging, types = self._staging_table(table, columns)
         named = {c.strip() for c in columns.split(",")}
         order = ", ".join(c for c in self.primary_key(table) if c in named) or "1"
         in_transaction = self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
         with (nullcontext() if in_transaction else self.conn.transaction()), self.conn.cursor() as cursor:
-            with cursor.copy(f"copy {staging} ({columns}) from stdin") as copy:
+            with cursor.copy(f"copy {staging} ({columns}) from stdin (format binary)") as copy:
+                copy.set_types(types)  # binary: each value dumped as its column's type (an int into a float column)
                 for row in rows:
                     copy.write_row(row)
             cursor.execute(f"with staged as (delete from {staging} returning {columns}) insert into {table} "
                            f"({columns}) select {columns} from staged order by {order} on conflict do nothing")
             return cursor.rowcount
 
-    def _staging_table(self, table: str, columns: str) -> str:
+    def _staging_table(self, table: str, columns: str) -> tuple[str, list[str]]:
+        """The temporary table staging `columns` of `table`, made if missing, and its column types in that order."""
         key = (table, columns)
         if key not in self._staging:
             name = f"_staged_{table}_{zlib.crc32(columns.encode()):08x}"  # the same after a rollback's clear()
             self.conn.execute(f"create temporary table if not exists {name} on commit delete rows as "
                               f"select {columns} from {table} with no data")
-            self._staging[key] = name
+            types = [r[0] for r in self.conn.execute(
+                "select format_type(atttypid, atttypmod) from pg_attribute where attrelid = %s::regclass and "
+                "attnum > 0 and not attisdropped order by attnum", [name])]
+            self._staging[key] = (name, types)
         return self._staging[key]
 
     def query(self, sql: str, params: Sequence = ()) -> Iterator[dict]:

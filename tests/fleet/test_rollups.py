@@ -44,6 +44,22 @@ def test_histogram_percentiles_are_within_the_bound(groups, q):
     assert np.isnan(got[len(groups), 0])  # a group without values
 
 
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, rollups.NUM_BINS - 1), st.integers(1, 2**20)),
+                min_size=1, max_size=200))
+def test_percentiles_of_few_groups_summed_densely_equal_those_sorted(entries):
+    """percentiles sums few groups' entries in a dense groups x bins array and many groups' by sorting: the
+    same answer either way, repeated (group, bin) entries summed."""
+    groups, bins, counts = (np.array(column, np.int64) for column in zip(*entries))
+    dense = rollups.percentiles(groups, bins, counts, 11, (0, 50, 95, 100))
+    saved = rollups.DENSE_MAX_CELLS
+    rollups.DENSE_MAX_CELLS = 0
+    try:
+        sorted_ = rollups.percentiles(groups, bins, counts, 11, (0, 50, 95, 100))
+    finally:
+        rollups.DENSE_MAX_CELLS = saved
+    assert np.array_equal(dense, sorted_, equal_nan=True)
+
+
 @given(st.lists(st.dictionaries(st.integers(0, rollups.NUM_BINS - 1), st.integers(1, 2**20), max_size=50),
                 max_size=4))
 def test_histogram_texts_concatenate_and_merge_by_summing(histograms):

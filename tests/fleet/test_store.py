@@ -127,6 +127,33 @@ def test_large_batches_with_repeats_within_and_across_commits_are_stored_once(fl
     assert total_rows(store) == 1200
 
 
+def with_edges(record):
+    """record with what a row's columns must carry through intact: a flag, an adapter or none, a 62-bit count."""
+    if record.kind != "request" or record.seq % 3:
+        return record
+    figures = record.request.figures.model_copy(update={"constrained": True, "constraint_ms": 12.5,
+                                                        "kv_bytes": 2**62 + record.seq})
+    body = record.request.model_copy(update={"figures": figures, "adapter": f"lora-{record.seq}@r1"})
+    return record.model_copy(update={"request": body})
+
+
+def test_a_large_batch_stores_every_column_as_row_by_row_does(fleet_target):
+    """PostgreSQL stages fleet.postgres.COPY_MIN_ROWS rows of a table or more by binary COPY, and inserts fewer
+    row by row: both store every column alike, stamps to the microsecond."""
+    store = FleetStore(fleet_target)
+    recs = [with_edges(r) for r in records("b", range(1, 201), ts=1_760_000_000.123456)]
+    store.commit(ingest_of("big", recs))
+    for r in recs:
+        store.commit(ingest_of("small", [r]))
+    for table in ("requests", "samples", "events"):
+        big, small = ([{k: v for k, v in row.items() if k != "device_id"} for row in store.db.query(
+            f"select * from {table} where device_id = ? order by seq", [device])] for device in ("big", "small"))
+        assert big == small and len(big) >= 20, table
+    assert store.db.execute("select count(*) from requests where device_id = 'big' and constrained = 1 and "
+                            "kv_bytes > ? and adapter like 'lora-%'", [2**62]).fetchone()[0] == \
+        sum(r.kind == "request" and r.request.adapter is not None for r in recs) > 0
+
+
 def test_a_store_whose_connection_was_cut_commits_on_a_new_one(postgres_url):
     store = FleetStore(postgres_url)
     store.commit(ingest_of("d1", records("b", range(1, 501))))  # its staging tables made in this session
