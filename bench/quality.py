@@ -1,7 +1,7 @@
 """What each quantization costs in quality, ours against llama.cpp's, from the same fp32 weights.
 
 A benchmark model's GGUF (bench/benchmodels.py: the bundled SmolLM2-135M-Instruct by default, or
-`--model qwen2.5-0.5b` / `gemma3-270m`) is read into a Checkpoint; its dequantized weights are "the fp32
+`--model qwen2.5-0.5b` / `qwen2.5-1.5b` / `gemma3-270m`) is read into a Checkpoint; its dequantized weights are "the fp32
 weights". Our side builds an ONNX bundle per entry of the model's configs (cached per model and spec in
 ~/.cache/edge-llm/bench); llama.cpp's side gets an F32 GGUF of the same weights (written here with gguf's
 GGUFWriter, tensor names and Q/K row order by the architecture's row of quantize.architectures) and
@@ -118,7 +118,7 @@ LARGE_CONFIGS = [
 # What a model without a recipe gets (QuantSpec's defaults, measured on SmolLM2): the row the recipe is against
 NO_RECIPE = OnnxConfig("int4 without the model's recipe (blocks of 64, down 128, L18 qkv int8)",
                        QuantSpec(precision="int4"), calibrated=True)
-CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS,
+CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS, "qwen2.5-1.5b": LARGE_CONFIGS,
                     "gemma3-270m": [*LARGE_CONFIGS, NO_RECIPE]}
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
 LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]
