@@ -206,13 +206,35 @@ def build(ckpt: Checkpoint, cfg: OnnxConfig, root: Path, calib_text: str, thread
     return open_bundle(out), "; ".join(x for x in (note, built) if x)
 
 
-def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib_text: str, root: Path,
-              threads: int, name: str):
-    """The fp32 row and its log-probs [T, V] (the reference for every row), then one row per configs entry."""
+def reference(source: Path, ids: list[int], calib_text: str, root: Path, threads: int,
+              name: str) -> tuple[Row, np.ndarray]:
+    """The fp32 row and its log-probs float32 [T, V], the reference for every row, memory-mapped from a file
+    cached beside the fp32 bundle (keyed by the ids). The checkpoint is let go before ONNX Runtime loads the
+    fp32 graph: together they hold the fp32 weights twice (~13 GB for a 1.5B model)."""
+    ckpt = load_checkpoint(source)
     fp32, _ = build(ckpt, OnnxConfig("fp32", QuantSpec()), root, calib_text, threads, name)
-    ref_lp = np.concatenate([lp for _, lp in chunked_logits(open_runner(fp32, threads), ids)])
+    del ckpt
+    digest = hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()[:10]
+    path = fp32.path.with_name(f"{fp32.path.name}.logprobs-{digest}.npy")
+    if not path.exists():
+        partial = path.with_name(path.name + ".partial")
+        out = None
+        for start, lp in chunked_logits(open_runner(fp32, threads), ids):
+            if out is None:  # written chunk by chunk: [T, V] is ~1.1 GB at a 152k vocabulary
+                out = np.lib.format.open_memmap(partial, "w+", np.float32, (len(ids), lp.shape[-1]))
+            out[start:start + len(lp)] = lp
+        out.flush()
+        del out
+        partial.rename(path)
+    ref_lp = np.load(path, mmap_mode="r")
     own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
-    rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
+    return Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids)), ref_lp
+
+
+def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], ref_lp: np.ndarray, calib_text: str,
+              root: Path, threads: int, name: str) -> list[Row]:
+    """One row per configs entry (two with its int8 KV cache graph), scored against ref_lp [T, V]."""
+    rows = []
     for cfg in (c.resolved(ckpt.geometry) for c in configs):
         t0 = time.monotonic()
         bundle, note = build(ckpt, cfg, root, calib_text, threads, name)
@@ -223,7 +245,7 @@ def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib
             fig = figures(chunked_logits(open_runner(bundle, threads, kv_dtype="int8"), ids), ref_lp, ids)
             rows.append(Row("ORT", cfg.label + " + int8 KV cache", cfg.group, dir_bytes(bundle.path), fig, note))
             print(f"  {cfg.label} + int8 KV cache: mean KL {fig.mean_kl:.4f}", flush=True)
-    return rows, ref_lp
+    return rows
 
 
 # ---- llama.cpp ---------------------------------------------------------------------------------------
@@ -308,9 +330,9 @@ def llamacpp_figures(model: Path, ids_path: Path, ids: list[int], ref_lp: np.nda
     return fig, info
 
 
-def llamacpp_rows(ckpt: Checkpoint, model: BenchModel, source: Path, ids_path: Path, ids: list[int],
-                  ref_lp: np.ndarray, work: Path, threads: int):
-    f32 = write_f32_gguf(ckpt, source, work / "f32.gguf")
+def llamacpp_rows(model: BenchModel, f32: Path, source: Path, ids_path: Path, ids: list[int], ref_lp: np.ndarray,
+                  work: Path, threads: int):
+    """llama.cpp on the F32 GGUF, on its quantizations of it (LLAMACPP_FTYPES) and on the source file."""
     models = [("F32 GGUF (no quantization)", f32, FROM_FP32)]
     for ftype in LLAMACPP_FTYPES:
         dst = work / f"{ftype}.gguf"
@@ -446,11 +468,14 @@ def main(argv: list[str]) -> None:
         ids_path = Path(tmp) / "ids.npy"
         ids = token_ids(source, a.text, ids_path)
         print(f"{source.name}: {len(ids)} tokens of {a.text.name}", flush=True)
+        root, name = model.cache / "quality", f"{model.name}-bench"
+        fp32_row, ref_lp = reference(source, ids, calib_text, root, a.threads, name)
         ckpt = load_checkpoint(source)
-        rows, ref_lp = onnx_rows(ckpt, CONFIGS_BY_MODEL[model.name], ids, calib_text, model.cache / "quality",
-                                 a.threads, f"{model.name}-bench")
-        peer_rows, version = llamacpp_rows(ckpt, model, source, ids_path, ids, ref_lp, Path(tmp), a.threads)
-        del ckpt
+        rows = [fp32_row, *onnx_rows(ckpt, CONFIGS_BY_MODEL[model.name], ids, ref_lp, calib_text, root, a.threads,
+                                     name)]
+        f32 = write_f32_gguf(ckpt, source, Path(tmp) / "f32.gguf")
+        del ckpt  # llama.cpp and GenAI's builder run in their own processes
+        peer_rows, version = llamacpp_rows(model, f32, source, ids_path, ids, ref_lp, Path(tmp), a.threads)
         if not model.is_default:  # SmolLM2's table predates the GenAI row; tps.py has its speed
             peer_rows.append(genai_row(model, source, ids_path, ids, ref_lp, Path(tmp), a.threads))
     rows += peer_rows

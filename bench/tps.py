@@ -497,6 +497,10 @@ def versions() -> str:
 def docs_section(model: BenchModel, source: Path, report: str, command: str, when: str, machine: str, runs: int,
                  threads: int, minutes: float) -> str:
     what = f"The bundled {model.title}" if model.is_default else f"{model.title} (`{source.name}`)"
+    budget = "" if model.memory_budget_mb is None else (
+        f" Ours run with memory_budget_mb={model.memory_budget_mb} (EngineConfig's default, 1024 MB, is less than "
+        "this model's weights and runtime need); the KV cache's pages come on use, so the budget adds nothing to "
+        "peak RSS.")
     return f"""{model.docs_title("Decode speed", "bench/tps.py")}
 
 {what}, greedy, {threads} threads, every engine with a {CONTEXT_TOKENS}-token context
@@ -506,7 +510,7 @@ VmHWM (reset after imports) after a {RSS_PROMPT_TOKENS}-token prompt and {DECODE
 measurement is a fresh process, each figure the median of {runs} runs interleaved across engines. The floor
 is memory bandwidth (numpy copy, bytes read + written per second) divided by the weight bytes one decode
 token reads. Ours run through agent.engine.engine (scheduler, sampler, detokenizer included); GenAI through its
-Generator; llama.cpp through llama-cpp-python's `Llama.generate`.
+Generator; llama.cpp through llama-cpp-python's `Llama.generate`.{budget}
 
 Command: `{command}`
 Date: {when}. Machine: {machine}. The run took {minutes:.1f} min.
