@@ -305,10 +305,10 @@ def quality_bundle(model: BenchModel, source: Path, config: str, threads: int) -
     """A builder that makes (or finds) bench/quality.py's cached bundle for one of its configs (by goal, "int4"
     or "int8": the `edge-quantize build --precision ...` defaults, or by label) and links the artifact path to it."""
     def build(path: Path) -> None:
-        from quality import CONFIGS_BY_MODEL, build as quality_build
+        from quality import CONFIGS_BY_MODEL, build as quality_build, mapped
         from quantize.checkpoint import load_checkpoint
 
-        ckpt = load_checkpoint(source)
+        ckpt = mapped(load_checkpoint(source), model.cache / "quality")  # as bench/quality.py builds: see mapped
         # resolved: a default row is the model's recipe, as bench/quality.py builds it
         cfg = next(c for c in CONFIGS_BY_MODEL[model.name] if config in (c.goal, c.label)).resolved(ckpt.geometry)
         calib = (REPO / "quantize" / "data" / "calib_en.txt").read_text()
