@@ -1,7 +1,7 @@
 """What each quantization costs in quality, ours against llama.cpp's, from the same fp32 weights.
 
 A benchmark model's GGUF (bench/benchmodels.py: the bundled SmolLM2-135M-Instruct by default, or
-`--model qwen2.5-0.5b` / `gemma3-270m`) is read into a Checkpoint; its dequantized weights are "the fp32
+`--model qwen2.5-0.5b` / `qwen2.5-1.5b` / `gemma3-270m`) is read into a Checkpoint; its dequantized weights are "the fp32
 weights". Our side builds an ONNX bundle per entry of the model's configs (cached per model and spec in
 ~/.cache/edge-llm/bench); llama.cpp's side gets an F32 GGUF of the same weights (written here with gguf's
 GGUFWriter, tensor names and Q/K row order by the architecture's row of quantize.architectures) and
@@ -118,7 +118,7 @@ LARGE_CONFIGS = [
 # What a model without a recipe gets (QuantSpec's defaults, measured on SmolLM2): the row the recipe is against
 NO_RECIPE = OnnxConfig("int4 without the model's recipe (blocks of 64, down 128, L18 qkv int8)",
                        QuantSpec(precision="int4"), calibrated=True)
-CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS,
+CONFIGS_BY_MODEL = {DEFAULT: CONFIGS, "qwen2.5-0.5b": LARGE_CONFIGS, "qwen2.5-1.5b": LARGE_CONFIGS,
                     "gemma3-270m": [*LARGE_CONFIGS, NO_RECIPE]}
 # llama.cpp's quantizations of the F32 GGUF, by llama_cpp.LLAMA_FTYPE_MOSTLY_* suffix, with its default mixes.
 LLAMACPP_FTYPES = ["Q8_0", "Q4_0", "Q4_K_M"]
@@ -206,13 +206,50 @@ def build(ckpt: Checkpoint, cfg: OnnxConfig, root: Path, calib_text: str, thread
     return open_bundle(out), "; ".join(x for x in (note, built) if x)
 
 
-def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib_text: str, root: Path,
-              threads: int, name: str):
-    """The fp32 row and its log-probs [T, V] (the reference for every row), then one row per configs entry."""
+def reference(source: Path, ids: list[int], calib_text: str, root: Path, threads: int,
+              name: str) -> tuple[Row, np.ndarray]:
+    """The fp32 row and its log-probs float32 [T, V], the reference for every row, memory-mapped from a file
+    cached beside the fp32 bundle (keyed by the ids). The checkpoint is let go before ONNX Runtime loads the
+    fp32 graph: together they hold the fp32 weights twice (~13 GB for a 1.5B model)."""
+    ckpt = load_checkpoint(source)
     fp32, _ = build(ckpt, OnnxConfig("fp32", QuantSpec()), root, calib_text, threads, name)
-    ref_lp = np.concatenate([lp for _, lp in chunked_logits(open_runner(fp32, threads), ids)])
+    del ckpt
+    digest = hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()[:10]
+    path = fp32.path.with_name(f"{fp32.path.name}.logprobs-{digest}.npy")
+    if not path.exists():
+        partial = path.with_name(path.name + ".partial")
+        out = None
+        for start, lp in chunked_logits(open_runner(fp32, threads), ids):
+            if out is None:  # written chunk by chunk: [T, V] is ~1.1 GB at a 152k vocabulary
+                out = np.lib.format.open_memmap(partial, "w+", np.float32, (len(ids), lp.shape[-1]))
+            out[start:start + len(lp)] = lp
+        out.flush()
+        del out
+        partial.rename(path)
+    ref_lp = np.load(path, mmap_mode="r")
     own = ((s, ref_lp[s:s + CHUNK_TOKENS]) for s in range(0, len(ids), CHUNK_TOKENS))
-    rows = [Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids))]
+    return Row("ORT", "fp32", FROM_FP32, dir_bytes(fp32.path), figures(own, ref_lp, ids)), ref_lp
+
+
+def mapped(ckpt: Checkpoint, root: Path) -> Checkpoint:
+    """ckpt with its fp32 weights memory-mapped (copy on write) from .npy files under root, written once per
+    source file. Mapped pages are the file's, which the kernel drops under memory pressure and reads again;
+    load_checkpoint's arrays are anonymous memory. A calibrated build holds the checkpoint beside a whole fp32
+    capture graph and its ORT session: at 1.5B that is ~13 GB of anonymous memory otherwise."""
+    folder = root / f"weights-{ckpt.source_sha256[:10]}"
+    if not folder.exists():
+        partial = folder.with_name(folder.name + ".partial")
+        partial.mkdir(parents=True, exist_ok=True)
+        for name, w in ckpt.weights.items():
+            np.save(partial / f"{name}.npy", w)
+        partial.rename(folder)
+    return dataclasses.replace(ckpt, weights={n: np.load(folder / f"{n}.npy", mmap_mode="c") for n in ckpt.weights})
+
+
+def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], ref_lp: np.ndarray, calib_text: str,
+              root: Path, threads: int, name: str) -> list[Row]:
+    """One row per configs entry (two with its int8 KV cache graph), scored against ref_lp [T, V]."""
+    rows = []
     for cfg in (c.resolved(ckpt.geometry) for c in configs):
         t0 = time.monotonic()
         bundle, note = build(ckpt, cfg, root, calib_text, threads, name)
@@ -223,7 +260,7 @@ def onnx_rows(ckpt: Checkpoint, configs: list[OnnxConfig], ids: list[int], calib
             fig = figures(chunked_logits(open_runner(bundle, threads, kv_dtype="int8"), ids), ref_lp, ids)
             rows.append(Row("ORT", cfg.label + " + int8 KV cache", cfg.group, dir_bytes(bundle.path), fig, note))
             print(f"  {cfg.label} + int8 KV cache: mean KL {fig.mean_kl:.4f}", flush=True)
-    return rows, ref_lp
+    return rows
 
 
 # ---- llama.cpp ---------------------------------------------------------------------------------------
@@ -308,9 +345,9 @@ def llamacpp_figures(model: Path, ids_path: Path, ids: list[int], ref_lp: np.nda
     return fig, info
 
 
-def llamacpp_rows(ckpt: Checkpoint, model: BenchModel, source: Path, ids_path: Path, ids: list[int],
-                  ref_lp: np.ndarray, work: Path, threads: int):
-    f32 = write_f32_gguf(ckpt, source, work / "f32.gguf")
+def llamacpp_rows(model: BenchModel, f32: Path, source: Path, ids_path: Path, ids: list[int], ref_lp: np.ndarray,
+                  work: Path, threads: int):
+    """llama.cpp on the F32 GGUF, on its quantizations of it (LLAMACPP_FTYPES) and on the source file."""
     models = [("F32 GGUF (no quantization)", f32, FROM_FP32)]
     for ftype in LLAMACPP_FTYPES:
         dst = work / f"{ftype}.gguf"
@@ -446,11 +483,14 @@ def main(argv: list[str]) -> None:
         ids_path = Path(tmp) / "ids.npy"
         ids = token_ids(source, a.text, ids_path)
         print(f"{source.name}: {len(ids)} tokens of {a.text.name}", flush=True)
-        ckpt = load_checkpoint(source)
-        rows, ref_lp = onnx_rows(ckpt, CONFIGS_BY_MODEL[model.name], ids, calib_text, model.cache / "quality",
-                                 a.threads, f"{model.name}-bench")
-        peer_rows, version = llamacpp_rows(ckpt, model, source, ids_path, ids, ref_lp, Path(tmp), a.threads)
-        del ckpt
+        root, name = model.cache / "quality", f"{model.name}-bench"
+        fp32_row, ref_lp = reference(source, ids, calib_text, root, a.threads, name)
+        ckpt = mapped(load_checkpoint(source), root)
+        rows = [fp32_row, *onnx_rows(ckpt, CONFIGS_BY_MODEL[model.name], ids, ref_lp, calib_text, root, a.threads,
+                                     name)]
+        f32 = write_f32_gguf(ckpt, source, Path(tmp) / "f32.gguf")
+        del ckpt  # llama.cpp and GenAI's builder run in their own processes
+        peer_rows, version = llamacpp_rows(model, f32, source, ids_path, ids, ref_lp, Path(tmp), a.threads)
         if not model.is_default:  # SmolLM2's table predates the GenAI row; tps.py has its speed
             peer_rows.append(genai_row(model, source, ids_path, ids, ref_lp, Path(tmp), a.threads))
     rows += peer_rows
