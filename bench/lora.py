@@ -46,7 +46,8 @@ from benchdocs import machine, replace_section, stamp  # noqa: E402
 
 ALL_TARGETS = ",".join(wire.LORA_TARGETS)
 PROMPT_TOKENS = 128
-TITLE = "## LoRA adapters: decode cost and memory (bench/lora.py)"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TITLE = "## LoRA adapters: decode cost and memory (bench/lora.py)"  # SmolLM2's; other models' add --model NAME
 GOAL = ("Goal (issue #39): an adapter-ready bundle with a rank-8 adapter on all seven projections decodes at most 10% "
         "slower than the plain bundle at batch 1.")
 
@@ -182,7 +183,7 @@ def folder_mb(path: Path) -> float:
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a model edge-quantize fetch knows (default: %(default)s)")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--targets", default=ALL_TARGETS, help="the adapter-ready bundle's targets, and the adapter's")
     ap.add_argument("--rounds", type=int, default=7)
@@ -202,6 +203,8 @@ def main(argv: list[str]) -> None:
     from quantize.fetch import fetch
 
     source = fetch(args.model)
+    if args.model != DEFAULT_MODEL:  # SmolLM2's builds keep the folder they were made in
+        args.work = args.work / args.model
     quick = ("--keep-source-quant",) if args.source_quant else ()
     kind = "int4-src" if args.source_quant else "int4"
     plain = open_bundle(build(source, args.work / f"{kind}-plain", args.model, *quick))
@@ -242,7 +245,8 @@ def main(argv: list[str]) -> None:
     print("\n" + parts[-1])
     if args.write_docs:
         command = " ".join([".venv/bin/python bench/lora.py", *argv])
-        replace_section(TITLE, f"{TITLE}\n\n{GOAL}\n\nCommand: `{command}`\nRun: {stamp()}. Machine: {machine()}."
+        title = TITLE if args.model == DEFAULT_MODEL else f"{TITLE[:-1]} --model {args.model})"
+        replace_section(title, f"{title}\n\n{GOAL}\n\nCommand: `{command}`\nRun: {stamp()}. Machine: {machine()}."
                                "\n\n" + "\n\n".join(parts) + "\n")
 
 
