@@ -16,11 +16,12 @@ model that does not renormalise (OLMoE) gives it the softmax as router_weights. 
 (Mixtral, Granite-MoE) is the same as softmax-then-top-k renormalised. Tied logits pick the highest-numbered
 experts. QMoE's 4-bit experts at accuracy_level 0 match the dequantized weights to fp32
 rounding; its block-wise 8-bit experts (and 4-bit at accuracy_level 4) quantize activations to int8 per block,
-as MatMulNBits does at accuracy_level 4. Its speed at one decode token (SmolLM2's split sizes, top 2 of 8, on a
-box loaded ~9, so only large effects count): these raw weights take the kernel's QNBit path with or without zero
-points (turned off by ORT_QMOE_CPU_QNBIT_GEMM=0 it is ~10x slower), and the layer runs ~2.6x faster than the dense
-MLP's MatMulNBits; symmetric experts, block 32, weights_prepacked=-1 and ep.cpu.qmoe_deferred_scale were no faster
-than these defaults, block 16 and accuracy_level 0 ~2x slower.
+as MatMulNBits does at accuracy_level 4. Its speed at one decode token (SmolLM2's split sizes, top 2 of 8, an
+interleaved microbenchmark, fastest of 30 rounds at load ~2.5): 22 us against 84 us for the dense MLP's two
+MatMulNBits (3.8x; the weights read are a quarter), so the layer is not what keeps a model's speed-up under its
+active share. These raw weights take the kernel's QNBit path with or without zero points (turned off by
+ORT_QMOE_CPU_QNBIT_GEMM=0 it is ~10x slower); symmetric experts, block 32, weights_prepacked=-1 and
+ep.cpu.qmoe_deferred_scale were no faster than the defaults here, block 16 and accuracy_level 0 slower.
 
 Experts are quantized per expert by the dense projections' methods. Under GPTQ, calibration routes the layer's
 input to the experts (quantize.expert_hessians): an expert's projection that saw at least its input width in
