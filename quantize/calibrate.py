@@ -3,7 +3,8 @@
 Runs a calibration text through the fp32 graph with every projection's input exposed as an output and
 accumulates, per input channel, the mean squared activation. Channels that carry large activations
 contribute more to the output error, so the block search weights their rounding error more. For GPTQ it
-also accumulates each input's Hessian (sum of x x^T), a group at a time (`Hessians`).
+also accumulates each input's Hessian (sum of x x^T), a group at a time (`Hessians`); a Mixture of Experts
+layer's input is routed to its experts first (quantize.expert_hessians).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from agent.engine.runner import ModelRunner
 from agent.wire import Geometry
 from quantize.checkpoint import Checkpoint
 from quantize.evaluate import windows
+from quantize.expert_hessians import ExpertHessians, experts_layer
 from quantize.graph import LM_HEAD, Importance, build_graph, capture_width
 from quantize.precision import QuantSpec
 
@@ -41,11 +43,24 @@ def _accumulate(runner: ModelRunner, ids: list[int], g: Geometry, sums: dict, he
             if k in sums:
                 sums[k] += np.square(a[0], dtype=np.float64).sum(0)
             if k in hessians:
-                hessians[k] += (a[0].T @ a[0]).astype(np.float64)
+                if isinstance(hessians[k], ExpertHessians):
+                    hessians[k].add(a[0])
+                else:
+                    hessians[k] += (a[0].T @ a[0]).astype(np.float64)
 
 
 def hessian_bytes(g: Geometry, key: str) -> int:
+    if experts_layer(key) is not None:
+        return ExpertHessians.nbytes_for(g)
     return capture_width(g, key) ** 2 * np.dtype(np.float64).itemsize
+
+
+def _zeros(ckpt: Checkpoint, key: str) -> np.ndarray | ExpertHessians:
+    """The empty Hessian of key: [K, K], or a MoE layer's per-expert ones (quantize.expert_hessians)."""
+    i = experts_layer(key)
+    if i is not None:
+        return ExpertHessians.zeros(ckpt, i)
+    return np.zeros((capture_width(ckpt.geometry, key),) * 2, np.float64)
 
 
 class Hessians:
@@ -61,9 +76,10 @@ class Hessians:
     budget costs a pass over the text per group.
     """
 
-    def __init__(self, open_runner: Callable[[], ModelRunner], texts: list[list[int]], g: Geometry,
+    def __init__(self, open_runner: Callable[[], ModelRunner], texts: list[list[int]], ckpt: Checkpoint,
                  keys: list[str], budget_bytes: int):
-        self.open_runner, self.texts, self.g, self.keys = open_runner, texts, g, keys
+        self.open_runner, self.texts, self.ckpt, self.keys = open_runner, texts, ckpt, keys
+        self.g = ckpt.geometry
         self.budget_bytes = budget_bytes
         self.ready: dict[str, np.ndarray] = {}
         self.next = 0  # keys[:next] have been computed (and handed out, or dropped once passed)
@@ -78,7 +94,7 @@ class Hessians:
             size = hessian_bytes(self.g, key)
             if group and held + size > self.budget_bytes:
                 break
-            group[key] = np.zeros((capture_width(self.g, key),) * 2, np.float64)
+            group[key] = _zeros(self.ckpt, key)
             held += size
         self.next += len(group)
         return group
@@ -89,7 +105,7 @@ class Hessians:
         self.passes += 1
         self.most_held_bytes = max(self.most_held_bytes, sum(h.nbytes for h in self.ready.values()))
 
-    def pop(self, key: str, default: np.ndarray | None = None) -> np.ndarray | None:
+    def pop(self, key: str, default: np.ndarray | None = None) -> np.ndarray | ExpertHessians | None:
         if key not in self.ready and key in self.keys[self.next:]:
             # those before it were passed over (a projection kept in fp32 or from the source's blocks)
             self.ready.clear()
@@ -129,7 +145,7 @@ def calibration(ckpt: Checkpoint, ids: list[int], with_hessians: bool = False, t
         del model
         texts = windows(ids, g.context_length, ckpt.tokenizer.prompt_bos)
         open_runner = lambda: ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads)  # noqa: E731
-        hessians = Hessians(open_runner, texts, g, keys if with_hessians else [], int(hessian_budget_mb * 2**20))
+        hessians = Hessians(open_runner, texts, ckpt, keys if with_hessians else [], int(hessian_budget_mb * 2**20))
         sums = {k: np.zeros(capture_width(g, k), np.float64) for k in keys}
         first = hessians.next_group() if with_hessians else {}
         runner = open_runner()

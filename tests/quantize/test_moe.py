@@ -161,10 +161,10 @@ def test_int8_experts_quantize_activations_per_block(x):
     spec = QuantSpec(precision="int8", method="search", accuracy_level=0, block_size=32, block_sizes={})
     y, b = run_layer(ckpt, spec, x)
     assert rel_err(y, numpy_layer(ckpt, x, dequantized_experts(ckpt, 8, 32, "search"))) < 3e-2
-    assert "(GPTQ and calibration importance are not applied to experts)" not in b.report[0]
+    assert "GPTQ" not in b.report[0]
     _, b = run_layer(ckpt, spec.model_copy(update={"method": "gptq"}), x)
     assert "experts int8 search block 32" in b.report[0]
-    assert "GPTQ and calibration importance are not applied" in b.report[0]
+    assert "(GPTQ needs calibration: experts keep error-searched scales)" in b.report[0]
 
 
 def test_keep_source_quant_says_the_experts_are_requantized(x):
@@ -347,11 +347,12 @@ def test_total_and_active_parameters_count_every_expert_and_the_routed_ones():
 
 
 CALIBRATION_TEXT = ("Experts are chosen per token by a router. " * 40)
+SHORT_TEXT_CHARS = 140  # ~110 tokens: tiny OLMoE's 4 experts get 25..88 each, around gate_up's 64 for GPTQ
 
 
 def test_a_moe_bundle_records_its_parameters_and_a_dense_one_keeps_its_manifest_keys(tmp_path):
     """The bundle's manifest carries total and active counts; model_config.json the routing; the agent's bundle
-    reader opens it. A GPTQ build calibrates the dense projections and says the experts were not. A dense
+    reader opens it. A GPTQ build calibrates the dense projections and the experts. A dense
     bundle's manifest has no parameters key (old agents forbid unknown keys)."""
     import json
 
@@ -371,9 +372,72 @@ def test_a_moe_bundle_records_its_parameters_and_a_dense_one_keeps_its_manifest_
                               calibration_text=CALIBRATION_TEXT)
     report = (calibrated.path / "quant_report.txt").read_text()
     assert "/model/layers.1/attn/qkv_proj: int4 gptq" in report  # calibration reached the dense projections
-    assert ("/model/layers.1/moe: router fp32, experts int4 search block 32 [4x64x64] (QMoE, top 2) "
-            "(GPTQ and calibration importance are not applied to experts)") in report
+    assert ("/model/layers.1/moe: router fp32, experts int4 gptq block 32 [4x64x64] (QMoE, top 2) GPTQ for gate_up "
+            "of 4/4 experts, down of 4/4; tokens per expert ") in report
     dense = build_bundle(load_checkpoint(DATA / "granite" / "model.gguf"), QuantSpec(), tmp_path / "dense",
                          name="tiny", progress=lambda s: None)
     assert "parameters" not in json.loads((dense.path / wire.MANIFEST).read_text())
     assert "num_experts" not in json.loads((dense.path / wire.MODEL_CONFIG).read_text())
+
+
+# ---- GPTQ for experts: the calibration tokens routed as the router routes them --------------------------
+
+def routed_inputs(ckpt: Checkpoint, ids: list[int], layer: int, tmp_path: Path) -> np.ndarray:
+    """The MoE input x [T, H] of layer `layer` over the windows calibration reads, from the fp32 capture graph."""
+    from quantize.evaluate import windows
+    from quantize.expert_hessians import experts_key
+
+    g = ckpt.geometry
+    path = tmp_path / "capture.onnx"
+    onnx.save_model(build_graph(ckpt, QuantSpec(), capture=True)[0], str(path), save_as_external_data=True,
+                    location=path.name + ".data")
+    runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads=2)
+    xs = []
+    for text in windows(ids, g.context_length, ckpt.tokenizer.prompt_bos):
+        n = len(text)
+        capture = {experts_key(layer): np.empty((1, n, g.hidden_size), np.float32)}
+        runner.forward(np.array([text]), np.array([n - 1]), np.array([n]), np.array([[n - 1]]),
+                       runner.new_cache(1, n), capture)
+        xs.append(capture[experts_key(layer)][0])
+    return np.concatenate(xs)
+
+
+def test_each_experts_hessians_sum_exactly_the_tokens_routed_to_it(tmp_path):
+    """Counted apart in numpy from the layer's captured input: a calibration that fed every expert every token
+    (or routed by another rule) gives other counts and other Hessians."""
+    from quantize.calibrate import calibration
+    from quantize.expert_hessians import experts_key
+    from quantize.package import encode
+
+    ckpt = load_checkpoint(DATA / "olmoe" / "model.gguf")
+    ids = encode(ckpt.tokenizer.tokenizer_json, CALIBRATION_TEXT[:400])
+    with calibration(ckpt, ids, with_hessians=True) as calib:
+        routed = calib.hessians.pop(experts_key(1))
+    x = routed_inputs(ckpt, ids, 1, tmp_path)
+    logits = x @ ckpt.weights["model.layers.1.mlp.gate.weight"].T
+    chosen = np.argsort(logits, axis=1)[:, -ckpt.geometry.num_experts_per_tok:]  # [T, k]
+    counts = np.bincount(chosen.ravel(), minlength=ckpt.geometry.num_experts)
+    np.testing.assert_array_equal(routed.tokens, counts)
+    assert counts.sum() == 2 * len(x) and counts.max() < len(x)  # every token reaches 2 of the 4, not all
+    for e in range(ckpt.geometry.num_experts):
+        xe = x[(chosen == e).any(axis=1)].astype(np.float64)
+        np.testing.assert_allclose(routed.fc1[e], xe.T @ xe, rtol=1e-4, atol=1e-4 * np.abs(xe.T @ xe).max())
+
+
+def test_experts_that_saw_too_few_calibration_tokens_keep_searched_scales_and_the_report_says_so():
+    """A short text over a top-2 router: some experts reach their input width in tokens and get GPTQ, the rest
+    fall back, and the report counts both per layer with why."""
+    from quantize.calibrate import calibration
+    from quantize.package import encode
+
+    ckpt = load_checkpoint(DATA / "olmoe" / "model.gguf")
+    ids = encode(ckpt.tokenizer.tokenizer_json, CALIBRATION_TEXT[:SHORT_TEXT_CHARS])
+    with calibration(ckpt, ids, with_hessians=True) as calib:
+        _, report = build_graph(ckpt, QuantSpec(precision="int4"), calib.importance, calib.hessians)
+    lines = [line for line in report if "/moe:" in line]
+    assert len(lines) == ckpt.geometry.num_layers
+    gptq = [int(line.split("GPTQ for gate_up of ")[1].split("/")[0]) for line in lines]
+    assert 0 < min(gptq) < 4 or 0 < max(gptq) < 4, lines
+    fell_back = next(line for line, n in zip(lines, gptq) if n < 4)
+    assert ("the rest saw fewer tokens than the input width (64 for gate_up, 32 for down) and keep "
+            "error-searched scales") in fell_back
