@@ -127,3 +127,23 @@ def test_rope_tables_cut_to_the_runners_positions_give_the_same_logits(tmp_path)
         outs.append(np.concatenate(steps))
     np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-5)
 
+
+def test_a_tied_int4_table_is_stored_once_and_agrees(tmp_path):
+    """embedding int4 + lm_head int4 on a tied model: one packed table that GatherBlockQuantized looks rows up in
+    and MatMulNBits multiplies by, equal to the table's dequantized rows on both sides."""
+    ckpt = random_checkpoint("gemma3")
+    g = ckpt.geometry
+    model, report = build_graph(ckpt, QuantSpec(precision="int4", method="rtn", embedding="int4", lm_head="int4",
+                                                head_block_size=16))
+    users = [n for n in model.graph.node if "/lm_head.qweight" in n.input]
+    assert sorted(n.op_type for n in users) == ["GatherBlockQuantized", "MatMulNBits"]
+    assert sorted(i.name for i in model.graph.initializer if i.dims[:1] == [g.vocab_size]) == [
+        "/lm_head.qweight", "/lm_head.scales", "/model/embed_tokens.scales"]  # the table once, its scales twice
+    assert any("tied, stored once): int4" in line for line in report)
+    path = tmp_path / "model.onnx"
+    save(model, path)
+    runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads=2)
+    ids = np.random.default_rng(2).integers(0, g.vocab_size, 20).tolist()
+    cache = runner.new_cache(1, 32)
+    logits = runner.forward(np.array([ids]), np.array([19]), np.array([20]), np.arange(20)[None], cache)[0]
+    assert np.corrcoef(logits.ravel(), reference.forward(ckpt, ids).ravel())[0, 1] > 0.9
