@@ -162,7 +162,9 @@ class ModelRunner:
         others = {(lo, hi) for lo, hi, _ in clean_file_mappings(directory)}  # e.g. a draft's session on this bundle
         opts = session_options(self.threads, spin)
         self._weights = map_weight_file(directory / wire.GRAPH_DATA, opts)
-        graph = graph_for_positions(self.model_path, self.max_positions) if self.max_positions else None
+        # a graph given as bytes finds its external weights only among those given in memory (map_weight_file's)
+        graph = (graph_for_positions(self.model_path, self.max_positions)
+                 if self.max_positions and self._weights is not None else None)
         with dropping_pages(self._weights) if self._weights is not None else nullcontext():
             self.session = ort.InferenceSession(graph or str(self.model_path), opts, providers=["CPUExecutionProvider"])
         self.spinning = spin
