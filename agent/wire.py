@@ -33,6 +33,10 @@ GRAPH = "model.onnx"
 GRAPH_DATA = "model.onnx.data"
 GRAPH_INT8_KV = "model.int8kv.onnx"  # the same graph (and GRAPH_DATA) with an int8 KV cache; optional
 TOKENIZER = "tokenizer.json"
+# The graph's RoPE tables are Cos / Sin of Range(0, limit) x inverse frequencies, folded to constants when a session
+# loads; these scalar float32 initializers are each table's limit (the global base's, the windowed layers' own).
+# A runner may lower them to the positions it will use (agent.engine.runner.graph_for_positions).
+ROPE_TABLE_LIMITS = ("/model/rotary.limit", "/model/rotary_local.limit")
 DRAFT_DIR = "draft"  # a bundle's draft model for speculative decoding: a whole bundle in this folder
 MANIFEST_SCHEMA_VERSION = 1
 # A converted LoRA adapter (edge-quantize adapter): a folder of these two files

@@ -48,14 +48,15 @@ def rotary_caches(b: GraphBuilder, g: Geometry) -> None:
     dim = g.rotary_dim or g.head_dim
     turned = [i for i in range(g.num_layers) if i not in g.nope_layers]
     if any(not uses_local_rope(g, i) for i in turned):
-        _rotary_pair(b, g, rope.inv_freq(g.rope_theta, dim, g.rope_freq_factors), GLOBAL_ROPE, "/model/rotary")
+        _rotary_pair(b, g, rope.inv_freq(g.rope_theta, dim, g.rope_freq_factors), GLOBAL_ROPE, wire.ROPE_TABLE_LIMITS[0])
     if any(uses_local_rope(g, i) for i in turned):
-        _rotary_pair(b, g, rope.inv_freq(g.rope_local_theta, dim), LOCAL_ROPE, "/model/rotary_local")
+        _rotary_pair(b, g, rope.inv_freq(g.rope_local_theta, dim), LOCAL_ROPE, wire.ROPE_TABLE_LIMITS[1])
 
 
-def _rotary_pair(b: GraphBuilder, g: Geometry, inv_freq: np.ndarray, outputs: tuple[str, str], n: str) -> None:
+def _rotary_pair(b: GraphBuilder, g: Geometry, inv_freq: np.ndarray, outputs: tuple[str, str], limit: str) -> None:
+    n = limit.removesuffix(".limit")
     pos = b.one("Range", [b.const(f"{n}.start", np.array(0, np.float32)),
-                          b.const(f"{n}.limit", np.array(g.context_length, np.float32)),
+                          b.const(limit, np.array(g.context_length, np.float32)),
                           b.const(f"{n}.delta", np.array(1, np.float32))], f"{n}/Range")
     col = b.one("Unsqueeze", [pos, b.const(f"{n}.axis", np.array([1], np.int64))], f"{n}/Unsqueeze")
     ang = b.one("Mul", [col, b.const(f"{n}.inv_freq", inv_freq.astype(np.float32)[None, :])], f"{n}/Mul")

@@ -87,7 +87,9 @@ def cli() -> None:
                    "below int8).")
 @click.option("--lm-head", type=click.Choice(["fp32", "int8", "int4"]), default=None,
               help="The lm_head's precision (default: the model's recipe for int4, else int8 for int4 bundles). A "
-                   "head apart from the embedding's precision is stored apart from it, and GPTQ'd like the layers.")
+                   "head apart from the embedding's precision is stored apart from it, and GPTQ'd like the layers; "
+                   "a tied model's table with both at int4 is stored once, symmetric, GPTQ'd as the head (blocks: "
+                   "the recipe's, else the largest of 128 / 64 / 32 / 16 dividing the hidden size).")
 @click.option("--keep-source-quant", is_flag=True, help="Keep a GGUF's own Q4_0/Q4_1/Q8_0 blocks.")
 @click.option("--head-vocab", type=click.IntRange(min=256), default=None,
               help="Draft models only: the lm_head over the first N token ids (byte-level BPE numbers tokens in "

@@ -108,6 +108,54 @@ def tied_int8(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str,
     return x, lm_head
 
 
+def quantize_head(b: GraphBuilder, table: np.ndarray, bits: int, block_size: int,
+                  spec: QuantSpec) -> nbits.BlockQuantized:
+    """A tied table quantized symmetrically as the lm_head it also is: GPTQ'd on the head's calibration Hessian when
+    the build has one (its logits' error is what the bundle's KL measures), else searched (importance-weighted when
+    calibrated); the embedding looks its rows up in the same codes."""
+    hessian = b.hessians.pop(LM_HEAD, None)
+    importance = b.importance.get(LM_HEAD)
+    if spec.method == "gptq" and hessian is not None:
+        return nbits.quantize_gptq(table, bits, block_size, True, hessian, importance=importance,
+                                   act_order=spec.act_order, damp=spec.gptq_damp, overwrite_hessian=True)
+    if spec.method in ("search", "gptq"):
+        return nbits.quantize_search(table, bits, block_size, True, importance)
+    return nbits.quantize_rtn(table, bits, block_size, True)
+
+
+def tied_int4(b: GraphBuilder, table: np.ndarray, spec: QuantSpec) -> tuple[str, Callable[[str], str]]:
+    """A tied 4-bit embedding / lm_head stored once (symmetric, zero point 8): (embedding output, lm_head builder).
+
+    MatMulNBits takes the packed table as it validates it, [V, k_blocks, block / 2] with scales [V, k_blocks];
+    GatherBlockQuantized reads the same initializer with each block as a row of its last axis (quantize_axis 2),
+    which wants the scales as [V, k_blocks, 1]. Those scales are stored a second time in that shape (Gemma 3:
+    +21 MB of file) rather than reshaped in the graph: ONNX Runtime would fold the Reshape into a copy held by the
+    session, where the stored copy is read through the runner's mapping, only the rows looked up. The table is
+    quantized when the head is built, after the layers, so that a GPTQ build takes the head's Hessian in the
+    order calibration hands them out.
+    """
+    hidden = table.shape[1]
+    block_size = head_block_size(spec, hidden)
+    if hidden % block_size:
+        raise ValueError(f"a tied 4-bit table needs a head block size dividing the hidden size {hidden}")
+    n = "/model/embed_tokens"
+    weight, scales, block_scales = "/lm_head.qweight", "/lm_head.scales", f"{n}.scales"  # added by lm_head()
+    rows = b.one("GatherBlockQuantized", [weight, wire.INPUT_IDS, block_scales], f"{n}/GatherBlockQuantized",
+                 MS_DOMAIN, bits=4, block_size=block_size, gather_axis=0, quantize_axis=2)  # [B, S, k_blocks, block]
+    x = b.one("Reshape", [rows, b.const(f"{n}.shape", np.array([0, 0, hidden], np.int64))], f"{n}/Reshape")
+
+    def lm_head(h: str) -> str:
+        q = quantize_head(b, table, 4, block_size, spec)
+        b.const(weight, q.packed)
+        b.const(scales, q.scales.astype(np.float32))
+        b.const(block_scales, q.scales.astype(np.float32)[..., None])  # [V, k_blocks, 1]
+        b.report.append(f"embed_tokens + lm_head (tied, stored once): int4 sym block {block_size} {spec.method}")
+        return b.one("MatMulNBits", [h, weight, scales], "/lm_head/MatMulNBits", MS_DOMAIN, K=q.k, N=q.n, bits=4,
+                     block_size=block_size, accuracy_level=spec.accuracy_level)
+
+    return x, lm_head
+
+
 def plan_linears(ckpt: Checkpoint, spec: QuantSpec, lora: LoraSpec | None = None) -> dict:
     """Per layer, a LinearPlan for each fused projection (qkv, o, gate_up, down); with lora, those holding one
     of its targets get a LoRA branch."""
@@ -175,6 +223,8 @@ def _embedding_and_head(b: GraphBuilder, ckpt: Checkpoint, spec: QuantSpec) -> t
                                    key=LM_HEAD)
     elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int8":  # one copy
         x, lm_head = tied_int8(b, table, spec)
+    elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "int4":
+        x, lm_head = tied_int4(b, table, spec)
     elif g.tie_word_embeddings and spec.embedding_precision == spec.lm_head_precision == "fp32":
         x, lm_head = tied_fp32(b, table)
     else:

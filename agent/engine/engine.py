@@ -56,8 +56,9 @@ class Engine:
         c = bundle.config
         self.tokenizer = TextTokenizer(bundle.tokenizer_json(), c)
         self.grammars = Grammars(bundle.tokenizer_json, c.vocab_size, c.eos_token_ids)  # structured output
+        self.max_context = config.sequence_limit(c.context_length)
         reset_peak_rss()
-        self.runner = open_runner(bundle, config.threads, config.spin_wait, config.kv_dtype)
+        self.runner = open_runner(bundle, config.threads, config.spin_wait, config.kv_dtype, self.max_context)
         return_free_heap()  # what loading freed (the model's proto, initializers copied by prepacking): ~90 MB for Gemma 3
         before_draft = rss_bytes()
         self.draft = DraftModel(draft, bundle, config.threads, config.prefill_chunk_tokens) if draft else None
@@ -66,7 +67,6 @@ class Engine:
             raise ValueError(f"speculative = 'draft' needs a draft model: {bundle.label} carries none (edge-quantize "
                              "build --draft) and none was given (generate --draft-model); without one use 'ngram' or 'off'")
         self.spec = Speculation(config, self.draft)
-        self.max_context = config.sequence_limit(c.context_length)
         self.kv = self._plan_kv()
         self.adapters = {n: a.load_tensors(self.runner) for n, a in self.adapters.items()}
         self.max_prompt_tokens = self.kv.max_capacity - 1  # the largest slot, with one generated token

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -133,8 +134,11 @@ class LoraTensors:
 
 class ModelRunner:
     def __init__(self, model_path: Path, num_layers: int, kv_heads: int, head_dim: int, threads: int | None = None,
-                 spin_wait: SpinWait = False):
+                 spin_wait: SpinWait = False, max_positions: int | None = None):
+        """max_positions: the most positions a sequence will hold (None: the graph's context); the RoPE tables are
+        cut to it (GroupQueryAttention refuses a step past them)."""
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.max_positions = max_positions
         self.model_path, self.threads, self.spin_wait = Path(model_path), threads or usable_cores(), spin_wait
         self._bound: weakref.WeakSet[KVCache] = weakref.WeakSet()  # caches holding a binding to the session
         # each pool's wrapped slot ranges: wrapping 2 x layers arrays costs microseconds, and a wrap keeps its binding
@@ -158,8 +162,11 @@ class ModelRunner:
         others = {(lo, hi) for lo, hi, _ in clean_file_mappings(directory)}  # e.g. a draft's session on this bundle
         opts = session_options(self.threads, spin)
         self._weights = map_weight_file(directory / wire.GRAPH_DATA, opts)
+        # a graph given as bytes finds its external weights only among those given in memory (map_weight_file's)
+        graph = (graph_for_positions(self.model_path, self.max_positions)
+                 if self.max_positions and self._weights is not None else None)
         with dropping_pages(self._weights) if self._weights is not None else nullcontext():
-            self.session = ort.InferenceSession(str(self.model_path), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(graph or str(self.model_path), opts, providers=["CPUExecutionProvider"])
         self.spinning = spin
         self.released_bytes = release_clean_file_pages(directory)
         # Only this session's own mappings: another's may be unmapped, and its range reused, while this one
@@ -324,10 +331,36 @@ class ModelRunner:
 
 
 def open_runner(bundle: Bundle, threads: int | None = None, spin_wait: SpinWait = False,
-                kv_dtype: str = "fp32") -> ModelRunner:
+                kv_dtype: str = "fp32", max_positions: int | None = None) -> ModelRunner:
     """A runner for the bundle's graph that uses this KV cache type (BundleError if the bundle has none)."""
     c = bundle.config
-    return ModelRunner(bundle.graph(kv_dtype), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait)
+    return ModelRunner(bundle.graph(kv_dtype), c.num_layers, c.num_kv_heads, c.head_dim, threads, spin_wait,
+                       max_positions)
+
+
+def graph_for_positions(path: Path, positions: int) -> bytes | None:
+    """The graph's bytes with each RoPE table cut to `positions` rows (wire.ROPE_TABLE_LIMITS), or None when no
+    table is longer (positions >= its limit, or a graph without such limits).
+
+    ONNX Runtime folds each table to a constant held by the session: Gemma 3's two bases over its 32,768
+    positions came to 64 MB, where a 1,024-token context needs 2. Each limit is a scalar float32 TensorProto as
+    onnx serializes one: data_type (field 2) FLOAT, name (field 8), raw_data (field 9) of 4 bytes. Those 4
+    bytes are replaced in place, so no length prefix around them changes; parsing the graph with the onnx
+    package instead would cost the agent ~17 MB of imports for two numbers.
+    """
+    data = bytearray(path.read_bytes())
+    changed = False
+    for name in wire.ROPE_TABLE_LIMITS:
+        key = name.encode()
+        head = b"\x10\x01\x42" + bytes([len(key)]) + key + b"\x4a\x04"
+        at = data.find(head)
+        if at < 0 or data.find(head, at + 1) >= 0:  # absent, or not one unambiguous initializer: left as built
+            continue
+        lo = at + len(head)
+        if positions < struct.unpack("<f", data[lo:lo + 4])[0]:
+            data[lo:lo + 4] = struct.pack("<f", positions)
+            changed = True
+    return bytes(data) if changed else None
 
 
 def map_weight_file(path: Path, opts: ort.SessionOptions) -> np.ndarray | None:

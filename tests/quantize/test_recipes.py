@@ -76,11 +76,16 @@ def test_edge_quantize_build_uses_the_models_recipe_under_its_flags(tiny_gguf, t
 def test_untied_tables_take_their_own_block_sizes(tiny_checkpoint):
     """Qwen's recipe stores the embedding in blocks of 128 and GPTQs the lm_head in blocks of 32, apart from the
     layers' block size; unset, both follow block_size as before."""
+    from quantize.checkpoint import Checkpoint
     from quantize.graph import build_graph
+
+    c = tiny_checkpoint
+    untied = Checkpoint(c.geometry.model_copy(update={"tie_word_embeddings": False}),
+                        c.weights | {"lm_head.weight": c.lm_head.copy()}, c.tokenizer, c.source_sha256, c.source_name)
 
     def report(**kw) -> list[str]:
         spec = QuantSpec(precision="int4", method="rtn", embedding="int4", lm_head="int4", block_size=16, **kw)
-        return [line for line in build_graph(tiny_checkpoint, spec)[1] if "embed" in line or "lm_head" in line]
+        return [line for line in build_graph(untied, spec)[1] if "embed" in line or "lm_head" in line]
 
     assert report() == ["embed_tokens: int4 block 16", "/lm_head: int4 rtn block 16 asym"]
     assert report(embedding_block_size=32, head_block_size=64) == ["embed_tokens: int4 block 32",

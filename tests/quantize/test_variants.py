@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import pytest
 
 import reference
-from agent.engine.runner import ModelRunner
+from agent import wire
+from agent.engine.runner import ModelRunner, graph_for_positions
 from agent.wire import Geometry
 from quantize.checkpoint import Checkpoint, expected_weight_shapes, validate
 from quantize.graph import build_graph
@@ -99,3 +101,49 @@ def test_int4_build_of_a_variant_runs_and_agrees(name, tmp_path):
     logits = runner.forward(np.array([ids]), np.array([19]), np.array([20]), np.arange(20)[None], cache)[0]
     ref = reference.forward(ckpt, ids)
     assert np.corrcoef(logits.ravel(), ref.ravel())[0, 1] > 0.9
+
+
+def test_rope_tables_cut_to_the_runners_positions_give_the_same_logits(tmp_path):
+    """A runner told the most positions it will use folds RoPE tables only that long (Gemma 3's two bases over its
+    32,768 positions were 64 MB of the session), and computes what the full tables compute up to there."""
+    ckpt = random_checkpoint("gemma3")
+    g = ckpt.geometry
+    path = tmp_path / "model.onnx"
+    save(build_graph(ckpt, QuantSpec())[0], path)
+    cut = graph_for_positions(path, 32)
+    limits = {i.name: float(numpy_helper.to_array(i)) for i in onnx.load_from_string(cut).graph.initializer
+              if i.name in wire.ROPE_TABLE_LIMITS}
+    assert limits == {name: 32.0 for name in wire.ROPE_TABLE_LIMITS}
+    assert graph_for_positions(path, g.context_length) is None  # nothing longer to cut
+    ids = np.random.default_rng(3).integers(0, g.vocab_size, 32).tolist()
+    outs = []
+    for positions in (None, 32):
+        runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads=2, max_positions=positions)
+        cache = runner.new_cache(1, 32)
+        steps = [runner.forward(np.array([ids[:12]]), np.array([11]), np.array([12]), np.arange(12)[None], cache)[0]]
+        for t in range(12, 32):  # up to the last position the cut tables hold
+            steps.append(runner.forward(np.array([[ids[t]]]), np.array([t]), np.array([1]), np.zeros((1, 1), np.int64),
+                                        cache)[0])
+        outs.append(np.concatenate(steps))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-5)
+
+
+def test_a_tied_int4_table_is_stored_once_and_agrees(tmp_path):
+    """embedding int4 + lm_head int4 on a tied model: one packed table that GatherBlockQuantized looks rows up in
+    and MatMulNBits multiplies by, equal to the table's dequantized rows on both sides."""
+    ckpt = random_checkpoint("gemma3")
+    g = ckpt.geometry
+    model, report = build_graph(ckpt, QuantSpec(precision="int4", method="rtn", embedding="int4", lm_head="int4",
+                                                head_block_size=16))
+    users = [n for n in model.graph.node if "/lm_head.qweight" in n.input]
+    assert sorted(n.op_type for n in users) == ["GatherBlockQuantized", "MatMulNBits"]
+    assert sorted(i.name for i in model.graph.initializer if i.dims[:1] == [g.vocab_size]) == [
+        "/lm_head.qweight", "/lm_head.scales", "/model/embed_tokens.scales"]  # the table once, its scales twice
+    assert any("tied, stored once): int4" in line for line in report)
+    path = tmp_path / "model.onnx"
+    save(model, path)
+    runner = ModelRunner(path, g.num_layers, g.num_kv_heads, g.head_dim, threads=2)
+    ids = np.random.default_rng(2).integers(0, g.vocab_size, 20).tolist()
+    cache = runner.new_cache(1, 32)
+    logits = runner.forward(np.array([ids]), np.array([19]), np.array([20]), np.arange(20)[None], cache)[0]
+    assert np.corrcoef(logits.ravel(), reference.forward(ckpt, ids).ravel())[0, 1] > 0.9
