@@ -49,6 +49,9 @@ _GROUP_KEY: dict[str, rollups.GroupKey] = {
     "version": lambda t, device_id, model, version, adapter: f"{model}@{version}",
     "hour": lambda t, device_id, model, version, adapter: _hour(int(t // 3600) * 3600),
 }
+# the rollup columns each _GROUP_KEY reads (fleet.rollups.summaries sums rollup rows over the others)
+_GROUP_READS = {"device": ("device_id",), "adapter": ("model", "adapter"), "model": ("model",),
+                "version": ("model", "version"), "hour": ("start_ts",)}
 # Windows longer than this are answered from rollups: a day of raw rows is ~0.2 s at 10 M requests in 90
 # days, and shorter windows (`devices`' hour, a day's report) keep exact percentiles.
 ROLLUP_AFTER_S = 86400
@@ -159,7 +162,7 @@ def _summaries_since(db: Database, since_s: float, now: float, by: str, where: s
                                                             params).items()}
     coarsest_s = rollups.HOUR_S if by == "hour" else rollups.DAY_S
     return {k: _summary_row(s) for k, s in rollups.summaries(db, now - since_s, now, _GROUP_KEY[by], coarsest_s,
-                                                             where, params).items()}
+                                                             where, params, _GROUP_READS[by]).items()}
 
 
 def _p50_p95(values: array) -> tuple[float | None, float | None]:
@@ -302,7 +305,8 @@ def _rollup_timeseries(db: Database, since_s: float, bucket_s: int, now: float) 
     def key(t: float, device_id: str, model: str, version: str, adapter: str) -> tuple:
         return f"{model}@{version}", device_id, int(t // bucket_s) * bucket_s
 
-    points = rollups.summaries(db, now - since_s, now, key, coarsest_s=rollups.HOUR_S)
+    points = rollups.summaries(db, now - since_s, now, key, coarsest_s=rollups.HOUR_S,
+                               reads=("start_ts", "device_id", "model", "version"))
     return [{"model": model, "device": device_id, "t": t, "requests": s["requests"],
              "decode_tps_p50": _round(s["decode_tps_p50"]), "ttft_p50_ms": _round(s["ttft_p50_ms"])}
             for (model, device_id, t), s in sorted(points.items())]

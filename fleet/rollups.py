@@ -388,6 +388,7 @@ def _joined(spans: list[Span]) -> list[Span]:
 
 # (ts or period start, device_id, model, version, adapter) -> group; adapter: NO_ADAPTER for the base alone
 GroupKey = Callable[[float, str, str, str, str], Hashable]
+GROUP_COLUMNS = ("start_ts", "device_id", "model", "version", "adapter")  # a rollup row's, in GroupKey's order
 
 
 class Accumulator:
@@ -457,23 +458,33 @@ def _number(x: float) -> float | None:
 
 
 def summaries(db: Database, since_ts: float, now: float, key: GroupKey, coarsest_s: int = DAY_S,
-              where: str = "", params: tuple = ()) -> dict[Hashable, dict]:
+              where: str = "", params: tuple = (), reads: Sequence[str] = GROUP_COLUMNS) -> dict[Hashable, dict]:
     """Per group (key of each row's time, device, model, version, adapter): Accumulator.summaries over the requests
     stamped from since_ts on, as the raw rows stand now: hours still marked stale are read raw. where: a
-    condition on model / version ('and ...'), for both tables."""
+    condition on model / version ('and ...'), for both tables. reads: the GROUP_COLUMNS key reads; it is given
+    None for the others, whose rollup rows are summed in SQL (by version over 500 devices: a row per period and
+    version, not per device and adapter)."""
     acc = Accumulator()
     for span in plan(since_ts, now, coarsest_s, stale_hours(db, since_ts)):
         if span.width_s:
-            _read_rollups(db, span, key, acc, where, params)
+            _read_rollups(db, span, key, acc, where, params, reads)
         else:
             _read_raw(db, span, key, acc, where, params)
     return acc.summaries()
 
 
-def _read_rollups(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple) -> None:
-    sql = (f"select start_ts, device_id, model, version, adapter, requests, errors, tokens_served, ttft_hist, "
-           "decode_hist "
-           f"from {TABLE} where width_s = ? and start_ts >= ? and start_ts < ? {where}")
+def _read_rollups(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple,
+                  reads: Sequence[str]) -> None:
+    columns = ", ".join(c if c in reads else "null" for c in GROUP_COLUMNS)
+    if set(reads) >= set(GROUP_COLUMNS):
+        figures, grouped = "requests, errors, tokens_served, ttft_hist, decode_hist", ""
+    else:  # histogram texts concatenate into one (ENTRY_CHARS a whole entry), repeated bins summed by percentiles
+        concat = "string_agg({}, '')" if db.dialect.name == "postgresql" else "group_concat({}, '')"
+        figures = ", ".join([*(f"cast(sum({c}) as bigint)" for c in ("requests", "errors", "tokens_served")),
+                             *(f"coalesce({concat.format(c)}, '')" for c in ("ttft_hist", "decode_hist"))])
+        grouped = f" group by {', '.join(reads)}" if reads else ""
+    sql = (f"select {columns}, {figures} from {TABLE} where width_s = ? and start_ts >= ? and start_ts < ? "
+           f"{where}{grouped}")
     acc.add_rollups(key, db.execute(sql, (span.width_s, int(span.start_ts), int(span.end_ts), *params)).fetchall())
 
 
