@@ -1,11 +1,11 @@
-"""Request rollups: per (hour or day, device, model, version, adapter) the request, error and token counts and log-spaced
-histograms of TTFT and decode speed, so that a 90-day question reads thousands of rollup rows, not millions of
-requests (the continuous aggregates of time-series stores).
+"""Request rollups: per (hour or day, device, model, version, adapter) the request, error and token counts and
+log-spaced histograms of TTFT and decode speed, so that a 90-day question reads thousands of rollup rows, not
+millions of requests (the continuous aggregates of time-series stores).
 
 Maintained off the ingest commit path, as continuous aggregates and recording rules are: FleetStore.commit only
 marks the hour buckets its request rows fall in as stale (`mark`: insert-or-ignore on (hour, device, model,
-version, adapter), no rollup row read or locked). The consumer's writer runs `refresh_step` every few seconds between
-its commits: it claims the marks of ended hours, recomputes those hours' rollups from the raw rows and their
+version, adapter), no rollup row read or locked). The consumer's writer runs `refresh_step` every few seconds
+between its commits: it claims the marks of ended hours, recomputes those hours' rollups from the raw rows and their
 days from the hours, and clears the claims, a batch per transaction; recomputing (never incrementing) makes a
 refresh idempotent, so replays and a replica dying mid-refresh count nothing twice. Invariant: an hour rollup
 equals its raw rows while none of its buckets is marked, and a day rollup the sum of its hours while none of

@@ -1,6 +1,7 @@
 """Request rollups (fleet/rollups.py): histogram percentiles within 1% of numpy's, windows tiled without gap or
 overlap (stale hours raw), and on both backends rollup-answered queries that agree with raw-row percentiles per
-group (adapters' too) across hour and day edges, with replays, before and after the background refresh, after a backfill and after retention."""
+group (adapters' too) across hour and day edges, with replays, before and after the background refresh, after a
+backfill and after retention."""
 from __future__ import annotations
 
 import math
@@ -244,8 +245,8 @@ def test_tps_from_rollups_agrees_with_raw_rows(filled, since_s, by):
 def test_compare_and_timeseries_from_rollups_agree_with_raw_rows(filled):
     db = filled.db
     since_s = 7 * 86400
-    exact = {m: exact_summaries(db, since_s, lambda t, d, model, version, adapter, m=m: d if f"{model}@{version}" == m else None)
-             for m in ("m@v1", "m@v2")}
+    exact = {m: exact_summaries(db, since_s, lambda t, d, model, version, adapter, m=m:
+                                d if f"{model}@{version}" == m else None) for m in ("m@v1", "m@v2")}
     for row in queries.compare(db, ["m@v1", "m@v2"], since_s, now=NOW):
         for m in ("m@v1", "m@v2"):
             assert row[f"{m} requests"] == exact[m][row["device"]]["requests"]
