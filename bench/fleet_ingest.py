@@ -32,6 +32,7 @@ one machine all of it (devices, broker, replicas, PostgreSQL) shares the CPUs: c
 Run: .venv/bin/python bench/fleet_ingest.py --table --rounds 3       # the comparison, ~10 min on 2 cores
      .venv/bin/python bench/fleet_ingest.py --db postgresql --replicas 2
      .venv/bin/python bench/fleet_ingest.py --db sqlite --rate 10 --duration 30    # one step: 2,000 records/s
+     add --write-docs to put what it prints in docs/benchmarks.md
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "tests" / "fleet"), str(REPO / "bench")]
 
 import paho.mqtt.client as paho
+from benchdocs import machine, replace_section, stamp
 from broker import Broker
 from fleet_cpu import CpuMeter, cpu_table
 from fleet_devices import BenchDevice, offered, start_devices, stop_devices
@@ -70,6 +72,7 @@ DRAIN_TIMEOUT_S = 300.0
 # tests/postgres.py's server with durability back on: the SQLite file's commits are fsynced, so these are too
 BENCH_PG_OPTIONS = ("fsync=on", "synchronous_commit=on", "full_page_writes=on", "listen_addresses=127.0.0.1")
 TABLE = (("sqlite", 1), ("postgresql", 1), ("postgresql", 2))  # --table's rows; the first is the ratios' base
+TITLE = "## Fleet ingest (bench/fleet_ingest.py)"  # docs/benchmarks.md's section (--write-docs)
 
 
 @dataclass
@@ -478,38 +481,40 @@ def best_drain(rounds: list[Result]) -> float | None:
     return max((r.drain.stored_per_s for r in rounds if r.drain), default=None)
 
 
-def print_table(by_label: dict[str, list[Result]]) -> None:
+def best_table(by_label: dict[str, list[Result]]) -> str:
     """Best of the rounds (noise on a shared host only ever slows a run), each round's figure beside it."""
     base = next(iter(by_label.values()))
-    print("| configuration | sustained records/s | x SQLite x1 | drain records/s | x SQLite x1 | sustained, each round "
-          "| drain, each round |\n|---|--:|--:|--:|--:|---|---|")
+    lines = ["| configuration | sustained records/s | x SQLite x1 | drain records/s | x SQLite x1 | sustained, each "
+             "round | drain, each round |", "|---|--:|--:|--:|--:|---|---|"]
     for label, rounds in by_label.items():
         sustained, drain = best_sustained(rounds), best_drain(rounds)
         each = " / ".join(f"{r.best.offered_per_s:,.0f}" if r.best else "-" for r in rounds)
         drains = " / ".join(f"{r.drain.stored_per_s:,.0f}" if r.drain else "-" for r in rounds)
-        print(f"| {label} | {sustained or 0:,.0f} | {ratio(sustained, best_sustained(base))} | {drain or 0:,.0f} | "
-              f"{ratio(drain, best_drain(base))} | {each} | {drains} |")
+        lines.append(f"| {label} | {sustained or 0:,.0f} | {ratio(sustained, best_sustained(base))} | "
+                     f"{drain or 0:,.0f} | {ratio(drain, best_drain(base))} | {each} | {drains} |")
+    return "\n".join(lines)
 
 
-def print_steps(by_label: dict[str, list[Result]]) -> None:
-    print("\n| configuration | round | offered records/s | stored records/s | max backlog | tail s | sustained |\n"
-          "|---|--:|--:|--:|--:|--:|---|")
+def steps_table(by_label: dict[str, list[Result]]) -> str:
+    lines = ["| configuration | round | offered records/s | stored records/s | max backlog | tail s | sustained |",
+             "|---|--:|--:|--:|--:|--:|---|"]
     for label, rounds in by_label.items():
         for i, r in enumerate(rounds, 1):
             for s in sorted(r.steps, key=lambda s: s.offered_per_s):
-                print(f"| {label} | {i} | {s.offered_per_s:,.0f} | {s.stored_per_s:,.0f} | {s.max_backlog} | "
-                      f"{s.tail_s:.2f} | {'yes' if s.is_sustained else 'no'} |")
+                lines.append(f"| {label} | {i} | {s.offered_per_s:,.0f} | {s.stored_per_s:,.0f} | {s.max_backlog} | "
+                             f"{s.tail_s:.2f} | {'yes' if s.is_sustained else 'no'} |")
+    return "\n".join(lines)
 
 
-def print_cpu(by_label: dict[str, list[Result]]) -> None:
+def cpu_text(by_label: dict[str, list[Result]]) -> str:
     """Where the CPU went in each configuration's best sustained step (the highest rate the machine kept up with)."""
     rows = []
     for label, rounds in by_label.items():
         best = max((r.best for r in rounds if r.best), key=lambda s: s.offered_per_s, default=None)
         if best and best.cpu:
             rows.append((label, best.stored, best.cpu_wall_s, best.cpu))
-    print("\nCPU of the best sustained step, per record stored and as a share of all CPUs over the step:\n\n"
-          + cpu_table(rows))
+    return ("CPU of the best sustained step, per record stored and as a share of all CPUs over the step:\n\n"
+            + cpu_table(rows))
 
 
 def label_of(kind: str, n_replicas: int) -> str:
@@ -539,7 +544,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per step")
     parser.add_argument("--backlog", type=int, default=60_000, help="records for the drain test (0: skip)")
     parser.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, "
-                                                              "interleaved; the tables give the best")
+                                                              "interleaved; the tables give the best (default 1)")
+    parser.add_argument("--write-docs", action="store_true", help=f"replace docs/benchmarks.md's {TITLE!r} with "
+                                                                  "what this run prints (default: print only)")
     args = parser.parse_args()
     if args.db not in ("sqlite", "postgresql") and not is_url(args.db):
         parser.error(f"--db {args.db!r}: expected sqlite, postgresql or a postgresql:// URL")
@@ -550,7 +557,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()[0]
     by_label: dict[str, list[Result]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -569,16 +576,20 @@ def main() -> None:
             broker.stop()
             databases.close()
     pg = describe(args.db) if is_url(args.db) else "a throwaway PostgreSQL 15 (fsync on)"
-    print(f"{args.devices} devices, one QoS 1 batch each per second, {args.duration:g} s per step, {args.rounds} "
-          f"round(s); drain of a {args.backlog:,}-record backlog; SQLite fsynced, {pg}; {os.cpu_count()} CPUs; "
-          f"{time.strftime('%Y-%m-%d', time.gmtime())}, {time.monotonic() - started:.0f} s\n")
-    print_table(by_label)
-    print_cpu(by_label)
-    print_steps(by_label)
+    parts = [f"{args.devices} devices, one QoS 1 batch each per second, {args.duration:g} s per step, {args.rounds} "
+             f"round(s); drain of a {args.backlog:,}-record backlog; SQLite fsynced, {pg}; {os.cpu_count()} CPUs; "
+             f"{time.strftime('%Y-%m-%d', time.gmtime())}, {time.monotonic() - started:.0f} s",
+             best_table(by_label), cpu_text(by_label), steps_table(by_label)]
     for label, rounds in by_label.items():
         drains = [" + ".join(map(str, r.drain.split)) for r in rounds if r.drain]
-        print(f"\n{label}: drain per replica {', '.join(drains) or '-'}; consumers, last round: "
-              + "; ".join(s.splitlines()[-1] for s in rounds[-1].summaries if s))
+        parts.append(f"{label}: drain per replica {', '.join(drains) or '-'}; consumers, last round: "
+                     + "; ".join(s.splitlines()[-1] for s in rounds[-1].summaries if s))
+    print("\n\n".join(parts))
+    if args.write_docs:
+        command = " ".join([".venv/bin/python bench/fleet_ingest.py", *sys.argv[1:]])
+        replace_section(TITLE, f"{TITLE}\n\nCommand: `{command}`\nRun: {stamp()} at the end, "
+                               f"{load_at_start:.2f} at the start. Machine: {machine()}.\n\n"
+                               + "\n\n".join(parts) + "\n")
 
 
 if __name__ == "__main__":

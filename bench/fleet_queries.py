@@ -1,11 +1,11 @@
 """Fleet query latency over a large telemetry history, from raw rows (before rollups) and from rollups.
 
 Fills a fresh fleet database with N synthetic request rows spread over DAYS days and DEVICES devices (two
-models, a new version every 30 days, 3% of requests failed): raw rows bulk-inserted by SQL (PostgreSQL: COPY),
-then fleet.rollups.backfill, which is what migration 0012 runs on an upgraded fleet; on PostgreSQL the rows go in
-before migration 0015 and the bench times it partitioning them by day (fleet.partitions), as on an upgraded
-fleet. Then times
-`tps --by version --since 7d`, `tps --by device --since 90d`, `devices` and the report's `timeseries` over 7d,
+models, a new version every 30 days, 3% of requests failed, a quarter of them with one of two LoRA adapters): raw
+rows bulk-inserted by SQL (PostgreSQL: COPY), then fleet.rollups.backfill, which is what migration 0017 runs on
+an upgraded fleet; on PostgreSQL the rows go in before migration 0015 and the bench times it partitioning them by
+day (fleet.partitions), as on an upgraded fleet. Then times `tps --by version --since 7d`, `tps --by device
+--since 90d`, `tps --by adapter --since 7d`, `devices`, the report's `timeseries` over 7d and the whole report,
 each answered from raw rows (queries.ROLLUP_AFTER_S set past every window, as before rollups) and from
 rollups, and the largest percentile difference between the two. Last, the cost of maintaining rollups on
 ingest: FleetStore.commit of 100-record batches with and without it.
@@ -37,7 +37,8 @@ from fleet.store import FleetStore, Ingest  # noqa: E402
 
 NOW = 1_760_000_000.0  # 2025-10-09T08:53:20Z: not on an hour, so every window has raw edges
 CHUNK_ROWS = 500_000
-COLUMNS = (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)
+COLUMNS = (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS, "adapter")
+ADAPTERS = np.array([None, None, None, None, None, None, "support@r8-1", "sql@r4-2"], dtype=object)
 PERCENTILES = ("ttft_p50_ms", "ttft_p95_ms", "decode_tps_p50", "decode_tps_p95")
 
 
@@ -51,11 +52,12 @@ def synthetic_chunk(rng: np.random.Generator, n: int, first_seq: int, devices: i
     ttft = np.exp(rng.normal(np.log(150 + 7 * (device % 23)), 0.5))
     models = np.where(device % 3 == 0, "qwen2.5-0.5b", "smollm2-135m")
     versions = np.char.add("int4-r", (3 - np.minimum(day // 30, 2)).astype(int).astype(str))
+    adapters = ADAPTERS[rng.integers(0, len(ADAPTERS), n)].tolist()
     rows = []
     for i, (d, t, c, dec, tt, m, v) in enumerate(zip(device.tolist(), ts.tolist(), completion.tolist(),
                                                      decode.tolist(), ttft.tolist(), models.tolist(), versions.tolist())):
         rows.append((f"dev-{d:04d}", "boot", first_seq + i, t, m, v, 100, c, 0, 2.0, tt, 800.0, dec, 40.0, 60.0,
-                     tt + c * 40.0, 1 << 20, "error" if c == 0 else "stop", 0, 0, 0, 0, 0.0))
+                     tt + c * 40.0, 1 << 20, "error" if c == 0 else "stop", 0, 0, 0, 0, 0.0, adapters[i]))
     return rows
 
 
@@ -91,6 +93,7 @@ def fill(store: FleetStore, rows: int, devices: int, days: int) -> tuple[float, 
 QUESTIONS: dict[str, Callable] = {
     "tps --by version --since 7d": lambda db: queries.tps(db, 7 * 86400, "version", now=NOW),
     "tps --by device --since 90d": lambda db: queries.tps(db, 90 * 86400, "device", now=NOW),
+    "tps --by adapter --since 7d": lambda db: queries.tps(db, 7 * 86400, "adapter", now=NOW),
     "devices": lambda db: queries.devices(db, now=NOW),
     "report timeseries --since 7d": lambda db: queries.timeseries(db, 7 * 86400, now=NOW),
     "report --since 7d (the HTML)": lambda db: report_page(db, 7 * 86400),

@@ -4,8 +4,8 @@ A migration that has shipped is never edited: `FleetStore.migrate` applies, each
 those of MIGRATIONS a database has not recorded in its `_migrations` table, so a new schema change is a new
 entry at the end of the list. The registry and telemetry tables come first (0001-0003, 0007), the rollout
 tables after (0004-0006, 0008-0009, 0016; fleet.updates reads and writes them), the request rollups and their
-stale marks (0012-0013; fleet.rollups), and last PostgreSQL's day partitions of the telemetry tables (0015;
-fleet.partitions). The store's row writers insert
+stale marks (0012-0013, keyed by adapter from 0017; fleet.rollups), and PostgreSQL's day partitions of the
+telemetry tables (0015; fleet.partitions). The store's row writers insert
 KEY, REQUEST_FIGURES_COLUMNS and SAMPLE_COLUMNS in the order given here.
 """
 from __future__ import annotations
@@ -34,15 +34,28 @@ REQUEST_CONSTRAINT_COLUMNS = {"constrained": int, "constraint_ms": float}  # 001
 REQUEST_FIGURES_COLUMNS = {**REQUEST_FIGURES_COLUMNS_0002, **REQUEST_CONSTRAINT_COLUMNS}
 # 0012: per (period, device, model, version). width_s: 3600 or 86400; start_ts: the period's start, s since
 # the epoch; *_hist: fleet.rollups' histogram texts. The key leads with (width_s, start_ts): a window is one range.
-REQUEST_ROLLUP_COLUMNS = {"width_s": int, "start_ts": int, "device_id": str, "model": str, "version": str,
-                          "requests": int, "errors": int, "tokens_served": int, "ttft_hist": str, "decode_hist": str}
-REQUEST_ROLLUP_KEY = ("width_s", "start_ts", "device_id", "model", "version")
+# Fixed, as a shipped migration is: 0017 rebuilds both tables with the adapter in their key.
+REQUEST_ROLLUP_COLUMNS_0012 = {"width_s": int, "start_ts": int, "device_id": str, "model": str, "version": str,
+                               "requests": int, "errors": int, "tokens_served": int, "ttft_hist": str,
+                               "decode_hist": str}
+REQUEST_ROLLUP_KEY_0012 = ("width_s", "start_ts", "device_id", "model", "version")
 # 0013: the hour rollups stale since their last refresh, per (hour, device, model, version). claimed: 0 as ingest
 # marks it, 1 once a refresh has taken it (fleet.rollups.refresh_step); marked_at: the fleet's clock when first
 # marked (the refresh lag runs from it).
+REQUEST_ROLLUP_DIRTY_COLUMNS_0013 = {"claimed": int, "start_ts": int, "device_id": str, "model": str, "version": str,
+                                     "marked_at": float}
+REQUEST_ROLLUP_DIRTY_KEY_0013 = ("claimed", "start_ts", "device_id", "model", "version")
+# 0017: both keyed by adapter too, after version. adapter: the request's LoRA adapter NAME@VERSION, '' for the base
+# model alone (the requests table's NULL): a key column, and NULLs never compare equal, so a NULL would let one
+# bucket hold many rows and its marks never dedupe.
+NO_ADAPTER = ""
+REQUEST_ROLLUP_COLUMNS = {"width_s": int, "start_ts": int, "device_id": str, "model": str, "version": str,
+                          "adapter": str, "requests": int, "errors": int, "tokens_served": int, "ttft_hist": str,
+                          "decode_hist": str}
+REQUEST_ROLLUP_KEY = (*REQUEST_ROLLUP_KEY_0012, "adapter")
 REQUEST_ROLLUP_DIRTY_COLUMNS = {"claimed": int, "start_ts": int, "device_id": str, "model": str, "version": str,
-                                "marked_at": float}
-REQUEST_ROLLUP_DIRTY_KEY = ("claimed", "start_ts", "device_id", "model", "version")
+                                "adapter": str, "marked_at": float}
+REQUEST_ROLLUP_DIRTY_KEY = (*REQUEST_ROLLUP_DIRTY_KEY_0013, "adapter")
 SAMPLE_COLUMNS = {
     "interval_s": float, "rss_mb": float, "cpu_percent": float, "kv_utilization": float, "queue_depth": int,
     "running": int, "tokens_per_s": float,
@@ -128,24 +141,20 @@ def add_device_broker(db: Database) -> None:
 
 
 def add_request_rollups(db: Database) -> None:
-    """Hourly and daily request rollups (fleet.rollups), built from the requests already stored: an upgraded
-    fleet's long-window queries read them at once (12-16 s for 1 M requests on
-    SQLite, 1-2 min for 10 M on PostgreSQL: once, in this transaction)."""
-    from fleet import rollups  # here, not at the top: fleet.rollups imports this module's columns
-
-    db.create_table("request_rollups", REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_KEY)
-    rollups.backfill(db)
+    """Hourly and daily request rollups (fleet.rollups). The requests already stored are rolled up by 0017, which
+    rebuilds this table with the adapter in its key: one backfill at an upgrade, not two."""
+    db.create_table("request_rollups", REQUEST_ROLLUP_COLUMNS_0012, REQUEST_ROLLUP_KEY_0012)
 
 
 def add_request_rollup_marks(db: Database) -> None:
     """Rollup buckets made stale by ingest, refreshed from the raw rows in the background (fleet.rollups). Empty
     at the upgrade: until now every commit kept its rollups current."""
-    db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY)
+    db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS_0013, REQUEST_ROLLUP_DIRTY_KEY_0013)
 
 
 def add_request_adapter(db: Database) -> None:
     """adapter: the LoRA adapter a request ran with, NAME@VERSION (wire.RequestRecord.adapter); NULL for the base
-    model alone, and for every row from before. Rollups hold no adapter: `tps --by adapter` reads raw rows."""
+    model alone, and for every row from before. The rollups key by it from 0017."""
     db.add_column("requests", "adapter", str)
 
 
@@ -168,6 +177,21 @@ def partition_telemetry(db: Database) -> None:
     partitions.partition_tables(db, TELEMETRY_TABLES, time.time())
 
 
+def add_rollup_adapter(db: Database) -> None:
+    """The request rollups and their stale marks keyed by adapter too (NO_ADAPTER for the base alone), so that
+    `tps --by adapter` over a long window reads rollups. Both tables rebuilt, the rollups from every request
+    stored (fleet.rollups.backfill; once, in this transaction: a rollup from before mixed the adapters of its
+    bucket, so none is kept): every rollup then equals its raw rows and no mark is needed; ingest marks anew.
+    The raw rows are untouched."""
+    from fleet import rollups  # here, not at the top: fleet.rollups imports this module's columns
+
+    for table in ("request_rollups", "request_rollups_dirty"):
+        db.execute(f"drop table {table}")
+    db.create_table("request_rollups", REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_KEY)
+    db.create_table("request_rollups_dirty", REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY)
+    rollups.backfill(db)
+
+
 MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0001_devices", _create_devices),
     ("0002_telemetry", _create_telemetry),
@@ -185,4 +209,5 @@ MIGRATIONS: tuple[tuple[str, Callable[[Database], None]], ...] = (
     ("0014_request_adapter", add_request_adapter),
     ("0015_telemetry_partitions", partition_telemetry),
     ("0016_adapter_rollouts", add_adapter_rollouts),
+    ("0017_request_rollup_adapter", add_rollup_adapter),
 )

@@ -41,13 +41,17 @@ _GROUP_SQL = {  # the SQL expression each --by groups on
     "version": lambda dialect: "model || '@' || version",
     "hour": lambda dialect: dialect.hour("ts"),
 }
-# (ts or a rollup's start, device_id, model, version) -> the group, as _GROUP_SQL's expressions name it
+# (ts or a rollup's start, device_id, model, version, adapter) -> the group, as _GROUP_SQL's expressions name it
 _GROUP_KEY: dict[str, rollups.GroupKey] = {
-    "device": lambda t, device_id, model, version: device_id,
-    "model": lambda t, device_id, model, version: model,
-    "version": lambda t, device_id, model, version: f"{model}@{version}",
-    "hour": lambda t, device_id, model, version: _hour(int(t // 3600) * 3600),
+    "device": lambda t, device_id, model, version, adapter: device_id,
+    "adapter": lambda t, device_id, model, version, adapter: f"{model}:{adapter}" if adapter else model,
+    "model": lambda t, device_id, model, version, adapter: model,
+    "version": lambda t, device_id, model, version, adapter: f"{model}@{version}",
+    "hour": lambda t, device_id, model, version, adapter: _hour(int(t // 3600) * 3600),
 }
+# the rollup columns each _GROUP_KEY reads (fleet.rollups.summaries sums rollup rows over the others)
+_GROUP_READS = {"device": ("device_id",), "adapter": ("model", "adapter"), "model": ("model",),
+                "version": ("model", "version"), "hour": ("start_ts",)}
 # Windows longer than this are answered from rollups: a day of raw rows is ~0.2 s at 10 M requests in 90
 # days, and shorter windows (`devices`' hour, a day's report) keep exact percentiles.
 ROLLUP_AFTER_S = 86400
@@ -153,12 +157,12 @@ def _summaries_since(db: Database, since_s: float, now: float, by: str, where: s
                      params: tuple = ()) -> dict[str, dict]:
     """Group (as `by` names it) -> summary row, over the last since_s: from raw rows or, past
     ROLLUP_AFTER_S, from rollups (hourly ones only when grouping by hour)."""
-    if since_s <= ROLLUP_AFTER_S or by not in _GROUP_KEY:  # rollups hold no adapter
+    if since_s <= ROLLUP_AFTER_S:
         return {k: summarize(f) for k, f in _requests_since(db, now - since_s, _GROUP_SQL[by](db.dialect), where,
                                                             params).items()}
     coarsest_s = rollups.HOUR_S if by == "hour" else rollups.DAY_S
     return {k: _summary_row(s) for k, s in rollups.summaries(db, now - since_s, now, _GROUP_KEY[by], coarsest_s,
-                                                             where, params).items()}
+                                                             where, params, _GROUP_READS[by]).items()}
 
 
 def _p50_p95(values: array) -> tuple[float | None, float | None]:
@@ -298,10 +302,11 @@ def timeseries(db: Database, since_s: float, buckets: int = 60, now: float | Non
 
 
 def _rollup_timeseries(db: Database, since_s: float, bucket_s: int, now: float) -> list[dict]:
-    def key(t: float, device_id: str, model: str, version: str) -> tuple:
+    def key(t: float, device_id: str, model: str, version: str, adapter: str) -> tuple:
         return f"{model}@{version}", device_id, int(t // bucket_s) * bucket_s
 
-    points = rollups.summaries(db, now - since_s, now, key, coarsest_s=rollups.HOUR_S)
+    points = rollups.summaries(db, now - since_s, now, key, coarsest_s=rollups.HOUR_S,
+                               reads=("start_ts", "device_id", "model", "version"))
     return [{"model": model, "device": device_id, "t": t, "requests": s["requests"],
              "decode_tps_p50": _round(s["decode_tps_p50"]), "ttft_p50_ms": _round(s["ttft_p50_ms"])}
             for (model, device_id, t), s in sorted(points.items())]

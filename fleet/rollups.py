@@ -1,15 +1,16 @@
-"""Request rollups: per (hour or day, device, model, version) the request, error and token counts and log-spaced
-histograms of TTFT and decode speed, so that a 90-day question reads thousands of rollup rows, not millions of
-requests (the continuous aggregates of time-series stores).
+"""Request rollups: per (hour or day, device, model, version, adapter) the request, error and token counts and
+log-spaced histograms of TTFT and decode speed, so that a 90-day question reads thousands of rollup rows, not
+millions of requests (the continuous aggregates of time-series stores).
 
 Maintained off the ingest commit path, as continuous aggregates and recording rules are: FleetStore.commit only
 marks the hour buckets its request rows fall in as stale (`mark`: insert-or-ignore on (hour, device, model,
-version), no rollup row read or locked). The consumer's writer runs `refresh_step` every few seconds between
-its commits: it claims the marks of ended hours, recomputes those hours' rollups from the raw rows and their
+version, adapter), no rollup row read or locked). The consumer's writer runs `refresh_step` every few seconds
+between its commits: it claims the marks of ended hours, recomputes those hours' rollups from the raw rows and their
 days from the hours, and clears the claims, a batch per transaction; recomputing (never incrementing) makes a
 refresh idempotent, so replays and a replica dying mid-refresh count nothing twice. Invariant: an hour rollup
 equals its raw rows while none of its buckets is marked, and a day rollup the sum of its hours while none of
-its hours is. Migration 0012 builds the rollups of rows stored before it (`backfill`). Rollups follow the
+its hours is. Migration 0017 builds the rollups of rows stored before it (`backfill`). The adapter is the
+request's NAME@VERSION, NO_ADAPTER ('') for the base alone (NULL in the requests table). Rollups follow the
 requests table's retention, deleted with the raw rows by the store's prune (`prune`).
 
 Queries over a window take whole days and whole hours from the rollups and only the partial hours at the
@@ -21,7 +22,7 @@ HISTOGRAM_GROWTH (1%) wide, and the value of a rank is placed inside its bin, so
 
     mark(db, request_rows, time.time())                 # in the ingest commit
     while refresh_step(db, time.time()): pass           # in the background
-    by_version = summaries(db, since_ts, now, lambda t, device, model, version: f"{model}@{version}")
+    by_version = summaries(db, since_ts, now, lambda t, device, model, version, adapter: f"{model}@{version}")
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ import numpy as np
 from agent.figures import has_decode_speed, has_ttft
 from fleet import partitions
 from fleet.db import Database, unavailable_errors
-from fleet.migrations import (KEY, REQUEST_FIGURES_COLUMNS, REQUEST_ROLLUP_COLUMNS, REQUEST_ROLLUP_DIRTY_COLUMNS,
-                              REQUEST_ROLLUP_DIRTY_KEY, REQUEST_ROLLUP_KEY)
+from fleet.migrations import (KEY, NO_ADAPTER, REQUEST_FIGURES_COLUMNS, REQUEST_ROLLUP_COLUMNS,
+                              REQUEST_ROLLUP_DIRTY_COLUMNS, REQUEST_ROLLUP_DIRTY_KEY, REQUEST_ROLLUP_KEY)
 
 HOUR_S, DAY_S = 3600, 86400
 LEVELS_S = (HOUR_S, DAY_S)  # the rollup periods kept; a day is 24 whole hours, so both levels tile any window
@@ -49,14 +50,16 @@ DENSE_MAX_CELLS = 1 << 22  # percentiles' dense path up to this many group x bin
 # texts of many rows concatenate into one decodable string.
 ENTRY = np.dtype([("bin", "<u2"), ("count", "<u4")])
 ENTRY_CHARS = 8
-TABLE, ROLLUP_KEY, COLUMNS = "request_rollups", REQUEST_ROLLUP_KEY, REQUEST_ROLLUP_COLUMNS  # migration 0012
-# A request row as the store writes it (fleet.store.request_row), and the fields a rollup takes from it
-REQUEST_COLUMNS = (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS)
-FIGURES = ("ts", "device_id", "model", "version", "ttft_ms", "decode_tokens_per_s", "completion_tokens",
+TABLE, ROLLUP_KEY, COLUMNS = "request_rollups", REQUEST_ROLLUP_KEY, REQUEST_ROLLUP_COLUMNS  # migrations 0012, 0017
+# A request row as the store writes it (fleet.store.request_row), and the fields a rollup takes from it (as SQL)
+REQUEST_COLUMNS = (*KEY, "model", "version", *REQUEST_FIGURES_COLUMNS, "adapter")
+ADAPTER_SQL = f"coalesce(adapter, '{NO_ADAPTER}')"
+FIGURES = ("ts", "device_id", "model", "version", ADAPTER_SQL, "ttft_ms", "decode_tokens_per_s", "completion_tokens",
            "finish_reason")
-_TS, _DEVICE, _MODEL, _VERSION = (REQUEST_COLUMNS.index(c) for c in ("ts", "device_id", "model", "version"))
+_TS, _DEVICE, _MODEL, _VERSION, _ADAPTER = (REQUEST_COLUMNS.index(c)
+                                            for c in ("ts", "device_id", "model", "version", "adapter"))
 DIRTY, DIRTY_COLUMNS, DIRTY_KEY = "request_rollups_dirty", tuple(REQUEST_ROLLUP_DIRTY_COLUMNS), REQUEST_ROLLUP_DIRTY_KEY
-BUCKET = ("start_ts", "device_id", "model", "version")  # a mark's hour bucket: its key without `claimed`
+BUCKET = ("start_ts", "device_id", "model", "version", "adapter")  # a mark's hour bucket: its key without `claimed`
 # Per refresh transaction, at most this many hour buckets and, past the first bucket, raw rows: bounds how long a
 # refresh holds the SQLite write lock (every replica's ingest commits wait for it), its memory, and each
 # PostgreSQL transaction's work.
@@ -154,19 +157,24 @@ def mark(db: Database, request_rows: list[tuple], now: float) -> int:
     """Mark the hour buckets of request rows (fleet.store.request_row's, replays too: recomputing is idempotent)
     stale; the last statement of a commit (see `_claim`). Insert-or-ignore on the bucket's key: a commit reads
     no rollup row and locks none, and many rows of one hour cost one mark."""
-    keys = sorted({(0, int(r[_TS] // HOUR_S) * HOUR_S, r[_DEVICE], r[_MODEL], r[_VERSION]) for r in request_rows})
+    keys = sorted({(0, int(r[_TS] // HOUR_S) * HOUR_S, r[_DEVICE], r[_MODEL], r[_VERSION], r[_ADAPTER] or NO_ADAPTER)
+                   for r in request_rows})
     # the claimed flag and the time as parameters: the statement keeps fleet.postgres' COPY-staged form
-    return db.executemany(f"insert into {DIRTY} ({', '.join(DIRTY_COLUMNS)}) values (?, ?, ?, ?, ?, ?) "
+    return db.executemany(f"insert into {DIRTY} ({', '.join(DIRTY_COLUMNS)}) values ({_marks(DIRTY_COLUMNS)}) "
                           "on conflict do nothing", [(*k, now) for k in keys])
+
+
+def _marks(columns: Sequence[str]) -> str:
+    return ", ".join("?" * len(columns))
 
 
 def rolled_up(figures: list[tuple], levels_s: Sequence[int] = LEVELS_S) -> dict[tuple, tuple]:
     """Rows of FIGURES -> rollup key (ROLLUP_KEY) -> (requests, errors, tokens_served, ttft_hist, decode_hist),
     at each level of levels_s."""
-    ts, devices, models, versions, ttft, speed, completion, finish = zip(*figures)
+    ts, devices, models, versions, adapters, ttft, speed, completion, finish = zip(*figures)
     ts, completion = np.array(ts, np.float64), np.array(completion, np.int64)
     failed = np.array([f == "error" for f in finish], np.int64)
-    names, who = np.unique(np.array([f"{d}\x1f{m}\x1f{v}" for d, m, v in zip(devices, models, versions)]),
+    names, who = np.unique(np.array(["\x1f".join(n) for n in zip(devices, models, versions, adapters)]),
                            return_inverse=True)
     ttft_bins, speed_bins = bins_of(np.array(ttft, np.float64)), bins_of(np.array(speed, np.float64))
     with_ttft, with_speed = has_ttft(completion), has_decode_speed(completion)
@@ -179,8 +187,8 @@ def rolled_up(figures: list[tuple], levels_s: Sequence[int] = LEVELS_S) -> dict[
         ttft_texts = histogram_texts(group[with_ttft], ttft_bins[with_ttft], len(keys))
         speed_texts = histogram_texts(group[with_speed], speed_bins[with_speed], len(keys))
         for g, key in enumerate(keys.tolist()):
-            device_id, model, version = str(names[key // len(starts)]).split("\x1f")
-            out[(width_s, int(starts[key % len(starts)]), device_id, model, version)] = (
+            device_id, model, version, adapter = str(names[key // len(starts)]).split("\x1f")
+            out[(width_s, int(starts[key % len(starts)]), device_id, model, version, adapter)] = (
                 int(requests[g]), int(errors[g]), int(tokens[g]), ttft_texts[g], speed_texts[g])
     return out
 
@@ -232,9 +240,10 @@ def _claim(db: Database, ended_before_ts: float, limit: int) -> int:
                 db.execute(f"lock table {DIRTY} in exclusive mode")
             buckets = db.execute(f"select {', '.join(BUCKET)}, marked_at {ready} order by {', '.join(BUCKET)} "
                                  "limit ?", [ended_before_ts, limit]).fetchall()
-            db.executemany(f"insert into {DIRTY} ({', '.join(DIRTY_COLUMNS)}) values (1, ?, ?, ?, ?, ?) "
+            db.executemany(f"insert into {DIRTY} ({', '.join(DIRTY_COLUMNS)}) values (1, {_marks(DIRTY_COLUMNS[1:])}) "
                            "on conflict do nothing", buckets)
-            db.executemany(f"delete from {DIRTY} where claimed = 0 and {_where(BUCKET)}", [b[:4] for b in buckets])
+            db.executemany(f"delete from {DIRTY} where claimed = 0 and {_where(BUCKET)}",
+                           [b[:len(BUCKET)] for b in buckets])
     except unavailable_errors():
         if db.dialect.name != "postgresql":
             raise
@@ -268,8 +277,8 @@ def _write_hours(db: Database, buckets: list[tuple]) -> list[tuple]:
     """The hour rollups of the first of `buckets` (up to REFRESH_BATCH_ROWS raw rows) from their raw rows;
     returns the buckets written."""
     figures, done, wanted = [], [], {}
-    for start_ts, device_id, model, version in buckets:  # sorted: a device-hour's buckets are neighbours
-        wanted.setdefault((start_ts, device_id), set()).add((model, version))
+    for start_ts, device_id, *group in buckets:  # sorted: a device-hour's buckets are neighbours
+        wanted.setdefault((start_ts, device_id), set()).add(tuple(group))  # (model, version, adapter)
     for (start_ts, device_id), versions in wanted.items():
         if done and len(figures) >= REFRESH_BATCH_ROWS:
             break
@@ -278,8 +287,8 @@ def _write_hours(db: Database, buckets: list[tuple]) -> list[tuple]:
         rows = db.execute(f"select {', '.join(FIGURES)} from requests where device_id = ? and ts >= ? and ts < ?"
                           f"{partitions.from_ts(db.dialect, start_ts)}", [device_id, start_ts, start_ts + HOUR_S]
                           ).fetchall()
-        figures += [r for r in rows if (r[2], r[3]) in versions]
-        done += [(start_ts, device_id, model, version) for model, version in sorted(versions)]
+        figures += [r for r in rows if tuple(r[2:5]) in versions]
+        done += [(start_ts, device_id, *group) for group in sorted(versions)]
     rows = sorted(rolled_up(figures, (HOUR_S,)).items()) if figures else []
     _replace(db, [(HOUR_S, *b) for b in done], [(*key, *value) for key, value in rows])
     return done
@@ -288,21 +297,20 @@ def _write_hours(db: Database, buckets: list[tuple]) -> list[tuple]:
 def _write_days(db: Database, days: list[tuple]) -> None:
     """Each day from its hour rows (the sums and merged histograms a roll-up of its raw rows gives)."""
     rows = []
-    for day_ts, device_id, model, version in days:
+    for day_ts, *group in days:  # group: (device_id, model, version, adapter)
         hours = db.execute(f"select requests, errors, tokens_served, ttft_hist, decode_hist from {TABLE} where "
-                           "width_s = ? and start_ts >= ? and start_ts < ? and device_id = ? and model = ? and "
-                           "version = ?", [HOUR_S, day_ts, day_ts + DAY_S, device_id, model, version]).fetchall()
+                           f"width_s = ? and start_ts >= ? and start_ts < ? and {_where(BUCKET[1:])}",
+                           [HOUR_S, day_ts, day_ts + DAY_S, *group]).fetchall()
         if hours:
             requests, errors, tokens, ttft, decode_ = zip(*hours)
-            rows.append((DAY_S, day_ts, device_id, model, version, sum(requests), sum(errors), sum(tokens),
-                         merge(*ttft), merge(*decode_)))
+            rows.append((DAY_S, day_ts, *group, sum(requests), sum(errors), sum(tokens), merge(*ttft), merge(*decode_)))
     _replace(db, [(DAY_S, *d) for d in days], rows)
 
 
 def _replace(db: Database, keys: list[tuple], rows: list[tuple]) -> None:
     """The rollup rows of `keys` become `rows` (a key without a row: its rows are gone, so is its rollup)."""
     db.executemany(f"delete from {TABLE} where {_where(ROLLUP_KEY)}", keys)
-    db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values ({', '.join('?' * len(COLUMNS))})", rows)
+    db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values ({_marks(COLUMNS)})", rows)
 
 
 def backlog(db: Database, now: float) -> Backlog:
@@ -314,7 +322,7 @@ def backlog(db: Database, now: float) -> Backlog:
 
 
 def stale_hours(db: Database, since_ts: float) -> frozenset[int]:
-    """The starts of the hours from since_ts on with a bucket still marked (of any device, model, version)."""
+    """The starts of the hours from since_ts on with a bucket still marked (of any device, model, version, adapter)."""
     return frozenset(r[0] for r in db.execute(f"select distinct start_ts from {DIRTY} where start_ts >= ?",
                                               [math.floor(since_ts / HOUR_S) * HOUR_S]))
 
@@ -328,10 +336,11 @@ def backfill(db: Database) -> int:
         return 0
     read = 0
     for day in range(math.floor(first / DAY_S) * DAY_S, math.floor(last / DAY_S) * DAY_S + 1, DAY_S):
+        # no partition bound: tables not partitioned yet are backfilled too (bench/fleet_queries.py, before 0015)
         rows = db.execute(f"select {', '.join(FIGURES)} from requests where ts >= ? and ts < ?",
                           [day, day + DAY_S]).fetchall()
         if rows:
-            db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values ({', '.join('?' * len(COLUMNS))})",
+            db.executemany(f"insert into {TABLE} ({', '.join(COLUMNS)}) values ({_marks(COLUMNS)})",
                            [(*key, *value) for key, value in sorted(rolled_up(rows).items())])
         read += len(rows)
     return read
@@ -378,7 +387,9 @@ def _joined(spans: list[Span]) -> list[Span]:
     return out
 
 
-GroupKey = Callable[[float, str, str, str], Hashable]  # (ts or period start, device_id, model, version) -> group
+# (ts or period start, device_id, model, version, adapter) -> group; adapter: NO_ADAPTER for the base alone
+GroupKey = Callable[[float, str, str, str, str], Hashable]
+GROUP_COLUMNS = ("start_ts", "device_id", "model", "version", "adapter")  # a rollup row's, in GroupKey's order
 
 
 class Accumulator:
@@ -398,22 +409,24 @@ class Accumulator:
         return np.array([index.setdefault(k, len(index)) for k in keys], np.int64)
 
     def add_rollups(self, key: GroupKey, rows: list[tuple]) -> None:
-        """rows: (start_ts, device_id, model, version, requests, errors, tokens_served, ttft_hist, decode_hist)."""
+        """rows: (start_ts, device_id, model, version, adapter, requests, errors, tokens_served, ttft_hist,
+        decode_hist)."""
         if not rows:
             return
-        starts, devices, models, versions, requests, errors, tokens, *texts = zip(*rows)
-        groups = self.groups(map(key, starts, devices, models, versions))
+        starts, devices, models, versions, adapters, requests, errors, tokens, *texts = zip(*rows)
+        groups = self.groups(map(key, starts, devices, models, versions, adapters))
         self.count_parts.append((groups, np.array(requests), np.array(errors), np.array(tokens)))
         for i, column in enumerate(texts):
             self.texts[i].extend(column)
             self.text_groups[i].append(np.repeat(groups, [len(t) // ENTRY_CHARS for t in column]))
 
     def add_raw(self, key: GroupKey, rows: list[tuple]) -> None:
-        """rows: (ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, failed)."""
+        """rows: (ts, device_id, model, version, adapter, ttft_ms, decode_tokens_per_s, completion_tokens, failed)."""
         if not rows:
             return
-        ts, devices, models, versions, ttft, speed, completion, failed = zip(*rows)
-        groups, completion = self.groups(map(key, ts, devices, models, versions)), np.array(completion, np.int64)
+        ts, devices, models, versions, adapters, ttft, speed, completion, failed = zip(*rows)
+        groups = self.groups(map(key, ts, devices, models, versions, adapters))
+        completion = np.array(completion, np.int64)
         self.count_parts.append((groups, np.ones(len(rows), np.int64), np.array(failed, np.int64), completion))
         for i, (values, counted) in enumerate(((ttft, has_ttft(completion)), (speed, has_decode_speed(completion)))):
             self.raw[i].append(np.array(values, np.float64)[counted])
@@ -446,27 +459,38 @@ def _number(x: float) -> float | None:
 
 
 def summaries(db: Database, since_ts: float, now: float, key: GroupKey, coarsest_s: int = DAY_S,
-              where: str = "", params: tuple = ()) -> dict[Hashable, dict]:
-    """Per group (key of each row's time, device, model, version): Accumulator.summaries over the requests
+              where: str = "", params: tuple = (), reads: Sequence[str] = GROUP_COLUMNS) -> dict[Hashable, dict]:
+    """Per group (key of each row's time, device, model, version, adapter): Accumulator.summaries over the requests
     stamped from since_ts on, as the raw rows stand now: hours still marked stale are read raw. where: a
-    condition on model / version ('and ...'), for both tables."""
+    condition on model / version ('and ...'), for both tables. reads: the GROUP_COLUMNS key reads; it is given
+    None for the others, whose rollup rows are summed in SQL (by version over 500 devices: a row per period and
+    version, not per device and adapter)."""
     acc = Accumulator()
     for span in plan(since_ts, now, coarsest_s, stale_hours(db, since_ts)):
         if span.width_s:
-            _read_rollups(db, span, key, acc, where, params)
+            _read_rollups(db, span, key, acc, where, params, reads)
         else:
             _read_raw(db, span, key, acc, where, params)
     return acc.summaries()
 
 
-def _read_rollups(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple) -> None:
-    sql = (f"select start_ts, device_id, model, version, requests, errors, tokens_served, ttft_hist, decode_hist "
-           f"from {TABLE} where width_s = ? and start_ts >= ? and start_ts < ? {where}")
+def _read_rollups(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple,
+                  reads: Sequence[str]) -> None:
+    columns = ", ".join(c if c in reads else "null" for c in GROUP_COLUMNS)
+    if set(reads) >= set(GROUP_COLUMNS):
+        figures, grouped = "requests, errors, tokens_served, ttft_hist, decode_hist", ""
+    else:  # histogram texts concatenate into one (ENTRY_CHARS a whole entry), repeated bins summed by percentiles
+        concat = "string_agg({}, '')" if db.dialect.name == "postgresql" else "group_concat({}, '')"
+        figures = ", ".join([*(f"cast(sum({c}) as bigint)" for c in ("requests", "errors", "tokens_served")),
+                             *(f"coalesce({concat.format(c)}, '')" for c in ("ttft_hist", "decode_hist"))])
+        grouped = f" group by {', '.join(reads)}" if reads else ""
+    sql = (f"select {columns}, {figures} from {TABLE} where width_s = ? and start_ts >= ? and start_ts < ? "
+           f"{where}{grouped}")
     acc.add_rollups(key, db.execute(sql, (span.width_s, int(span.start_ts), int(span.end_ts), *params)).fetchall())
 
 
 def _read_raw(db: Database, span: Span, key: GroupKey, acc: Accumulator, where: str, params: tuple) -> None:
-    sql = ("select ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, "
+    sql = (f"select ts, device_id, model, version, {ADAPTER_SQL}, ttft_ms, decode_tokens_per_s, completion_tokens, "
            f"finish_reason = 'error' from requests where ts >= ? and ts < ?"
            f"{partitions.from_ts(db.dialect, span.start_ts)} {where}")
     acc.add_raw(key, db.execute(sql, (span.start_ts, span.end_ts, *params)).fetchall())

@@ -289,7 +289,7 @@ def test_the_reports_summary_gives_each_versions_published_parameters(db, fleet_
 
 def test_requests_are_grouped_by_adapter_and_rows_from_before_adapters_are_the_base(fleet_target):
     """A request's adapter is stored with it (migration 0014); `tps --by adapter` gives MODEL:ADAPTER@VERSION, and
-    MODEL for the base alone, for any window (rollups hold no adapter: raw rows)."""
+    MODEL for the base alone, for any window (past a day from rollups keyed by adapter, migration 0017)."""
     store = FleetStore(fleet_target)
     ingest = Ingest()
     adapted = [request(i, NOW - 600 + i, "m", "v1", 10.0, 50) for i in range(6)]

@@ -1,6 +1,7 @@
 """Request rollups (fleet/rollups.py): histogram percentiles within 1% of numpy's, windows tiled without gap or
-overlap (stale hours raw), and on both backends rollup-answered queries that agree with raw-row percentiles across
-hour and day edges, with replays, before and after the background refresh, after a backfill and after retention."""
+overlap (stale hours raw), and on both backends rollup-answered queries that agree with raw-row percentiles per
+group (adapters' too) across hour and day edges, with replays, before and after the background refresh, after a
+backfill and after retention."""
 from __future__ import annotations
 
 import math
@@ -14,13 +15,15 @@ from hypothesis import strategies as st
 
 from agent.figures import percentile
 from fleet import partitions, queries, rollups
-from fleet.migrations import MIGRATIONS
+from fleet.migrations import (MIGRATIONS, REQUEST_ROLLUP_COLUMNS_0012, REQUEST_ROLLUP_DIRTY_COLUMNS_0013,
+                              REQUEST_ROLLUP_DIRTY_KEY_0013, REQUEST_ROLLUP_KEY_0012)
 from fleet.store import FleetStore, Ingest
 from test_queries import request
 
 NOW = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 BOUND = 0.01  # relative: fleet.rollups' documented accuracy
 ROUNDING = 0.05  # queries round percentiles to 0.1
+REQUESTS = list(rollups.COLUMNS).index("requests")  # a rollup row's column
 
 
 def close(got: float | None, want: float | None) -> bool:
@@ -119,8 +122,16 @@ def test_stale_hours_are_read_raw_and_their_days_by_hours(now, since_s, coarsest
 
 
 # ---- on each backend --------------------------------------------------------------------------------------
+ADAPTERS = (None, None, "bot@r8-1", "doc@r4-2")  # None: the base model alone
+
+
+def with_adapter(record, adapter: str | None):
+    return record.model_copy(update={"request": record.request.model_copy(update={"adapter": adapter})})
+
+
 def history(seed: int = 0, days: int = 10, devices: int = 4) -> list[tuple[str, list]]:
-    """Requests every ~20 min over `days` up to NOW on each device, on two versions, some shed or 1-token."""
+    """Requests every ~20 min over `days` up to NOW on each device, on two versions, some shed or 1-token, half
+    of them with one of two LoRA adapters."""
     rng = np.random.default_rng(seed)
     out = []
     for d in range(devices):
@@ -130,8 +141,10 @@ def history(seed: int = 0, days: int = 10, devices: int = 4) -> list[tuple[str, 
         for i, t in enumerate(ts):
             version = "v1" if t < NOW - days * 43200 + d * 3600 else "v2"
             completion = int(rng.choice([0, 1, 50, 50, 50, 200]))
-            records.append(request(i, float(t), "m", version, float(rng.lognormal(3 + d * 0.1, 0.2)),
-                                   float(rng.lognormal(5, 0.6)), completion=completion))
+            adapter = ADAPTERS[int(rng.integers(len(ADAPTERS)))]
+            speed = float(rng.lognormal(3 + d * 0.1 + (adapter is not None) * 0.3, 0.2))  # adapters: other figures
+            records.append(with_adapter(request(i, float(t), "m", version, speed, float(rng.lognormal(5, 0.6)),
+                                                completion=completion), adapter))
         out.append((f"dev-{d}", records))
     return out
 
@@ -163,10 +176,11 @@ def refresh_all(store: FleetStore) -> int:
 def exact_summaries(db, since_s: float, key) -> dict:
     """Raw rows -> figures.percentile's figures per group, as the pre-rollup queries computed them."""
     groups: dict = {}
-    for ts, device_id, model, version, ttft, speed, completion, finish in db.execute(
-            "select ts, device_id, model, version, ttft_ms, decode_tokens_per_s, completion_tokens, finish_reason "
-            "from requests where ts >= ?", [NOW - since_s]):
-        g = groups.setdefault(key(ts, device_id, model, version), {"n": 0, "e": 0, "tok": 0, "ttft": [], "spd": []})
+    for ts, device_id, model, version, adapter, ttft, speed, completion, finish in db.execute(
+            "select ts, device_id, model, version, adapter, ttft_ms, decode_tokens_per_s, completion_tokens, "
+            "finish_reason from requests where ts >= ?", [NOW - since_s]):
+        g = groups.setdefault(key(ts, device_id, model, version, adapter or ""),
+                              {"n": 0, "e": 0, "tok": 0, "ttft": [], "spd": []})
         g["n"], g["e"], g["tok"] = g["n"] + 1, g["e"] + (finish == "error"), g["tok"] + completion
         if completion >= 1:
             g["ttft"].append(ttft)
@@ -212,30 +226,33 @@ def test_replays_are_rolled_up_once(filled):
     db = filled.db
     assert db["requests"].count == 4 * 720
     maintained = rollup_rows(db)
-    assert sum(r[5] for r in maintained if r[0] == rollups.DAY_S) == 4 * 720
+    assert sum(r[REQUESTS] for r in maintained if r[0] == rollups.DAY_S) == 4 * 720
     db.execute(f"delete from {rollups.TABLE}")
     assert rollups.backfill(db) == 4 * 720
     assert rollup_rows(db) == maintained
 
 
 @pytest.mark.parametrize("since_s", [1.5 * 86400, 7 * 86400 + 1234.5, 30 * 86400])
-@pytest.mark.parametrize("by", list(queries._GROUP_KEY))  # the groupings rollups answer (not adapter's)
+@pytest.mark.parametrize("by", queries.GROUPINGS)
 def test_tps_from_rollups_agrees_with_raw_rows(filled, since_s, by):
     db = filled.db
-    assert_agree(queries.tps(db, since_s, by, now=NOW), exact_summaries(db, since_s, queries._GROUP_KEY[by]), by)
+    rows = queries.tps(db, since_s, by, now=NOW)
+    if by == "adapter":  # every adapter's own group (rollups keyed without it would merge them into one)
+        assert [r["adapter"] for r in rows] == ["m", "m:bot@r8-1", "m:doc@r4-2"]
+    assert_agree(rows, exact_summaries(db, since_s, queries._GROUP_KEY[by]), by)
 
 
 def test_compare_and_timeseries_from_rollups_agree_with_raw_rows(filled):
     db = filled.db
     since_s = 7 * 86400
-    exact = {m: exact_summaries(db, since_s, lambda t, d, model, version, m=m: d if f"{model}@{version}" == m else None)
-             for m in ("m@v1", "m@v2")}
+    exact = {m: exact_summaries(db, since_s, lambda t, d, model, version, adapter, m=m:
+                                d if f"{model}@{version}" == m else None) for m in ("m@v1", "m@v2")}
     for row in queries.compare(db, ["m@v1", "m@v2"], since_s, now=NOW):
         for m in ("m@v1", "m@v2"):
             assert row[f"{m} requests"] == exact[m][row["device"]]["requests"]
             assert close(row[f"{m} decode_tps_p50"], exact[m][row["device"]]["decode_tps_p50"])
     bucket_s = 3 * 3600  # 7 days in 60 buckets: 2.8 h, aligned to whole hours
-    exact = exact_summaries(db, since_s, lambda t, d, model, version: (f"{model}@{version}", d,
+    exact = exact_summaries(db, since_s, lambda t, d, model, version, adapter: (f"{model}@{version}", d,
                                                                         int(t // bucket_s) * bucket_s))
     points = queries.timeseries(db, since_s, now=NOW)
     assert [(p["model"], p["device"], p["t"]) for p in points] == sorted(exact)
@@ -245,22 +262,29 @@ def test_compare_and_timeseries_from_rollups_agree_with_raw_rows(filled):
         assert close(p["decode_tps_p50"], want["decode_tps_p50"]) and close(p["ttft_p50_ms"], want["ttft_p50_ms"])
 
 
-def test_a_fleet_upgraded_with_history_gets_its_rollups(fleet_target):
-    """Migration 0012 rolls up the requests stored before it: long windows are not empty after an upgrade."""
+def test_a_fleet_upgraded_with_history_gets_its_rollups_keyed_by_adapter(fleet_target):
+    """Migration 0017 rebuilds the rollups of a fleet from before it (keyed without the adapter, some marks still
+    pending) from the requests stored, every row kept: long windows agree with the raw rows per adapter at once."""
     store = FleetStore(fleet_target)
     ingest_all(store, history(seed=1, days=3))
     refresh_all(store)
-    maintained = rollup_rows(store.db)
-    # the database as a fleet before 0012 left it: the same raw rows, no rollups (nor their marks, 0013)
+    maintained, requests = rollup_rows(store.db), store.db["requests"].count
+    # the database as a fleet before 0017 left it: the same raw rows, rollups and a mark keyed without the adapter
     for table in (rollups.TABLE, rollups.DIRTY):
         store.db.execute(f"drop table {table}")
-    store.db.execute("delete from _migrations where name in ('0012_request_rollups', '0013_request_rollup_marks')")
+    store.db.create_table(rollups.TABLE, REQUEST_ROLLUP_COLUMNS_0012, REQUEST_ROLLUP_KEY_0012)
+    store.db.create_table(rollups.DIRTY, REQUEST_ROLLUP_DIRTY_COLUMNS_0013, REQUEST_ROLLUP_DIRTY_KEY_0013)
+    store.db.execute(f"insert into {rollups.TABLE} values (3600, 0, 'dev-0', 'm', 'v1', 1, 0, 1, '', '')")
+    store.db.execute(f"insert into {rollups.DIRTY} values (0, 0, 'dev-0', 'm', 'v1', 0.0)")
+    store.db.execute("delete from _migrations where name = '0017_request_rollup_adapter'")
     store.close()
     store = FleetStore(fleet_target)
-    assert store.applied_migrations() == [name for name, _ in MIGRATIONS]  # 0012 and 0013 again
+    assert store.applied_migrations() == [name for name, _ in MIGRATIONS]  # 0017 again
+    assert store.db["requests"].count == requests and store.rollup_backlog() == rollups.Backlog(0, 0.0)
     assert rollup_rows(store.db) == maintained
-    assert_agree(queries.tps(store.db, 2 * 86400, "device", now=NOW),
-                 exact_summaries(store.db, 2 * 86400, queries._GROUP_KEY["device"]), "device")
+    for by in ("adapter", "device"):
+        assert_agree(queries.tps(store.db, 2 * 86400, by, now=NOW),
+                     exact_summaries(store.db, 2 * 86400, queries._GROUP_KEY[by]), by)
     store.close()
 
 
@@ -357,7 +381,7 @@ def test_replicas_ingesting_and_refreshing_concurrently_count_each_row_once(flee
     refresh_all(stores[0])
     db = stores[0].db
     maintained = rollup_rows(db)
-    assert sum(r[5] for r in maintained if r[0] == rollups.DAY_S) == db["requests"].count == 3 * 2 * 72
+    assert sum(r[REQUESTS] for r in maintained if r[0] == rollups.DAY_S) == db["requests"].count == 3 * 2 * 72
     db.execute(f"delete from {rollups.TABLE}")
     rollups.backfill(db)
     assert rollup_rows(db) == maintained
