@@ -19,7 +19,7 @@ peak RSS of a process serving the ready bundle with 0, 1 and 2 adapters loaded (
 in a fresh process: what one more adapter costs.
 
 Run: .venv/bin/python bench/lora.py [--model smollm2-135m-instruct] [--rank 8] [--rounds 7] [--tokens 64]
-     [--threads 2] [--source-quant] [--work ~/.cache/edge-llm/bench/lora] [--write-docs]
+     [--threads 2] [--source-quant] [--work ~/.cache/edge-llm/bench/lora] [--memory-budget-mb 1024] [--write-docs]
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def batch_tokens_per_s(engine, prompts: list[list[int]], adapters: list[str | No
 def engine_config(args):
     from agent.config import EngineConfig
 
-    return EngineConfig(threads=args.threads, spin_wait=args.spin, memory_budget_mb=1024, prefix_cache_fraction=0.0)
+    return EngineConfig(threads=args.threads, spin_wait=args.spin, memory_budget_mb=args.memory_budget_mb,
+                        prefix_cache_fraction=0.0)
 
 
 def batch_table(plain, ready, adapters: dict[str, Path], args) -> str:
@@ -194,6 +195,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edge-llm" / "bench" / "lora")
     ap.add_argument("--source-quant", action="store_true", help="build with the GGUF's own Q4 blocks "
                                                                 "(--keep-source-quant): seconds, not GPTQ's minutes")
+    ap.add_argument("--memory-budget-mb", type=int, default=1024, help="the engines' budget in the batch and RSS "
+                                                                        "runs (default: %(default)s)")
     ap.add_argument("--write-docs", action="store_true", help=f"write the tables into docs/benchmarks.md ({TITLE}; "
                                                                "default: print only)")
     ap.add_argument("--rss-child", nargs="+", default=None, help=argparse.SUPPRESS)  # BUNDLE [NAME=DIR ...]
