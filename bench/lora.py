@@ -131,7 +131,8 @@ def rss_table(ready, adapters: dict[str, Path], args) -> str:
     for k in range(len(adapters) + 1):
         pairs = [f"{n}={p}" for n, p in list(adapters.items())[:k]]
         out = subprocess.run([sys.executable, __file__, "--rss-child", str(ready.path), *pairs,
-                              "--threads", str(args.threads)], check=True, capture_output=True, text=True, cwd=REPO)
+                              "--threads", str(args.threads), "--memory-budget-mb", str(args.memory_budget_mb)],
+                             check=True, capture_output=True, text=True, cwd=REPO)
         peaks.append(int(out.stdout.split()[-1]))
     lines = ["\npeak RSS serving the ready bundle (a fresh process each, one request per adapter)", "",
              "| adapters loaded | peak RSS MB | vs none |", "|---:|---:|---:|"]
