@@ -81,9 +81,10 @@ def test_sighup_reloads_the_live_settings(tiny_fp32_bundle, tmp_path, broker):
 
 
 
-def stream_until(sock: Path, stop: threading.Event, started: list, ends: list) -> None:
-    """Stream requests one after another until stop is set; count those the server began to answer, and keep
-    the last two lines of each (its last event and [DONE]), or the transport error that ended it."""
+def stream_until(sock: Path, stop: threading.Event, started: list, ends: list, refused: list) -> None:
+    """Stream requests one after another until stop is set; count those the server began to answer and those
+    it refused with a status, and keep the last two lines of each answer (its last event and [DONE]), or the
+    transport error that ended it."""
     while not stop.is_set():
         answering = False
         try:
@@ -91,8 +92,7 @@ def stream_until(sock: Path, stop: threading.Event, started: list, ends: list) -
                 with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "story", "max_tokens": 200,
                                                                "stream": True, "ignore_eos": True}) as r:
                     answering = r.status_code == 200
-                    if answering:
-                        started.append(1)
+                    (started if answering else refused).append(r.status_code)
                     lines = [line for line in r.iter_lines() if line]
                     if answering:
                         ends.append(lines[-2:])
@@ -113,8 +113,9 @@ def test_requests_cut_off_by_the_drain_timeout_are_still_recorded(tiny_fp32_bund
     agent = Agent(tmp_path, "--model", tiny_fp32_bundle.path, "--memory-budget-mb", 4000, "--mqtt", broker.url,
                   "--config", config, device_id="dev1")
     agent.start()
-    stop, started, ends = threading.Event(), [], []
-    threads = [threading.Thread(target=stream_until, args=(agent.sock, stop, started, ends)) for _ in range(32)]
+    stop, started, ends, refused = threading.Event(), [], [], []
+    threads = [threading.Thread(target=stream_until, args=(agent.sock, stop, started, ends, refused))
+               for _ in range(32)]
     for t in threads:
         t.start()
     time.sleep(1.5)  # 32 streams at a time: many are mid-stream at the signal
@@ -124,7 +125,10 @@ def test_requests_cut_off_by_the_drain_timeout_are_still_recorded(tiny_fp32_bund
         t.join(60)
     assert agent.proc.wait(60) == 0, agent.log.read_text()[-3000:]
     log = agent.log.read_text()
-    assert len(committed(agent.telemetry_db)) == len(started) > 8, log[-3000:]
+    # Every answer begun is recorded; so may be a request still queued at the signal, which the stop answers
+    # with a 503 head instead of a stream (a race the load decides), and nothing else.
+    rows = len(committed(agent.telemetry_db))
+    assert len(started) <= rows <= len(started) + len(refused) and len(started) > 8, (rows, refused, log[-3000:])
     # The engine stopped them (said once, not as a crash each), and each stream ended with an error event and
     # [DONE]. Found in review: uvicorn cancelled them, closing each connection mid-body, which openai's clients
     # raise as httpx's RemoteProtocolError instead of an APIError.

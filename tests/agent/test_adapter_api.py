@@ -22,7 +22,7 @@ from agent.updates.model_store import ModelStore
 from lora_support import bundle_with_adapters
 from api_support import serving
 
-CONFIG = EngineConfig(threads=2, memory_budget_mb=2048, min_context=64, prefill_chunk_tokens=16)
+CONFIG = EngineConfig(threads=2, memory_budget_mb=16000, min_context=64, prefill_chunk_tokens=16)
 PROMPT = [5, 17, 33, 60, 7, 99, 120, 8]
 
 

@@ -193,7 +193,7 @@ def test_on_the_real_model_mixing_adapters_in_a_batch_changes_no_row(real_checkp
         peft = read_peft(write_peft(tmp_path / f"peft-{name}", g, targets=ALL, r=8, alpha=16, seed=seed))
         convert(peft, bundle, tmp_path / name, name=name, progress=lambda s: None)
         folders[name] = tmp_path / name
-    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=1500, min_context=256, prefill_chunk_tokens=64),
+    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=256, prefill_chunk_tokens=64),
                     adapters=folders)
     prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "Write a haiku about the sea:",
                                                      "def fibonacci(n):", "Three rivers of Europe are")]

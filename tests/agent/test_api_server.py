@@ -114,7 +114,7 @@ def test_a_serve_that_cannot_bind_changes_nothing(tiny, tiny_bundle, tiny_checkp
     before = store.link("current")
     other = build_bundle(tiny_checkpoint, QuantSpec(precision="int8"), tmp_path / "int8", name="tiny",
                          progress=lambda s: None)
-    config = load_agent_config(None, model=other.path, socket=tiny.path, tcp=None, threads=1, memory_budget_mb=2048,
+    config = load_agent_config(None, model=other.path, socket=tiny.path, tcp=None, threads=1, memory_budget_mb=16000,
                                state_dir=state)
     with pytest.raises(ServeError, match="another server is answering"):
         serve_forever(config)
@@ -180,7 +180,7 @@ def test_a_serve_that_fails_to_start_lets_go_of_the_state_directory(tmp_path, ti
     state.mkdir()
     (state / "models").write_text("not a directory")
     config = load_agent_config(None, model=tiny_bundle.path, socket=tmp_path / "a.sock", tcp=None, threads=1,
-                               memory_budget_mb=2048, state_dir=state)
+                               memory_budget_mb=16000, state_dir=state)
     with pytest.raises(OSError):
         serve_forever(config)
     os.close(lock_state_dir(state))  # free again

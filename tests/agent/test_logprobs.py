@@ -125,7 +125,7 @@ def reference_logprobs(bundle, ids: list[int], n_prompt: int) -> np.ndarray:
 
 def check_against_reference(bundle, prompt: list[int], params: SamplingParams):
     """Generate greedily with logprobs, compare each entry with a numpy log-softmax of the model's logits."""
-    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=4000, min_context=64))
+    engine = Engine(bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
     out = engine.generate(prompt, params)
     ref = reference_logprobs(bundle, prompt + out.token_ids, len(prompt))
     assert len(out.logprobs) == len(out.token_ids) == params.max_tokens
@@ -151,7 +151,7 @@ def test_speculative_verify_rows_give_the_same_logprobs(tiny_fp32_bundle):
 
 
 def test_entries_travel_with_their_text_and_none_is_given_for_the_eos(tiny_bundle):
-    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=4000, min_context=64))
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
     eos = engine.bundle.config.eos_token_ids[0]
     # the EOS all but forced after a few tokens: the output ends on it
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, logit_bias={eos: 30.0})
@@ -167,7 +167,7 @@ def test_entries_travel_with_their_text_and_none_is_given_for_the_eos(tiny_bundl
 
 
 def test_a_request_without_logprobs_has_none(tiny_bundle):
-    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=4000, min_context=64))
+    engine = Engine(tiny_bundle, EngineConfig(threads=2, memory_budget_mb=16000, min_context=64))
     handle = engine.submit([5, 9, 17], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     while not handle.seq.is_finished:
         engine.step()

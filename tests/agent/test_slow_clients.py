@@ -37,7 +37,7 @@ COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 3}
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_fp32_bundle):
-    engine = Engine(tiny_fp32_bundle, EngineConfig(threads=1, memory_budget_mb=2048, min_context=64))
+    engine = Engine(tiny_fp32_bundle, EngineConfig(threads=1, memory_budget_mb=16000, min_context=64))
     engine.start()
     yield engine
     engine.stop()
