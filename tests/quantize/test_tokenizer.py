@@ -103,9 +103,10 @@ class RealModel:
     tokenizer: Tokenizer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def load_real():
-    """name -> RealModel, each built once: reading Gemma's 262,144-token metadata alone takes ~10 s."""
+    """name -> RealModel, each built once: reading Gemma's 262,144-token metadata alone takes ~10 s. Module-scoped:
+    the three readers and tokenizers hold ~1.5 GB, which would stay in the process for the rest of a full run."""
     @functools.cache
     def load(name: str) -> RealModel:
         reader = gguf.GGUFReader(fetch(name))
@@ -114,12 +115,12 @@ def load_real():
     return load
 
 
-@pytest.fixture(scope="session", params=REAL_MODELS)
+@pytest.fixture(scope="module", params=REAL_MODELS)
 def real(request, load_real) -> RealModel:
     return load_real(request.param)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma_space_prefix(load_real) -> Tokenizer:
     """Gemma's vocabulary as a GGUF with add_space_prefix true would build it (Llama 2 style SentencePiece):
     the flag changes only the normalizer and the decoder."""
