@@ -49,7 +49,7 @@ RECIPES: tuple[Recipe, ...] = (
     # at 4 bits (symmetric blocks of 32, GPTQ'd as the head) it is 105 MB against the 8-bit table's 173, and ONNX
     # Runtime's prepacked copy of it shrinks alike. That alone cost KL (mean 0.2037 with the layers in blocks of
     # 128, 0.1929 in the default 64, against 0.1381 for the 8-bit table with blocks of 128); every layer's down
-    # and o at 8 bits buys it back (0.1400) at 204.3 MB against Q4_0's 241.4 (bench/quality.py's definitions).
+    # and o at 8 bits buys it back (0.1400) at 214.3 MB against Q4_0's 241.4 (bench/quality.py, 2026-12-07).
     Recipe("gemma3-270m", "gemma3", 640, 18, 262144, {
         "embedding": "int4", "lm_head": "int4", "head_block_size": 32,
         "int4_int8_layers": {"down": list(range(18)), "o": list(range(18))}}),
